@@ -1,0 +1,130 @@
+"""Plain-torch reference implementations of the nanospec ops.
+
+These run on every device and define what the Triton kernels must compute. None of them
+synchronises with the host or produces a tensor whose shape depends on the active set:
+every op works over the full capacity and masks by the device-side ``cursor``.
+
+State layout (owned by :class:`nanospec_fx.ActiveVocab`)::
+
+    ids      int64 [C]      slot -> token id, -1 for a slot never filled
+    slot_of  int32 [V]      token id -> slot, -1 for an inactive token (the membership map)
+    cursor   int64 [1]      how many tokens were ever inserted; count = min(cursor, C)
+    cache_w  [C, H]         head rows of the active tokens, in slot order
+    cache_b  [C]            bias entries of the active tokens (unused without a bias)
+
+Slots [0, num_pinned) are filled first and never evicted; the rest form a ring that
+evicts the oldest insertion first.
+
+Masked writes use ``scatter_reduce`` with the reduction's identity for the masked-off
+entries (``amax`` with -inf / ``amin`` with +inf), so duplicates never race and no op
+needs a data-dependent shape.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def slot_for_insertion(k: torch.Tensor, capacity: int, num_pinned: int) -> torch.Tensor:
+    """Slot of the k-th insertion (0-based): fill 0..C-1, then cycle over [num_pinned, C)."""
+    ring = capacity - num_pinned
+    return torch.where(k < capacity, k, num_pinned + (k - num_pinned) % ring)
+
+
+def _first_occurrence(x: torch.Tensor) -> torch.Tensor:
+    """Bool mask, True at the first occurrence of each value of the 1-D tensor ``x``."""
+    if x.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    sorted_x, perm = torch.sort(x, stable=True)
+    first_sorted = torch.ones_like(sorted_x, dtype=torch.bool)
+    first_sorted[1:] = sorted_x[1:] != sorted_x[:-1]
+    first = torch.empty_like(first_sorted)
+    first[perm] = first_sorted
+    return first
+
+
+def _masked_set(buf: torch.Tensor, index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+    """``buf[index[i]] = value[i]`` where ``mask[i]``; indices under the mask must be unique.
+
+    Done as "clear with amin, then set with amax": masked-off entries carry the reduction's
+    identity, so they never change ``buf`` whatever index they point at.
+    """
+    if buf.is_floating_point():
+        lo, hi = float("-inf"), float("inf")
+    else:
+        info = torch.iinfo(buf.dtype)
+        lo, hi = info.min, info.max
+    shape = (-1,) + (1,) * (buf.dim() - 1)
+    mask_b = mask.view(shape).expand_as(value)
+    index_b = index.view(shape).expand_as(value)
+    buf.scatter_reduce_(0, index_b, torch.where(mask_b, torch.full_like(value, lo), torch.full_like(value, hi)), "amin")
+    buf.scatter_reduce_(0, index_b, torch.where(mask_b, value, torch.full_like(value, lo)), "amax")
+
+
+def observe(
+    token_ids: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    slot_of: torch.Tensor,
+    cursor: torch.Tensor,
+    cache_w: torch.Tensor,
+    cache_b: torch.Tensor,
+    num_pinned: int,
+) -> None:
+    """Insert every id of ``token_ids`` that is not active yet, copying its head row.
+
+    Ids outside [0, V) are ignored (callers that want an error validate first). New ids are
+    inserted in order of first occurrence; if one call brings more new ids than the ring
+    holds, the last ones stay.
+    """
+    capacity, vocab = ids.numel(), slot_of.numel()
+    x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
+    in_range = (x >= 0) & (x < vocab)
+    x = torch.where(in_range, x, torch.zeros_like(x))
+    new = in_range & _first_occurrence(x) & (slot_of[x] < 0)
+
+    rank = torch.cumsum(new.to(torch.int64), 0) - 1
+    n_new = new.sum().reshape(1)
+    # Insertion k lands in slot_for_insertion(k). Pinned insertions (k < num_pinned) never
+    # collide; ring insertions do once one call brings more than the ring holds. Then the
+    # earliest of them count as inserted and immediately evicted: only the last `ring` stay.
+    k = cursor + rank
+    ring = capacity - num_pinned
+    n_pinned_new = torch.clamp(num_pinned - cursor, min=0)
+    n_dropped = torch.clamp(n_new - n_pinned_new - ring, min=0)
+    new = new & ((k < num_pinned) | (rank >= n_pinned_new + n_dropped))
+    slot = slot_for_insertion(k, capacity, num_pinned)
+    slot = torch.where(new, slot, torch.zeros_like(slot))
+
+    # Evict whatever the claimed slots held.
+    old = ids[slot]
+    evict = new & (old >= 0)
+    old = torch.where(evict, old, torch.zeros_like(old))
+    _masked_set(slot_of, old, torch.full_like(old, -1, dtype=slot_of.dtype), evict)
+
+    _masked_set(ids, slot, x, new)
+    _masked_set(slot_of, x, slot.to(slot_of.dtype), new)
+    _masked_set(cache_w, slot, weight[x].to(cache_w.dtype), new)
+    if bias is not None:
+        _masked_set(cache_b, slot, bias[x].to(cache_b.dtype), new)
+    cursor.add_(n_new)
+
+
+def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Bool [C]: which slots hold an active token."""
+    return torch.arange(capacity, device=cursor.device) < cursor
+
+
+def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+    """``x @ cache_w.T (+ cache_b)`` -> [..., C]; slots past the count are -inf."""
+    out = torch.nn.functional.linear(x, cache_w, cache_b)
+    return out.masked_fill(~active_mask(cursor, cache_w.shape[0]), float("-inf"))
+
+
+def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Place compact logits [..., C] at their token ids in a [..., V] tensor of -inf."""
+    valid = active_mask(cursor, ids.numel())
+    src = compact.masked_fill(~valid, float("-inf"))
+    index = torch.where(valid, ids, torch.zeros_like(ids)).expand_as(src)
+    out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
+    return out.scatter_reduce_(-1, index, src, "amax")

@@ -1,0 +1,125 @@
+"""Rewrite an LM head into nanospec ops: compact logits -> post-ops -> scatter to [..., V].
+
+Before::
+
+    logits = linear(x, W, b)            # reads all V rows of W
+    out = cap * tanh(logits / cap)
+
+After::
+
+    compact = nanospec.compact_logits(x, cache_w, cache_b, cursor)   # [..., C], C = capacity
+    out_c = cap * tanh(compact / cap)                                # post-ops on compact logits
+    out = nanospec.scatter_logits(out_c, ids, cursor, V)            # -inf for inactive tokens
+
+Post-ops and vocab-preserving views (``patterns.py``) stay in compact space; V-sized operands
+of post-ops (a bias of shape [V]) are gathered at the active ids. Wherever a compact value
+leaves that region (a consumer, the graph output) one scatter brings it back to [..., V], so
+every consumer sees exactly -inf at inactive tokens, after the post-ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from . import patterns
+from .find_head import HeadMatch
+
+
+@dataclass
+class StateNodes:
+    """Placeholders through which the compiled graph receives one ActiveVocab's tensors."""
+
+    ids: fx.Node
+    slot_of: fx.Node
+    cursor: fx.Node
+    cache_w: fx.Node
+    cache_b: fx.Node
+
+
+@dataclass
+class RewriteReport:
+    head: str
+    vocab_size: int
+    hidden_size: int
+    projections: int
+    post_ops: list[str]
+    exits: list[str]
+
+
+def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
+    """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
+    ops = torch.ops.nanospec
+    vocab = head.vocab_size
+    post_ops: list[str] = []
+    exits: list[str] = []
+
+    first = min(head.nodes, key=lambda n: list(graph.nodes).index(n))
+    with graph.inserting_before(first):
+        safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
+
+    for proj, bias in zip(head.nodes, head.biases):
+        x = patterns.match_projection(proj)[0]
+        with graph.inserting_before(proj):
+            compact = graph.call_function(ops.compact_logits.default, (x, state.cache_w, state.cache_b if bias is not None else None, state.cursor))
+        compact.meta.update({k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+        proj.replace_all_uses_with(compact)
+        graph.erase_node(proj)
+
+        # Grow the compact region over post-ops and views, in graph order.
+        region = {compact}
+        scattered: dict[fx.Node, fx.Node] = {}
+        worklist = [compact]
+        while worklist:
+            node = worklist.pop(0)
+            for user in list(node.users):
+                if user in region:
+                    continue
+                if patterns.elementwise_operands_ok(user, node, vocab, region):
+                    _gather_vocab_operands(graph, user, node, vocab, safe_ids)
+                    region.add(user)
+                    worklist.append(user)
+                    post_ops.append(_describe(user))
+                elif patterns.view_keeps_vocab(user, node, vocab):
+                    _retarget_view(user, capacity)
+                    region.add(user)
+                    worklist.append(user)
+                    post_ops.append(_describe(user))
+                elif patterns.reads_row_size(user, node):
+                    continue
+                else:
+                    if node not in scattered:
+                        with graph.inserting_after(node):
+                            scattered[node] = graph.call_function(ops.scatter_logits.default, (node, state.ids, state.cursor, vocab))
+                    user.replace_input_with(node, scattered[node])
+                    exits.append(_describe(user))
+    return RewriteReport(head.name, head.vocab_size, head.hidden_size, len(head.nodes), post_ops, exits)
+
+
+def _gather_vocab_operands(graph: fx.Graph, user: fx.Node, logits: fx.Node, vocab: int, safe_ids: fx.Node) -> None:
+    """Make a post-op's V-sized operands compact: ``b`` -> ``b.index_select(-1, ids)``."""
+    if user.op == "call_method" and user.target in ("type_as", "to"):
+        return
+    for arg in list(user.all_input_nodes):
+        if arg is logits:
+            continue
+        shape = patterns.tensor_shape(arg)
+        if shape and shape[-1] == vocab:
+            with graph.inserting_before(user):
+                gathered = graph.call_function(torch.index_select, (arg, -1, safe_ids))
+            user.replace_input_with(arg, gathered)
+
+
+def _retarget_view(user: fx.Node, capacity: int) -> None:
+    """A ``view``/``reshape`` to [..., V] becomes one to [..., C]; the row dims are unchanged."""
+    if user.op == "call_method" and user.target in ("view", "reshape"):
+        dims = list(user.args[1:])
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = list(dims[0])
+        dims[-1] = capacity
+        user.args = (user.args[0], *dims)
+
+
+def _describe(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
