@@ -28,13 +28,9 @@ class NanoSpecWarning(UserWarning):
     """Something nanospec could not do; the drafter still runs, unchanged where it says so."""
 
 
-_warned: set[str] = set()
-
-
 def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, NanoSpecWarning, stacklevel=3)
+    """Warn at compile time (not per call); Python's default filter shows each message once."""
+    warnings.warn(message, NanoSpecWarning, stacklevel=3)
 
 
 def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any) -> Callable:
@@ -70,7 +66,7 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
     graph = new_gm.graph
     node_map = {old: new for old, new in zip(gm.graph.nodes, graph.nodes)}
     states: list[ActiveVocab] = []
-    weight_positions: list[int | None] = []
+    weight_positions: list[tuple[int | None, int | None]] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for head, weight, bias in rewritable:
@@ -89,8 +85,7 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
         report.observers = insert_observers(graph, head, state_nodes, state.num_pinned, bias_node) if opts.observe_inputs else 0
         state.rewrites.append(report)
         states.append(state)
-        old_weight = next(o for o, n in node_map.items() if n is head.weight)
-        weight_positions.append(placeholders.index(old_weight) if old_weight in placeholders else None)
+        weight_positions.append((_position(placeholders, node_map, head.weight), _position(placeholders, node_map, bias_node)))
     graph.eliminate_dead_code()  # placeholders and the (mutating) observe ops are impure and stay
     graph.lint()
     new_gm.recompile()
@@ -107,20 +102,21 @@ class _StatefulCall:
     on parameter identity), the state of the new weight is used, so logits are never stale.
     """
 
-    def __init__(self, compiled: Callable, states: list[ActiveVocab], weight_positions: list[int | None]):
-        self.compiled, self.states, self.weight_positions = compiled, states, weight_positions
+    def __init__(self, compiled: Callable, states: list[ActiveVocab], positions: list[tuple[int | None, int | None]]):
+        self.compiled, self.states, self.positions = compiled, states, positions
         self.state_args = [t for s in states for t in s.tensors()]
 
     def __call__(self, *args: Any) -> Any:
-        for i, (state, pos) in enumerate(zip(self.states, self.weight_positions)):
-            if pos is not None and args[pos] is not state.weight:
-                self._rebind(i, args[pos])
+        for i, (state, (w_pos, b_pos)) in enumerate(zip(self.states, self.positions)):
+            if w_pos is not None and args[w_pos] is not state.weight:
+                self._rebind(i, args[w_pos], args[b_pos] if b_pos is not None else state.bias)
         return self.compiled(*args, *self.state_args)
 
-    def _rebind(self, i: int, weight: torch.Tensor) -> None:
+    def _rebind(self, i: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         old = self.states[i]
-        self.states[i] = state_for(weight, old.bias, old.capacity, old.num_pinned)
-        self.states[i].rewrites = old.rewrites
+        self.states[i] = state_for(weight, bias, old.capacity, old.num_pinned)
+        if not self.states[i].rewrites:
+            self.states[i].rewrites = list(old.rewrites)
         self.state_args = [t for s in self.states for t in s.tensors()]
 
 
@@ -146,6 +142,12 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm
+
+
+def _position(placeholders: list[fx.Node], node_map: dict, new_node: fx.Node | None) -> int | None:
+    """Index among the user inputs of the original placeholder behind ``new_node`` (None if not one)."""
+    old = next((o for o, n in node_map.items() if n is new_node), None) if new_node is not None else None
+    return placeholders.index(old) if old in placeholders else None
 
 
 def _remap(head: HeadMatch, node_map: dict) -> HeadMatch:

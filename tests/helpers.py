@@ -1,0 +1,38 @@
+"""Shared test helpers: compile with nanospec, build the eager oracle, compare per dtype."""
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+import nanospec_fx
+
+TOLERANCES = {  # (rtol, atol) per dtype for logits computed from a different matmul blocking
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 5e-2),
+}
+
+
+def compile_nanospec(model, **options):
+    torch._dynamo.reset()
+    options.setdefault("inductor", False)
+    return torch.compile(model, backend="nanospec", options=options)
+
+
+def active_mask(model, **kw) -> torch.Tensor:
+    state = nanospec_fx.active_vocab(model, **kw)
+    return state.contains(torch.arange(state.vocab_size))
+
+
+def assert_close_per_dtype(actual, expected):
+    if isinstance(expected, (tuple, list)):
+        assert type(actual) is type(expected) or isinstance(actual, tuple) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_close_per_dtype(a, e)
+        return
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.is_floating_point():
+        rtol, atol = TOLERANCES[expected.dtype]
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    else:
+        torch.testing.assert_close(actual, expected)

@@ -1,0 +1,104 @@
+"""Which projection is the LM head: by structure, with clear errors and warnings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanospec_fx
+from drafters import HEAD_KINDS, NoHead, TinyDrafter, TwoHeads
+from helpers import active_mask, compile_nanospec
+
+
+@pytest.mark.parametrize("head", HEAD_KINDS)
+def test_every_head_pattern_is_rewritten(head):
+    torch.manual_seed(0)
+    model = TinyDrafter(97, 8, head=head).eval()
+    compiled = compile_nanospec(model, capacity=8)
+    with torch.no_grad():
+        compiled(torch.randint(0, 97, (1, 4)))
+    (report,) = nanospec_fx.active_vocab(model).rewrites
+    assert (report.vocab_size, report.hidden_size, report.projections) == (97, 8, 1)
+    assert report.observers == 1  # the token embedding, not the position table
+    if head == "matmul_T_bias":
+        assert "add" in report.post_ops  # the separate bias add runs on the compact logits
+
+
+def test_body_layer_as_wide_as_the_vocabulary_is_not_the_head():
+    torch.manual_seed(0)
+    vocab = 64
+    model = TinyDrafter(vocab, 8, body_width=vocab).eval()  # up: 8 -> 64 == V, feeds down-projection
+    compiled = compile_nanospec(model, capacity=8)
+    ids = torch.randint(0, vocab, (2, 3))
+    with torch.no_grad():
+        out = compiled(ids)
+        expected = model(ids, _mask=active_mask(model))
+    (report,) = nanospec_fx.active_vocab(model).rewrites
+    assert report.head == "lm_head.weight"
+    torch.testing.assert_close(out, expected)
+
+
+def test_no_head_runs_unchanged_and_warns_once():
+    model = NoHead(8).eval()
+    compiled = compile_nanospec(model)
+    x = torch.randn(3, 8)
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head found"):
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_two_candidate_heads_raise_naming_both_and_the_option():
+    model = TwoHeads(50, 8).eval()
+    with pytest.raises(Exception, match=r"head_a\.weight.*head_b\.weight.*'head'"):
+        compile_nanospec(model)(torch.randint(0, 50, (1, 3)))
+
+
+def test_head_option_settles_the_choice():
+    torch.manual_seed(0)
+    model = TwoHeads(50, 8).eval()
+    compiled = compile_nanospec(model, head="head_b", capacity=8)
+    ids = torch.randint(0, 50, (1, 3))
+    with torch.no_grad():
+        a, b = compiled(ids)
+    torch.testing.assert_close(a, model.head_a(model.embed(ids)))  # untouched
+    state = nanospec_fx.active_vocab(model)
+    assert state.rewrites[0].head == "head_b.weight"
+    assert torch.isneginf(b[..., ~state.contains(torch.arange(50))]).all()
+
+
+def test_vocab_size_option_filters_projections():
+    model = TinyDrafter(60, 8).eval()
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head found"):
+        compile_nanospec(model, vocab_size=61)(torch.randint(0, 60, (1, 2)))
+
+
+def test_grad_mode_with_trainable_head_stays_dense_and_says_so():
+    torch.manual_seed(0)
+    model = TinyDrafter(80, 8).train()
+    compiled = compile_nanospec(model)
+    ids = torch.randint(0, 80, (1, 4))
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="needs gradients"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
+    out.sum().backward()
+    assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": "big"}, "capacity"),
+    ({"observe_inputs": "yes"}, "observe_inputs"),
+    ({"capcity": 10}, "unknown nanospec option"),
+])
+def test_bad_options_raise_clearly(options, message):
+    model = TinyDrafter(40, 8).eval()
+    with pytest.raises(Exception, match=message):
+        compile_nanospec(model, **options)(torch.randint(0, 40, (1, 2)))
+
+
+def test_inductor_options_pass_through():
+    torch.manual_seed(0)
+    model = TinyDrafter(40, 8).eval()
+    compiled = compile_nanospec(model, capacity=8, inductor=True, **{"fallback_random": True})
+    ids = torch.randint(0, 40, (1, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids, _mask=active_mask(model)))
