@@ -4,7 +4,8 @@
   * ``auto`` (default): Triton for CUDA tensors when triton imports, the reference elsewhere;
   * ``reference``: always the torch reference;
   * ``triton``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``).
-The variable is read on each call, so tests can switch it with ``monkeypatch.setenv``.
+The variable is read on each call, so tests can switch it with ``monkeypatch.setenv``. Inside
+``torch.compile`` it is read when the op is traced (``triton_op``) or run (opaque op).
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def kernel_mode() -> str:
     return mode
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _triton_ops():
     """The Triton implementations, or None when triton (or its kernels) is unavailable."""
     try:
@@ -39,6 +44,8 @@ def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     mode = kernel_mode()
     if mode == "reference" or (mode == "auto" and tensor.device.type != "cuda"):
         return getattr(reference, op)
+    if mode == "triton" and tensor.device.type == "cpu" and not _interpreting():
+        raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
     triton_ops = _triton_ops()
     if triton_ops is None or not hasattr(triton_ops, op):
         if mode == "triton":

@@ -1,12 +1,33 @@
 """The nanospec custom ops: the boundary between the FX rewrite and the kernels.
 
-The rewritten graph calls these ops (``torch.ops.nanospec.*``). Each has a fake
-implementation for tracing and one real implementation that picks the kernel set:
-the plain-torch reference (``kernels/reference.py``) or, when available, Triton
-(see :func:`kernels.dispatch.implementation_for`). Shapes never depend on the active
-set, so the ops trace, compile and capture into CUDA graphs as they are.
+The rewritten graph calls these ops (``torch.ops.nanospec.*``). Shapes never depend on the
+active set, so the ops trace, compile and capture into CUDA graphs as they are. Each op's body
+picks its kernel set per call (see :func:`kernels.dispatch.implementation_for`): the plain-torch
+reference (``kernels/reference.py``) or the Triton kernels (``kernels/triton_*.py``).
+
+How they are registered:
+  * CUDA available, triton importable, not interpreting: ``torch.library.triton_op``, so
+    inductor traces into the body and sees the Triton kernels (``wrap_triton``) instead of an
+    opaque call. If that registration fails, the plain opaque custom op below.
+  * otherwise (CPU machines, ``TRITON_INTERPRET=1``): ``torch.library.custom_op`` with a fake
+    implementation; the body still runs the Triton kernels when ``NANOSPEC_KERNELS=triton``
+    (on CPU tensors through the interpreter).
+``NANOSPEC_TRITON_OP=0`` forces the opaque registration.
+
+Ops (``Tensor?`` may be None):
+  observe(token_ids, weight, bias?, ids!, slot_of!, cursor!, cache_w!, cache_b!, int num_pinned) -> ()
+  compact_logits(x, cache_w, cache_b?, cursor) -> [..., C]
+  scatter_logits(compact, ids, cursor, int vocab_size) -> [..., V]
+  head_logits(x, cache_w, cache_b?, ids, cursor, int vocab_size) -> [..., V]
+  compact_topk(compact, ids, cursor, int k, bool largest=True) -> (values [..., k], token ids int64 [..., k])
+  compact_argmax(compact, ids, cursor) -> token ids int64 [...]
 """
 from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable
 
 import torch
 
@@ -14,8 +35,45 @@ from . import reference
 from .dispatch import implementation_for
 
 
-@torch.library.custom_op("nanospec::observe", mutates_args=("ids", "slot_of", "cursor", "cache_w", "cache_b"))
-def observe(
+def _want_triton_op() -> bool:
+    if os.environ.get("NANOSPEC_TRITON_OP", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if not torch.cuda.is_available() or not hasattr(torch.library, "triton_op"):
+        return False
+    try:
+        from . import triton_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+USES_TRITON_OP = _want_triton_op()
+
+
+def _register(name: str, body: Callable, mutates_args: tuple[str, ...], fake: Callable):
+    """Register ``body`` as ``nanospec::<name>`` (triton_op when possible, else opaque custom op)."""
+    global USES_TRITON_OP
+    qualname = f"nanospec::{name}"
+    if USES_TRITON_OP:
+        try:
+            return torch.library.triton_op(qualname, mutates_args=mutates_args)(body)
+        except Exception as exc:  # noqa: BLE001 - any failure: keep the op usable, opaque
+            warnings.warn(f"nanospec: triton_op registration of {qualname} failed ({exc}); using an opaque custom op")
+            USES_TRITON_OP = False
+
+    @functools.wraps(body)
+    def opaque(*args, **kwargs):
+        from .triton_util import direct_launch
+
+        with direct_launch():  # launch kernels directly, not through the tracing wrapper
+            return body(*args, **kwargs)
+    op = torch.library.custom_op(qualname, mutates_args=mutates_args)(opaque)
+    op.register_fake(fake)
+    return op
+
+
+# ----------------------------------------------------------------------------- bodies
+def _observe(
     token_ids: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -30,31 +88,70 @@ def observe(
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 
-@observe.register_fake
-def _(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned):
-    return None
-
-
-@torch.library.custom_op("nanospec::compact_logits", mutates_args=())
-def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+def _compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
     """Logits of the active slots, [..., C]; slots past the count are -inf."""
     return implementation_for("compact_logits", x)(x, cache_w, cache_b, cursor)
 
 
-@compact_logits.register_fake
-def _(x, cache_w, cache_b, cursor):
-    return x.new_empty((*x.shape[:-1], cache_w.shape[0]))
-
-
-@torch.library.custom_op("nanospec::scatter_logits", mutates_args=())
-def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Compact logits [..., C] -> full-vocabulary logits [..., V], -inf for inactive tokens."""
     return implementation_for("scatter_logits", compact)(compact, ids, cursor, vocab_size)
 
 
-@scatter_logits.register_fake
-def _(compact, ids, cursor, vocab_size):
+def _head_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """compact_logits then scatter_logits in one op (a head without post-ops), [..., V]."""
+    return implementation_for("head_logits", x)(x, cache_w, cache_b, ids, cursor, vocab_size)
+
+
+def _compact_topk(
+    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the active slots -> (values, token ids); ties: smaller token id first."""
+    return implementation_for("compact_topk", compact)(compact, ids, cursor, k, largest)
+
+
+def _compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """Token id of the largest active logit (ties: smaller id; NaN is largest; -1 if none)."""
+    return implementation_for("compact_argmax", compact)(compact, ids, cursor)
+
+
+# ----------------------------------------------------------------------------- fakes
+def _observe_fake(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned):
+    return None
+
+
+def _compact_logits_fake(x, cache_w, cache_b, cursor):
+    return x.new_empty((*x.shape[:-1], cache_w.shape[0]))
+
+
+def _scatter_logits_fake(compact, ids, cursor, vocab_size):
     return compact.new_empty((*compact.shape[:-1], vocab_size))
 
 
-__all__ = ["observe", "compact_logits", "scatter_logits", "reference"]
+def _head_logits_fake(x, cache_w, cache_b, ids, cursor, vocab_size):
+    return x.new_empty((*x.shape[:-1], vocab_size))
+
+
+def _compact_topk_fake(compact, ids, cursor, k, largest=True):
+    shape = (*compact.shape[:-1], k)
+    return compact.new_empty(shape), compact.new_empty(shape, dtype=torch.int64)
+
+
+def _compact_argmax_fake(compact, ids, cursor):
+    return compact.new_empty(compact.shape[:-1], dtype=torch.int64)
+
+
+_STATE = ("ids", "slot_of", "cursor", "cache_w", "cache_b")
+observe = _register("observe", _observe, _STATE, _observe_fake)
+compact_logits = _register("compact_logits", _compact_logits, (), _compact_logits_fake)
+scatter_logits = _register("scatter_logits", _scatter_logits, (), _scatter_logits_fake)
+head_logits = _register("head_logits", _head_logits, (), _head_logits_fake)
+compact_topk = _register("compact_topk", _compact_topk, (), _compact_topk_fake)
+compact_argmax = _register("compact_argmax", _compact_argmax, (), _compact_argmax_fake)
+
+__all__ = [
+    "observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax",
+    "reference", "USES_TRITON_OP",
+]

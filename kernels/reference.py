@@ -15,6 +15,13 @@ State layout (owned by :class:`nanospec_fx.ActiveVocab`)::
 Slots [0, num_pinned) are filled first and never evicted; the rest form a ring that
 evicts the oldest insertion first.
 
+Selection on compact logits (:func:`compact_topk`, :func:`compact_argmax`) follows one tie
+rule, that of a *stable* sort of the full-vocabulary logits restricted to the active set:
+values in order (NaN above +inf, as ``torch.sort`` / ``torch.topk`` order it), and among equal
+values the smaller token id first. ``torch.topk`` itself leaves the order of ties unspecified
+(on CPU it differs with size and k), so this is the rule eager code gets from
+``torch.sort(..., stable=True)``; ``torch.argmax`` documents the same rule (first maximum).
+
 Masked writes use ``scatter_reduce`` with the reduction's identity for the masked-off
 entries (``amax`` with -inf / ``amin`` with +inf), so duplicates never race and no op
 needs a data-dependent shape.
@@ -80,8 +87,10 @@ def observe(
     capacity, vocab = ids.numel(), slot_of.numel()
     x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
     in_range = (x >= 0) & (x < vocab)
+    # Out-of-range ids share the key -1 for de-duplication, so they never shadow a real id.
+    first = _first_occurrence(torch.where(in_range, x, torch.full_like(x, -1)))
     x = torch.where(in_range, x, torch.zeros_like(x))
-    new = in_range & _first_occurrence(x) & (slot_of[x] < 0)
+    new = in_range & first & (slot_of[x] < 0)
 
     rank = torch.cumsum(new.to(torch.int64), 0) - 1
     n_new = new.sum().reshape(1)
@@ -128,3 +137,48 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
     index = torch.where(valid, ids, torch.zeros_like(ids)).expand_as(src)
     out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
     return out.scatter_reduce_(-1, index, src, "amax")
+
+
+def head_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """``scatter_logits(compact_logits(...))`` in one op: the head with no post-ops, [..., V]."""
+    return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)
+
+
+def compact_topk(
+    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of compact logits [..., C] over the active slots -> (values [..., k], token ids [..., k]).
+
+    Equals a stable sort of the scattered [..., V] logits restricted to the active set, first k
+    (see the tie rule above): descending with NaN first if ``largest``, else ascending with NaN
+    last; ties by smaller token id. Slots past the count are ignored whatever ``compact`` holds
+    there (post-ops may have turned their -inf into finite values). When fewer than k tokens
+    are active, the missing entries are (-inf, -1) if ``largest`` else (+inf, -1).
+    """
+    capacity = ids.numel()
+    if not 0 <= k <= capacity:
+        raise ValueError(f"k={k} must be in [0, capacity={capacity}]")
+    valid = active_mask(cursor, capacity)
+    # Slots in token-id order, inactive last; a stable sort by value then breaks ties by id.
+    key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
+    perm = torch.argsort(key, stable=True)
+    filler = float("-inf") if largest else float("nan")  # sorts after every active value
+    vals = compact.masked_fill(~valid, filler).index_select(-1, perm)
+    sorted_vals, order = torch.sort(vals, dim=-1, descending=largest, stable=True)
+    slot = perm[order[..., :k]]
+    found = valid[slot]
+    pad = float("-inf") if largest else float("inf")
+    values = sorted_vals[..., :k].masked_fill(~found, pad)
+    tokens = torch.where(found, ids[slot], torch.full_like(slot, -1))
+    return values, tokens
+
+
+def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """Token id of the largest active compact logit, [...] int64 (NaN counts as largest).
+
+    Ties go to the smaller token id, as ``torch.argmax`` on the scattered logits returns the first
+    maximum; -1 when no token is active.
+    """
+    return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)
