@@ -90,3 +90,15 @@ def test_a_second_instance_reusing_the_compiled_graph_gets_its_own_state():
     torch.testing.assert_close(out_b, expected_b)
     assert nanospec_fx.active_vocab(a) is not nanospec_fx.active_vocab(b)
     assert nanospec_fx.active_vocab(b).token_ids().tolist() == [9]
+
+
+def test_dynamic_row_dims():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = TinyDrafter(90, 8, post="last_position").eval()
+    compiled = torch.compile(model, backend="nanospec", dynamic=True, options={"capacity": 16, "inductor": False})
+    with torch.no_grad():
+        for batch, seq in [(1, 3), (3, 5), (2, 7)]:
+            ids = torch.randint(0, 90, (batch, seq))
+            out = compiled(ids)
+            torch.testing.assert_close(out, model(ids, _mask=active_mask(model)))
