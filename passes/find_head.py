@@ -40,10 +40,10 @@ def parameter_name(node: fx.Node) -> str:
         text = source.name() if callable(getattr(source, "name", None)) else str(source)
     if text is None:
         return str(node.target)
+    text = re.sub(r"^[LG]\['[^']+'\](\[\d+\])?\.?", "", text)  # the frame local (self, args[0], ...)
     text = re.sub(r"\._(modules|parameters|buffers)\['([^']+)'\]", r".\2", text)
+    text = re.sub(r"^_(modules|parameters|buffers)\['([^']+)'\]", r"\2", text)
     text = re.sub(r"\[(\d+)\]", r".\1", text)
-    text = re.sub(r"^L\['[^']+'\]\.?", "", text)
-    text = re.sub(r"^G\['[^']+'\]\.?", "", text)
     return text or str(node.target)
 
 
