@@ -119,7 +119,7 @@ def test_state_for_reuses_and_rebuilds():
     w = nn.Parameter(torch.randn(10, 4))
     a = state_for(w, None, capacity=4)
     assert state_for(w, None, capacity=4) is a
-    with pytest.warns(UserWarning, match="starts empty"):
+    with pytest.warns(UserWarning, match="starts again"):
         b = state_for(w, None, capacity=5)
     assert b is not a and b.capacity == 5
 

@@ -1,0 +1,120 @@
+"""Which tokens the drafter's head may propose: the active-vocabulary policies.
+
+* ``context`` (NanoSpec, the default): the tokens the context makes likely - every token fed
+  to the drafter and, with a target observer, the target's top-k at every scored position.
+* ``static`` (FR-Spec): a fixed set of the ``static_size`` most frequent tokens of a corpus;
+  nothing is observed.
+* ``hybrid``: a pinned core of the ``pinned_size`` most frequent tokens (never evicted) plus
+  the context set in the remaining slots.
+
+Frequencies come from a :class:`FrequencyTable`, counted once on a corpus with a tokenizer
+and saved as a plain text file (``token_id count`` per line).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+POLICIES = ("context", "static", "hybrid")
+_HEADER = "# nanospec-fx frequency table"
+
+
+@dataclass
+class FrequencyTable:
+    """Token counts over a vocabulary; ``top(n)`` gives FR-Spec's static set."""
+
+    counts: torch.Tensor  # int64 [V]
+
+    def __post_init__(self):
+        self.counts = torch.as_tensor(self.counts, dtype=torch.int64).flatten().cpu()
+        if (self.counts < 0).any():
+            raise ValueError("frequency counts must be non-negative")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.counts.numel()
+
+    @classmethod
+    def from_token_ids(cls, sequences: Iterable, vocab_size: int) -> "FrequencyTable":
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for seq in sequences:
+            ids = torch.as_tensor(seq, dtype=torch.int64).flatten()
+            if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise ValueError(f"token ids must be in [0, {vocab_size})")
+            counts += torch.bincount(ids, minlength=vocab_size)
+        return cls(counts)
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], tokenizer, vocab_size: int | None = None) -> "FrequencyTable":
+        """Count tokens of ``texts`` with a tokenizer (anything with ``encode(str) -> list[int]``)."""
+        size = vocab_size or len(tokenizer)
+        return cls.from_token_ids((tokenizer.encode(t) for t in texts), size)
+
+    def top(self, n: int) -> torch.Tensor:
+        """The ``n`` most frequent token ids, most frequent first (ties: smaller id first)."""
+        n = min(n, self.vocab_size)
+        order = torch.argsort(-self.counts, stable=True)
+        return order[:n].clone()
+
+    def save(self, path: str | Path) -> None:
+        nonzero = torch.nonzero(self.counts).flatten().tolist()
+        lines = [f"{_HEADER} vocab_size={self.vocab_size}"] + [f"{i} {int(self.counts[i])}" for i in nonzero]
+        Path(path).write_text("\n".join(lines) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FrequencyTable":
+        lines = Path(path).read_text().splitlines()
+        if not lines or not lines[0].startswith(_HEADER) or "vocab_size=" not in lines[0]:
+            raise ValueError(f"{path} is not a nanospec-fx frequency table (first line must be '{_HEADER} vocab_size=V')")
+        counts = torch.zeros(int(lines[0].split("vocab_size=")[1]), dtype=torch.int64)
+        for n, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                token, count = (int(v) for v in line.split())
+            except ValueError:
+                raise ValueError(f"{path}:{n}: expected 'token_id count', got {line!r}") from None
+            counts[token] = count
+        return cls(counts)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What a policy means for an ActiveVocab: its seed tokens, pinned slots and whether it observes."""
+
+    name: str
+    capacity: int
+    num_pinned: int
+    seed_ids: torch.Tensor | None
+    observes: bool
+
+
+def resolve_policy(name: str, capacity: int, frequencies=None, static_size: int = 32768, pinned_size: int = 1024,
+                   num_pinned: int = 0) -> PolicyConfig:
+    """Turn policy options into an ActiveVocab configuration (validated, with clear errors)."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+    if name == "context":
+        return PolicyConfig(name, capacity, num_pinned, None, True)
+    table = as_frequency_table(frequencies, name)
+    if name == "static":
+        return PolicyConfig(name, static_size, 0, table.top(static_size), False)
+    if not 0 < pinned_size < capacity:
+        raise ValueError(f"hybrid policy: pinned_size must be in (0, capacity={capacity}), got {pinned_size}")
+    return PolicyConfig(name, capacity, pinned_size, table.top(pinned_size), True)
+
+
+def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
+    if frequencies is None:
+        raise ValueError(
+            f"the {policy!r} policy needs token frequencies: options={{'frequencies': FrequencyTable | path | counts}}; "
+            "count them with nanospec_fx.FrequencyTable.from_texts(texts, tokenizer)"
+        )
+    if isinstance(frequencies, FrequencyTable):
+        return frequencies
+    if isinstance(frequencies, (str, Path)):
+        return FrequencyTable.load(frequencies)
+    return FrequencyTable(torch.as_tensor(frequencies))
