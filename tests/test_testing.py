@@ -1,0 +1,126 @@
+"""nanospec_fx.testing: the checker passes on correct drafters and catches every broken contract.
+
+The failing cases break the compiled drafter on purpose (monkeypatched reference kernels, a wrong
+reference, an observer that does nothing), so a checker that always passes would fail here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import nanospec_fx.kernels.reference as reference_ops
+from drafters import EagleLikeDrafter, HiddenOnlyDrafter, NoHead, TinyDrafter
+from nanospec_fx import NanoSpecWarning
+from nanospec_fx.testing import active_sets, assert_equivalent, token_ids
+
+V = 200
+
+
+def tiny(head="linear", post="none", returns="logits", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return TinyDrafter(V, 16, head, post, returns).to(dtype).eval()
+
+
+def ids(shape=(2, 5), seed=1):
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- passes
+@pytest.mark.parametrize("head,post,returns,dtype", [
+    ("linear", "none", "logits", torch.float32),
+    ("tied", "softcap", "tuple", torch.float32),
+    ("matmul_T_bias", "bias_add", "logits", torch.bfloat16),
+    ("linear_bias", "last_position", "logits", torch.float16),
+])
+def test_passes_on_correct_drafters(head, post, returns, dtype):
+    state = assert_equivalent(tiny(head, post, returns, dtype), (ids(),), options={"capacity": 32})
+    assert 0 < len(state) <= 32
+
+
+def test_passes_with_a_chosen_active_set_and_returns_the_state():
+    x = ids((1, 3))
+    state = assert_equivalent(tiny(), (x,), active_ids=[7, 8, 9, 150])
+    assert set(state.token_ids().tolist()) == {7, 8, 9, 150} | set(x.flatten().tolist())
+
+
+def test_passes_on_eagle_like_and_hidden_only_drafters():
+    torch.manual_seed(0)
+    eagle = EagleLikeDrafter(V, 16).eval()
+    assert_equivalent(eagle, (ids(), torch.randn(2, 5, 16)), options={"capacity": 64})
+    hidden_only = HiddenOnlyDrafter(V, 8).eval()
+    state = assert_equivalent(hidden_only, (torch.randn(3, 8),), active_ids=torch.tensor([1, 5, 199]))
+    assert sorted(state.token_ids().tolist()) == [1, 5, 199]
+
+
+def test_passes_with_a_reference_for_drafters_that_select_themselves():
+    model, x = tiny(returns="log_softmax_topk"), ids()
+    assert_equivalent(model, (x,), reference=lambda mask: model(x, _mask=mask))
+
+
+def test_keyword_inputs_and_explicit_token_inputs():
+    model, x = tiny(), ids()
+    assert_equivalent(model, {"ids": x}, token_inputs=["ids"])
+
+
+def test_capacity_smaller_than_the_input_is_reported_not_failed():
+    state = assert_equivalent(tiny(), (torch.arange(40).view(2, 20),), options={"capacity": 16})
+    assert len(state) == 16
+
+
+MODEL = tiny("tied", "softcap")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=token_ids(V, (2, 4)), active=active_sets(V, 24))
+def test_three_line_property_test(x, active):
+    assert_equivalent(MODEL, (x,), active_ids=active, options={"capacity": 32})
+
+
+@settings(max_examples=20, deadline=None)
+@given(x=token_ids(50, st.tuples(st.integers(1, 3), st.integers(1, 4))), active=active_sets(50, 10, min_size=2))
+def test_strategies_draw_valid_values(x, active):
+    assert x.dtype == torch.int64 and 1 <= x.shape[0] <= 3 and 1 <= x.shape[1] <= 4
+    assert ((0 <= x) & (x < 50)).all()
+    assert active.dtype == torch.int64 and 2 <= active.numel() <= 10
+    assert active.unique().numel() == active.numel() and ((0 <= active) & (active < 50)).all()
+
+
+# ----------------------------------------------------------------------------- failures
+def test_fails_when_active_logits_are_wrong(monkeypatch):
+    original = reference_ops.compact_logits
+    monkeypatch.setattr(reference_ops, "compact_logits", lambda *a: original(*a) + 0.01)
+    with pytest.raises(AssertionError, match=r"out \(active tokens\): \d+ of \d+ entries differ .*max abs error"):
+        assert_equivalent(tiny(seed=3), (ids(),))
+
+
+def test_fails_when_inactive_logits_are_not_minus_inf(monkeypatch):
+    original = reference_ops.scatter_logits
+    monkeypatch.setattr(reference_ops, "scatter_logits", lambda *a: original(*a).clamp(min=-1e4))
+    with pytest.raises(AssertionError, match=r"out\[0\]: \d+ of \d+ inactive logits are not -inf"):
+        assert_equivalent(tiny("tied", "softcap", "tuple", seed=4), (ids(),))
+
+
+def test_fails_when_input_tokens_are_not_observed(monkeypatch):
+    monkeypatch.setattr(reference_ops, "observe", lambda *a: None)
+    with pytest.raises(AssertionError, match=r"input 0: \d+ of \d+ distinct token ids are not active"):
+        assert_equivalent(tiny(seed=7), (ids(),), active_ids=[3])
+
+
+def test_fails_on_a_wrong_reference():
+    model, x = tiny(returns="log_softmax_topk", seed=5), ids()
+    with pytest.raises(AssertionError, match=r"out\[0\].*differ from reference\(mask\)"):
+        assert_equivalent(model, (x,), reference=lambda mask: model(x))  # unmasked: not what nanospec computes
+
+
+def test_fails_on_a_wrong_reference_structure():
+    model, x = tiny(returns="tuple", seed=6), ids()
+    with pytest.raises(AssertionError, match="output structure differs from the reference"):
+        assert_equivalent(model, (x,), reference=lambda mask: model(x, _mask=mask)[0])
+
+
+def test_fails_without_a_head():
+    with pytest.raises(AssertionError, match="did not rewrite a head"), pytest.warns(NanoSpecWarning, match="no LM head"):
+        assert_equivalent(NoHead(4).eval(), (torch.randn(2, 4),))
+
