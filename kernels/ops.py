@@ -12,7 +12,8 @@ How they are registered:
   * otherwise (CPU machines, ``TRITON_INTERPRET=1``): ``torch.library.custom_op`` with a fake
     implementation; the body still runs the Triton kernels when ``NANOSPEC_KERNELS=triton``
     (on CPU tensors through the interpreter).
-``NANOSPEC_TRITON_OP=0`` forces the opaque registration.
+``NANOSPEC_TRITON_OP=0`` forces the opaque registration; ``=force`` the triton_op one even
+without CUDA (CPU tensors then take the reference branch, inlined by the compiler).
 
 Ops (``Tensor?`` may be None):
   observe(token_ids, weight, bias?, ids!, slot_of!, cursor!, cache_w!, cache_b!, int num_pinned) -> ()
@@ -36,9 +37,10 @@ from .dispatch import implementation_for
 
 
 def _want_triton_op() -> bool:
-    if os.environ.get("NANOSPEC_TRITON_OP", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    choice = os.environ.get("NANOSPEC_TRITON_OP", "auto")
+    if choice == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1" or not hasattr(torch.library, "triton_op"):
         return False
-    if not torch.cuda.is_available() or not hasattr(torch.library, "triton_op"):
+    if choice != "force" and not torch.cuda.is_available():  # force: tests of the registration on CPU
         return False
     try:
         from . import triton_kernels  # noqa: F401

@@ -1,0 +1,143 @@
+"""Triton head: logits against the compact cache, and their scatter to the vocabulary.
+
+``_head_kernel`` tiles [rows, capacity] and streams the cache rows once per row block, with
+an fp32 accumulator. It reads the device count and skips every tile past it (no load, no
+FLOP), so its cost follows |A|, not the capacity, while every shape stays static. Rows are
+padded to 16 because ``tl.dot`` needs >= 16 on every dim. The same kernel either writes the
+compact [rows, C] logits (-inf past the count) or, with ``SCATTER``, stores each active
+slot's logit straight at its token id in a [rows, V] output pre-filled with -inf
+(``head_logits``: the head with no post-ops, one pass and no compact round trip).
+
+``_scatter_kernel`` places compact logits at their token ids. Active ids are unique, so the
+stores never collide and the result is deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from . import reference
+from .triton_util import FLOAT_DTYPES, INTERPRET
+
+_BLOCK_M = 16  # rows per tile (padded): tl.dot needs >= 16
+_BLOCK_C = 32  # cache rows per tile: C / 32 programs keep the SMs streaming for C ~ 3k
+_BLOCK_K = 128
+_SCATTER_BLOCK = 1024
+
+
+@triton.jit
+def _head_kernel(
+    x_ptr, w_ptr, b_ptr, cursor_ptr, ids_ptr, out_ptr,
+    M, C, H, V, stride_xm, stride_wc, stride_om,
+    HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    count = tl.minimum(tl.load(cursor_ptr), C)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = offs_c < count
+    row_ok = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    k_end = tl.where(pid_c * BLOCK_C < count, H, 0)  # tiles past the count read nothing
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_c[None, :] * stride_wc + offs_k[:, None], mask=live[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_c, mask=live, other=0.0).to(tl.float32)[None, :]
+    acc = tl.where(live[None, :], acc, float("-inf"))
+    out = acc.to(out_ptr.dtype.element_ty)
+    if SCATTER:
+        tok = tl.load(ids_ptr + offs_c, mask=live, other=0)
+        ok = live & (tok >= 0) & (tok < V)
+        tok = tl.where(ok, tok, 0)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + tok[None, :], out, mask=row_ok[:, None] & ok[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_c[None, :], out, mask=row_ok[:, None] & (offs_c < C)[None, :])
+
+
+@triton.jit
+def _scatter_kernel(src_ptr, ids_ptr, cursor_ptr, out_ptr, C, V, stride_sm, stride_om, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    count = tl.minimum(tl.load(cursor_ptr), C)
+    live = offs < count
+    tok = tl.load(ids_ptr + offs, mask=live, other=0)
+    ok = live & (tok >= 0) & (tok < V)
+    v = tl.load(src_ptr + row * stride_sm + offs, mask=ok)
+    tl.store(out_ptr + row * stride_om + tl.where(ok, tok, 0), v, mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _supported(x, cache_w, cache_b) -> bool:
+    return (
+        x.dtype in FLOAT_DTYPES
+        and cache_w.dtype == x.dtype
+        and cache_w.stride(-1) == 1
+        and (cache_b is None or cache_b.stride(0) == 1)
+    )
+
+
+def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatter: bool) -> None:
+    x2 = _rows(x)
+    m, hidden = x2.shape
+    capacity = cache_w.shape[0]
+    has_bias = cache_b is not None
+    grid = (triton.cdiv(capacity, _BLOCK_C), triton.cdiv(m, _BLOCK_M))
+    wrap_triton(_head_kernel)[grid](
+        x2, cache_w, cache_b if has_bias else cache_w, cursor, ids, out2,
+        m, capacity, hidden, vocab_size, x2.stride(0), cache_w.stride(0), out2.stride(0),
+        HAS_BIAS=has_bias, SCATTER=scatter, UPCAST=INTERPRET,
+        IEEE=INTERPRET or x.dtype == torch.float32,
+        BLOCK_M=_BLOCK_M, BLOCK_C=_BLOCK_C, BLOCK_K=_BLOCK_K,
+    )
+
+
+def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`kernels.reference.compact_logits`."""
+    if not _supported(x, cache_w, cache_b):
+        return reference.compact_logits(x, cache_w, cache_b, cursor)
+    capacity = cache_w.shape[0]
+    out = torch.empty((*x.shape[:-1], capacity), dtype=x.dtype, device=x.device)
+    _launch_head(x, cache_w, cache_b, cursor, cursor, out.view(-1, capacity), 0, scatter=False)
+    return out
+
+
+def head_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Same contract as :func:`kernels.reference.head_logits`."""
+    if not _supported(x, cache_w, cache_b):
+        return reference.head_logits(x, cache_w, cache_b, ids, cursor, vocab_size)
+    out = torch.full((*x.shape[:-1], vocab_size), float("-inf"), dtype=x.dtype, device=x.device)
+    _launch_head(x, cache_w, cache_b, cursor, ids, out.view(-1, vocab_size), vocab_size, scatter=True)
+    return out
+
+
+def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Same contract as :func:`kernels.reference.scatter_logits`."""
+    capacity = ids.numel()
+    out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
+    src = _rows(compact)
+    m = src.shape[0]
+    grid = (m, triton.cdiv(capacity, _SCATTER_BLOCK))
+    wrap_triton(_scatter_kernel)[grid](
+        src, ids, cursor, out.view(-1, vocab_size), capacity, vocab_size, src.stride(0), vocab_size, BLOCK=_SCATTER_BLOCK,
+    )
+    return out

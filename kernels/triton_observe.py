@@ -1,0 +1,151 @@
+"""Triton ``observe``: device-side de-duplication, slot allocation and row copy.
+
+Two launches, no host sync, shapes fixed by the input:
+
+1. ``_observe_alloc_kernel`` (one program). It first *claims* each new token in the
+   membership map itself: an inactive token's ``slot_of`` entry (-1) is lowered with
+   ``atomic_min`` to a negative code ``i - n - 1`` of the position ``i`` observing it, so the
+   smallest position - the first occurrence - wins, whatever the atomics' order. After a
+   barrier it walks the positions in blocks, keeps a running count of the winners (a prefix
+   sum), and gives the r-th winner insertion number ``cursor + r``: exactly the reference's
+   order of first occurrence, so the final state is deterministic and equals the reference.
+   It evicts what the slot held, writes ids / slot_of, and stores each position's slot (or -1)
+   in a scratch array; finally it advances the cursor.
+2. ``_observe_copy_kernel`` (one program per position) copies the head row and bias entry of
+   every inserted token into its cache slot, in parallel.
+
+Every slot is claimed at most once per call (the reference drops the earliest ring insertions
+of an overflowing call), so no store races with another. Loads of ``slot_of`` after the
+claims are volatile: they must see the atomics' results, not a stale L1 line.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch.library import wrap_triton
+
+from .triton_util import INTERPRET
+
+_BLOCK = 1024
+_BLOCK_H = 1024
+
+
+@triton.jit
+def _observe_alloc_kernel(
+    tok_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
+):
+    # Phase 1: claim. Active entries (>= 0) do not change in this phase, so a plain load
+    # tells them apart; codes are < -1, so they never look active or empty.
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
+        ok = inb & (x >= 0) & (x < V)
+        xs = tl.where(ok, x, 0)
+        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0)
+        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+        tl.atomic_min(slot_of_ptr + xs, code, mask=ok & (cur < 0))
+    tl.debug_barrier()
+
+    # Phase 2a: how many winners (needed before allocating: an overflowing call drops its
+    # earliest ring insertions).
+    n_new = tl.zeros((), dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
+        ok = inb & (x >= 0) & (x < V)
+        xs = tl.where(ok, x, 0)
+        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
+        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+        first = ok & (cur == code)
+        n_new += tl.sum(first.to(tl.int64), axis=0)
+
+    cursor0 = tl.load(cursor_ptr)
+    ring = C - P
+    n_pinned_new = tl.maximum(P - cursor0, 0)
+    n_dropped = tl.maximum(n_new - n_pinned_new - ring, 0)
+
+    # Phase 2b: allocate in order of first occurrence. A winner's entry is written only by
+    # its own lane; evicted tokens were active before the call, so never a winner.
+    done = tl.zeros((), dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
+        ok = inb & (x >= 0) & (x < V)
+        xs = tl.where(ok, x, 0)
+        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
+        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+        first = ok & (cur == code)
+        f = first.to(tl.int64)
+        rank = done + tl.cumsum(f, axis=0) - 1
+        k = cursor0 + rank
+        keep = first & ((k < P) | (rank >= n_pinned_new + n_dropped))
+        slot = tl.where(k < C, k, P + (k - P) % ring)
+        slot = tl.where(keep, slot, 0)
+        old = tl.load(ids_ptr + slot, mask=keep, other=-1)
+        evict = keep & (old >= 0)
+        tl.store(slot_of_ptr + tl.where(evict, old, 0), tl.full((BLOCK,), -1, tl.int32), mask=evict)
+        tl.store(ids_ptr + slot, x, mask=keep)
+        tl.store(slot_of_ptr + xs, slot.to(tl.int32), mask=keep)
+        tl.store(slot_of_ptr + xs, tl.full((BLOCK,), -1, tl.int32), mask=first & ~keep)
+        tl.store(dest_ptr + offs, tl.where(keep, slot, -1), mask=inb)
+        done += tl.sum(f, axis=0)
+
+    tl.store(cursor_ptr, cursor0 + n_new)
+
+
+@triton.jit
+def _observe_copy_kernel(
+    tok_ptr, dest_ptr, w_ptr, b_ptr, cw_ptr, cb_ptr, H, stride_wv, stride_wh, stride_b, stride_cw,
+    HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i = tl.program_id(0)
+    slot = tl.load(dest_ptr + i)
+    keep = slot >= 0
+    x = tl.where(keep, tl.load(tok_ptr + i).to(tl.int64), 0)
+    slot = tl.where(keep, slot, 0)
+    h_end = tl.where(keep, H, 0)  # skipped positions read nothing
+    for h in range(0, h_end, BLOCK_H):
+        offs = h + tl.arange(0, BLOCK_H)
+        m = offs < H
+        row = tl.load(w_ptr + x * stride_wv + offs * stride_wh, mask=m)
+        tl.store(cw_ptr + slot * stride_cw + offs, row.to(cw_ptr.dtype.element_ty), mask=m)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + x * stride_b, mask=keep)
+        tl.store(cb_ptr + slot, b.to(cb_ptr.dtype.element_ty), mask=keep)
+
+
+def observe(
+    token_ids: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    slot_of: torch.Tensor,
+    cursor: torch.Tensor,
+    cache_w: torch.Tensor,
+    cache_b: torch.Tensor,
+    num_pinned: int,
+) -> None:
+    """Same contract as :func:`kernels.reference.observe`."""
+    tok = token_ids.reshape(-1).to(ids.device)
+    if tok.dtype not in (torch.int32, torch.int64):
+        tok = tok.to(torch.int64)
+    tok = tok.contiguous()
+    n = tok.numel()
+    capacity, vocab = ids.numel(), slot_of.numel()
+    dest = torch.empty(n, dtype=torch.int64, device=ids.device)
+    hidden = weight.shape[1]
+    block = _BLOCK if not INTERPRET else 64
+    wrap_triton(_observe_alloc_kernel)[(1,)](
+        tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=block,
+    )
+    has_bias = bias is not None
+    b = bias if has_bias else cache_b
+    wrap_triton(_observe_copy_kernel)[(n,)](
+        tok, dest, weight, b, cache_w, cache_b, hidden, weight.stride(0), weight.stride(1), b.stride(0), cache_w.stride(0),
+        HAS_BIAS=has_bias, BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(hidden)),
+    )
