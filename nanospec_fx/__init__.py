@@ -9,6 +9,8 @@ in ``nanospec_fx.state`` and the backend in ``nanospec_fx.backend``.
 from nanospec_fx.state import DEFAULT_CAPACITY, ActiveVocab, active_vocab
 from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
 from nanospec_fx.options import NanoSpecOptions
+from nanospec_fx.policies import POLICIES, FrequencyTable
+from nanospec_fx.integrations import attach, speculative_pair
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,6 @@ def register() -> None:
 register()
 
 __all__ = [
-    "ActiveVocab", "active_vocab", "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning",
-    "nanospec_backend", "register", "BACKEND_NAME",
+    "ActiveVocab", "active_vocab", "attach", "speculative_pair", "FrequencyTable", "POLICIES",
+    "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME",
 ]

@@ -8,6 +8,10 @@
 3. rewrites the head into nanospec ops and observes the token-id inputs (``passes/``),
 4. compiles the result with inductor, and returns a callable that appends the state tensors
    to every call. The state is updated in place, so one compile serves every active set.
+
+With ``options={"observe_topk": k, "vocab": drafter}`` it compiles a *target* instead: the
+target is not rewritten; its top-k predictions at every scored position (and its input
+tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
@@ -16,16 +20,19 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from nanospec_fx.options import NanoSpecOptions, mode_config
-from nanospec_fx.passes import HeadMatch, StateNodes, find_heads, insert_observers, rewrite_head
-from nanospec_fx.state import ActiveVocab, state_for
+from nanospec_fx.passes import (
+    HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers, rewrite_head,
+)
+from nanospec_fx.state import ActiveVocab, registered_state, state_for
 
 BACKEND_NAME = "nanospec"
 
 
 class NanoSpecWarning(UserWarning):
-    """Something nanospec could not do; the drafter still runs, unchanged where it says so."""
+    """Something nanospec could not do; the model still runs, unchanged where it says so."""
 
 
 def warn_once(message: str) -> None:
@@ -37,6 +44,13 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
     """torch.compile backend: rewrite the LM head to the active vocabulary, compile the rest."""
     opts = NanoSpecOptions.parse(options)
     config_patches = {**mode_config(mode), **opts.inductor_options}
+    if opts.observe_topk is not None:
+        return _compile_target_observer(gm, example_inputs, opts, config_patches)
+    return _compile_drafter(gm, example_inputs, opts, config_patches)
+
+
+# ----------------------------------------------------------------------------- drafter role
+def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once(
@@ -62,62 +76,199 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
     if not rewritable:
         return _compile(gm, example_inputs, opts, config_patches)
 
-    new_gm = _copy_graph_module(gm)
-    graph = new_gm.graph
-    node_map = {old: new for old, new in zip(gm.graph.nodes, graph.nodes)}
-    states: list[ActiveVocab] = []
-    weight_positions: list[tuple[int | None, int | None]] = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    config = opts.state_config()
+    builder = _GraphBuilder(gm)
+    bindings = []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, opts.capacity, opts.num_pinned)
-        head = _remap(head, node_map)
-        with graph.inserting_after(last_placeholder):
-            nodes = [graph.placeholder(f"nanospec_{name}_{len(states)}") for name in ("cache_b", "cache_w", "cursor", "slot_of", "ids")][::-1]
-        last_placeholder = nodes[-1]
+        state = state_for(weight, bias, **config)
+        head = builder.remap(head)
+        into = builder.add_state(state, head.weight, next((b for b in head.biases if b is not None), None))
+        report = rewrite_head(builder.graph, head, into.state, state.capacity)
+        observe = opts.observe_inputs and state.observes
+        report.observers = insert_input_observers(builder.graph, into) if observe else 0
+        state.rewrites.append(report)
+        bindings.append(_DrafterBinding(state, builder.user_input_position(head.weight), builder.user_input_position(into.bias)))
+    return builder.compile(example_inputs, bindings, opts, config_patches)
+
+
+class _DrafterBinding:
+    """Extra inputs for one rewritten head: its ActiveVocab's tensors.
+
+    If the head weight was replaced by another tensor since compiling (Dynamo does not guard on
+    parameter identity, e.g. a second instance of the same class), the new weight's state is used.
+    """
+
+    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None):
+        self.state, self.weight_pos, self.bias_pos = state, weight_pos, bias_pos
+
+    def tensors(self) -> list[torch.Tensor]:
+        return _state_inputs(self.state)
+
+    def update(self, args: tuple) -> bool:
+        if self.weight_pos is None or args[self.weight_pos] is self.state.weight:
+            return False
+        old = self.state
+        bias = args[self.bias_pos] if self.bias_pos is not None else old.bias
+        self.state = state_for(args[self.weight_pos], bias, old.capacity, old.num_pinned, seed_ids=old.seed_ids,
+                               observes=old.observes, policy=old.policy, token_to_row=old.token_to_row)
+        if not self.state.rewrites:
+            self.state.rewrites = list(old.rewrites)
+        return True
+
+
+# ----------------------------------------------------------------------------- target role
+def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
+    state = resolve_vocab(opts.vocab, opts)
+    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
+    if not heads:
+        warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")
+        return _compile(gm, example_inputs, opts, config_patches)
+    builder = _GraphBuilder(gm)
+    into = builder.add_state(state, None, None)
+    observed = 0
+    for head in heads:
+        if head.vocab_size != state.vocab_size:
+            raise ValueError(
+                f"nanospec: the target's head {head.name} has {head.vocab_size} outputs but the drafter's active "
+                f"vocabulary has {state.vocab_size} tokens; for a draft vocabulary use options={{'draft_to_target': ...}}"
+            )
+        if opts.observe_topk > head.vocab_size:
+            raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
+        if state.observes:
+            observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into)
+    if opts.observe_inputs and state.observes:
+        insert_input_observers(builder.graph, into)
+    if not observed:
+        return _compile(gm, example_inputs, opts, config_patches)
+    return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
+
+
+class _TargetBinding:
+    """Extra inputs of a target observer: the drafter's head weight, bias and ActiveVocab tensors."""
+
+    def __init__(self, state: ActiveVocab):
+        self.state = state
+
+    def tensors(self) -> list[torch.Tensor]:
+        s = self.state
+        return [s.weight] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
+
+    def update(self, args: tuple) -> bool:
+        current = registered_state(self.state.weight)
+        if current is None or current is self.state:
+            return False
+        if [t.shape for t in _state_inputs(current)] != [t.shape for t in _state_inputs(self.state)] or (current.bias is None) != (self.state.bias is None):
+            raise RuntimeError(
+                "nanospec: the drafter's active vocabulary was rebuilt with another capacity or layout after the target "
+                "observer was compiled; give both the same vocabulary options (or use nanospec_fx.speculative_pair)"
+            )
+        self.state = current
+        return True
+
+
+def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
+    """The drafter ActiveVocab a target observer feeds: given, found on the drafter, or created
+    from its output embeddings (transformers models) with the vocabulary options given here."""
+    if isinstance(vocab, ActiveVocab):
+        return vocab
+    if not isinstance(vocab, nn.Module):
+        raise TypeError(f"options['vocab'] must be the drafter module or its ActiveVocab, got {type(vocab).__name__}")
+    module = getattr(vocab, "_orig_mod", vocab)
+    states = {id(s): s for p in module.parameters() if (s := registered_state(p)) is not None}
+    if len(states) == 1:
+        return next(iter(states.values()))
+    if len(states) > 1:
+        raise ValueError("the drafter has several active vocabularies; pass options['vocab'] = nanospec_fx.active_vocab(drafter, head=...)")
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(
+            "nanospec: the drafter has no active vocabulary yet and no get_output_embeddings(); compile and call the "
+            "drafter first, or pass options['vocab'] = nanospec_fx.attach(drafter, ...)"
+        )
+    return state_for(head.weight, getattr(head, "bias", None), **opts.state_config())
+
+
+# ----------------------------------------------------------------------------- shared mechanics
+def _state_inputs(state: ActiveVocab) -> list[torch.Tensor]:
+    return state.tensors() + ([state.token_to_row] if state.token_to_row is not None else [])
+
+
+class _GraphBuilder:
+    """A copy of Dynamo's GraphModule (Dynamo's own must stay intact) that gains extra inputs."""
+
+    def __init__(self, gm: fx.GraphModule):
+        graph = fx.Graph()
+        self.node_map: dict[fx.Node, fx.Node] = {}
+        out = graph.graph_copy(gm.graph, self.node_map)
+        graph.output(out)
+        for old, new in self.node_map.items():
+            if hasattr(old, "_dynamo_source"):
+                new._dynamo_source = old._dynamo_source
+        self.gm = fx.GraphModule(gm, graph)
+        self.gm.meta = dict(gm.meta)
+        if hasattr(gm, "_param_name_to_source"):
+            self.gm._param_name_to_source = gm._param_name_to_source
+        self.graph = graph
+        self.user_placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.extra = 0
+
+    def remap(self, head: HeadMatch) -> HeadMatch:
+        m = self.node_map
+        return HeadMatch(m[head.weight], [m[n] for n in head.nodes], head.name, head.vocab_size, head.hidden_size,
+                         [m[b] if b is not None else None for b in head.biases])
+
+    def user_input_position(self, node: fx.Node | None) -> int | None:
+        return self.user_placeholders.index(node) if node in self.user_placeholders else None
+
+    def add_inputs(self, names: list[str]) -> list[fx.Node]:
+        """New trailing placeholders for tensors that are not user inputs (state, drafter weights)."""
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        nodes = []
+        with self.graph.inserting_after(last):
+            for name in reversed(names):  # each lands right after `last`, so insert in reverse
+                nodes.append(self.graph.placeholder(f"nanospec_{name}_{self.extra}"))
+        nodes.reverse()
         for node in nodes:
             node._dynamo_source = None  # not a user input; AOT autograd accepts a None source
             # A static input: its address never changes, so CUDA graphs read it in place.
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
-        state_nodes = StateNodes(*nodes)
-        report = rewrite_head(graph, head, state_nodes, state.capacity)
-        bias_node = next((b for b in head.biases if b is not None), None)
-        report.observers = insert_observers(graph, head, state_nodes, state.num_pinned, bias_node) if opts.observe_inputs else 0
-        state.rewrites.append(report)
-        states.append(state)
-        weight_positions.append((_position(placeholders, node_map, head.weight), _position(placeholders, node_map, bias_node)))
-    graph.eliminate_dead_code()  # placeholders and the (mutating) observe ops are impure and stay
-    graph.lint()
-    new_gm.recompile()
+        self.extra += 1
+        return nodes
 
-    state_args = [t for s in states for t in s.tensors()]
-    compiled = _compile(new_gm, list(example_inputs) + state_args, opts, config_patches)
-    return _StatefulCall(compiled, states, weight_positions)
+    def add_state(self, state: ActiveVocab, weight: fx.Node | None, bias: fx.Node | None) -> ObserveInto:
+        """Inputs for ``state`` (and for the head weight/bias when the graph does not hold them)."""
+        names = [] if weight is not None else ["weight"] + (["bias"] if state.bias is not None else [])
+        names += ["ids", "slot_of", "cursor", "cache_w", "cache_b"] + (["token_to_row"] if state.token_to_row is not None else [])
+        nodes = self.add_inputs(names)
+        if weight is None:
+            weight, nodes = nodes[0], nodes[1:]
+            if state.bias is not None:
+                bias, nodes = nodes[0], nodes[1:]
+        return ObserveInto(weight, bias, StateNodes(*nodes[:5]), state.num_pinned, state.vocab_size,
+                           nodes[5] if len(nodes) > 5 else None)
+
+    def compile(self, example_inputs: list, bindings: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
+        graph = self.graph
+        graph.eliminate_dead_code()  # placeholders and the (mutating) observe ops are impure and stay
+        graph.lint()
+        self.gm.recompile()
+        extra = [t for b in bindings for t in b.tensors()]
+        compiled = _compile(self.gm, list(example_inputs) + extra, opts, config_patches)
+        return _StatefulCall(compiled, bindings)
 
 
 class _StatefulCall:
-    """Calls the compiled graph with the state tensors appended to the user's inputs.
+    """Calls the compiled graph with the bindings' tensors appended to the user's inputs."""
 
-    If a head weight was replaced by another tensor since compiling (Dynamo does not guard
-    on parameter identity), the state of the new weight is used, so logits are never stale.
-    """
-
-    def __init__(self, compiled: Callable, states: list[ActiveVocab], positions: list[tuple[int | None, int | None]]):
-        self.compiled, self.states, self.positions = compiled, states, positions
-        self.state_args = [t for s in states for t in s.tensors()]
+    def __init__(self, compiled: Callable, bindings: list):
+        self.compiled, self.bindings = compiled, bindings
+        self.extra = [t for b in bindings for t in b.tensors()]
 
     def __call__(self, *args: Any) -> Any:
-        for i, (state, (w_pos, b_pos)) in enumerate(zip(self.states, self.positions)):
-            if w_pos is not None and args[w_pos] is not state.weight:
-                self._rebind(i, args[w_pos], args[b_pos] if b_pos is not None else state.bias)
-        return self.compiled(*args, *self.state_args)
-
-    def _rebind(self, i: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        old = self.states[i]
-        self.states[i] = state_for(weight, bias, old.capacity, old.num_pinned)
-        if not self.states[i].rewrites:
-            self.states[i].rewrites = list(old.rewrites)
-        self.state_args = [t for s in self.states for t in s.tensors()]
+        if any([b.update(args) for b in self.bindings]):
+            self.extra = [t for b in self.bindings for t in b.tensors()]
+        return self.compiled(*args, *self.extra)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
@@ -126,39 +277,6 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, co
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=config_patches or None)
-
-
-def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of Dynamo's GraphModule whose graph we may change (Dynamo's own must stay intact)."""
-    graph = fx.Graph()
-    value_map: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, value_map)
-    graph.output(out)
-    for old, new in value_map.items():
-        if hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
-    new_gm = fx.GraphModule(gm, graph)
-    new_gm.meta = dict(gm.meta)
-    if hasattr(gm, "_param_name_to_source"):
-        new_gm._param_name_to_source = gm._param_name_to_source
-    return new_gm
-
-
-def _position(placeholders: list[fx.Node], node_map: dict, new_node: fx.Node | None) -> int | None:
-    """Index among the user inputs of the original placeholder behind ``new_node`` (None if not one)."""
-    old = next((o for o, n in node_map.items() if n is new_node), None) if new_node is not None else None
-    return placeholders.index(old) if old in placeholders else None
-
-
-def _remap(head: HeadMatch, node_map: dict) -> HeadMatch:
-    return HeadMatch(
-        weight=node_map[head.weight],
-        nodes=[node_map[n] for n in head.nodes],
-        name=head.name,
-        vocab_size=head.vocab_size,
-        hidden_size=head.hidden_size,
-        biases=[node_map[b] if b is not None else None for b in head.biases],
-    )
 
 
 def _real_tensors(gm: fx.GraphModule, example_inputs: list) -> dict[fx.Node, torch.Tensor]:

@@ -1,20 +1,35 @@
-"""Observe the drafter's token-id inputs: every id it embeds joins the active vocabulary.
+"""Observe tokens inside the graph: the drafter's token-id inputs and the target's top-k.
 
-Matches embedding lookups into a table with V rows (``F.embedding(ids, E)``, which every
-``nn.Embedding`` becomes, and ``E[ids]``) and inserts ``nanospec.observe(ids, ...)`` just
-before each, so the prompt, the accepted and the drafted tokens are active before the head
-runs, with no user code. Position or type embeddings have other row counts and are skipped.
+* Inputs: every embedding lookup into a table with V rows (``F.embedding(ids, E)``, which every
+  ``nn.Embedding`` becomes, and ``E[ids]``) gets ``nanospec.observe(ids, ...)`` just before it,
+  so the prompt, the accepted and the drafted tokens are active before the head runs, with no
+  user code. Position or type embeddings have other row counts and are skipped.
+* Target top-k: after each of the target's head projections, ``topk(logits, k).indices`` are
+  observed, so the tokens the target finds likely at every scored position become active.
+  The target's own outputs do not change.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from . import patterns
-from .find_head import HeadMatch
 from .rewrite_head import StateNodes
+
+
+@dataclass
+class ObserveInto:
+    """Where observed tokens go: an ActiveVocab's tensors and the head they copy rows from."""
+
+    weight: fx.Node
+    bias: fx.Node | None
+    state: StateNodes
+    num_pinned: int
+    vocab_size: int  # size of the token-id space observed
+    token_to_row: fx.Node | None = None  # token id -> head row map (EAGLE-3 draft vocabularies)
 
 
 def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[tuple[fx.Node, fx.Node]]:
@@ -37,13 +52,35 @@ def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[tuple[fx.Node, fx
     return found
 
 
-def insert_observers(graph: fx.Graph, head: HeadMatch, state: StateNodes, num_pinned: int, bias: fx.Node | None) -> int:
+def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
+    """Insert ``observe(ids)`` at the graph's current insertion point (mapping ids to rows if needed)."""
+    rows = ids
+    if into.token_to_row is not None:
+        ok = graph.call_function(operator.and_, (graph.call_function(operator.ge, (ids, 0)), graph.call_function(operator.lt, (ids, into.vocab_size))))
+        safe = graph.call_function(torch.clamp, (ids, 0, into.vocab_size - 1))
+        mapped = graph.call_function(operator.getitem, (into.token_to_row, safe))
+        rows = graph.call_function(torch.where, (ok, mapped, -1))
+    s = into.state
+    return graph.call_function(
+        torch.ops.nanospec.observe.default,
+        (rows, into.weight, into.bias, s.ids, s.slot_of, s.cursor, s.cache_w, s.cache_b, into.num_pinned),
+    )
+
+
+def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     """Insert an observe op before each token-id lookup; returns how many were inserted."""
-    lookups = token_id_lookups(graph, head.vocab_size)
+    lookups = token_id_lookups(graph, into.vocab_size)
     for lookup, ids in lookups:
         with graph.inserting_before(lookup):
-            graph.call_function(
-                torch.ops.nanospec.observe.default,
-                (ids, head.weight, bias, state.ids, state.slot_of, state.cursor, state.cache_w, state.cache_b, num_pinned),
-            )
+            insert_observe(graph, ids, into)
     return len(lookups)
+
+
+def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto) -> int:
+    """After each head projection, observe the top-k token ids at every scored position."""
+    for proj in projections:
+        with graph.inserting_before(proj.next):  # a fixed anchor keeps the new nodes in order
+            topk = graph.call_function(torch.topk, (proj, k), {"dim": -1})
+            indices = graph.call_function(operator.getitem, (topk, 1))
+            insert_observe(graph, indices, into)
+    return len(projections)

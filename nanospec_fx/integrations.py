@@ -1,0 +1,56 @@
+"""One-line setup for speculative decoding stacks (transformers' assisted generation).
+
+    state = nanospec_fx.speculative_pair(target, drafter)
+    target.generate(input_ids, assistant_model=drafter, do_sample=False)
+
+compiles the drafter in place with the nanospec backend and the target in place as a target
+observer, so the drafter's active vocabulary gets NanoSpec's full context: every token fed to
+either model, and the target's top-k predictions at every position it scores.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nanospec_fx.options import NanoSpecOptions
+from nanospec_fx.state import ActiveVocab, state_for
+
+
+def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> ActiveVocab:
+    """Create the drafter's ActiveVocab now, before its first compiled call.
+
+    The head is ``drafter.get_output_embeddings()`` (transformers models) or the parameter named
+    ``head`` (e.g. ``"lm_head.weight"``). ``vocab_options`` are the backend's vocabulary options
+    (capacity, policy, frequencies, ...); compile the drafter with the same ones.
+    """
+    module = getattr(drafter, "_orig_mod", drafter)
+    if head is not None:
+        params = dict(module.named_parameters())
+        if head not in params:
+            raise KeyError(f"{type(module).__name__} has no parameter {head!r}")
+        weight = params[head]
+        bias = params.get(head.rsplit(".", 1)[0] + ".bias") if head.endswith(".weight") else None
+    else:
+        get_head = getattr(module, "get_output_embeddings", None)
+        layer = get_head() if callable(get_head) else None
+        if layer is None:
+            raise ValueError(f"{type(module).__name__} has no get_output_embeddings(); pass head='<weight parameter name>'")
+        weight, bias = layer.weight, getattr(layer, "bias", None)
+    opts = NanoSpecOptions.parse({k: v for k, v in vocab_options.items()})
+    return state_for(weight, bias, **opts.state_config())
+
+
+def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, inductor: bool = True,
+                     **vocab_options) -> ActiveVocab:
+    """Compile ``drafter`` (nanospec head) and ``target`` (top-k observer) in place; return the drafter's ActiveVocab.
+
+    ``vocab_options``: capacity, policy, frequencies, static_size, pinned_size, num_pinned,
+    draft_to_target... as for the backend. Target outputs are unchanged; generation stays lossless.
+    """
+    state = attach(drafter, **vocab_options)
+    drafter.compile(backend="nanospec", options={**vocab_options, "inductor": inductor})
+    target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor})
+    return state
+
+
+__all__ = ["attach", "speculative_pair"]

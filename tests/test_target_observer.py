@@ -1,0 +1,90 @@
+"""The target observer: the target's top-k at every scored position joins the drafter's set."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+import nanospec_fx
+from drafters import TinyDrafter
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(vocab: int, layers: int, seed: int):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_target_outputs_are_bit_identical_and_its_top3_is_observed():
+    torch._dynamo.reset()
+    target, drafter = tiny_llama(2000, 2, 0), tiny_llama(2000, 1, 1)
+    ids = torch.randint(0, 2000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        eager = target(ids).logits
+    state = nanospec_fx.speculative_pair(target, drafter, capacity=512, inductor=False)
+    with torch.inference_mode():
+        observed = target(ids).logits
+    assert torch.equal(observed, eager)
+    top3 = eager.topk(3, dim=-1).indices
+    assert state.contains(top3).all() and state.contains(ids).all()
+    expected = set(top3.flatten().tolist()) | set(ids.flatten().tolist())
+    assert set(state.token_ids().tolist()) == expected
+
+
+def test_target_observer_under_inductor_matches_plain_inductor():
+    torch._dynamo.reset()
+    target, drafter = tiny_llama(1000, 1, 0), tiny_llama(1000, 1, 1)
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        plain = torch.compile(target)(ids).logits
+    torch._dynamo.reset()
+    state = nanospec_fx.attach(drafter, capacity=64)
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": state})
+    with torch.inference_mode():
+        out = observer(ids).logits
+    assert torch.equal(out, plain)
+    assert state.contains(out.topk(2, dim=-1).indices).all()
+
+
+def test_assisted_generation_with_target_observer_is_lossless():
+    torch._dynamo.reset()
+    target, drafter = tiny_llama(3000, 2, 0), tiny_llama(3000, 1, 1)
+    prompt = torch.randint(0, 3000, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        greedy = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    state = nanospec_fx.speculative_pair(target, drafter, capacity=256, inductor=False)
+    with torch.inference_mode(), state.request():
+        assisted = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+        assert 0 < len(state) <= 256
+        # At prefill, HF scores only the last prompt position; its top-3 must be active.
+        last_top3 = target(prompt).logits[:, -1].topk(3, dim=-1).indices
+        assert state.contains(last_top3).all()
+    assert torch.equal(assisted, greedy)
+    assert len(state) == 0, "request() resets the set when the request ends"
+
+
+def test_target_observer_rejects_bad_options():
+    target, drafter = TinyDrafter(50, 8).eval(), TinyDrafter(60, 8).eval()
+    state = nanospec_fx.attach(drafter, head="lm_head.weight", capacity=8)
+    with pytest.raises(Exception, match="observe_topk and vocab go together"):
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3})(torch.tensor([[1]]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="60 tokens"):
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(torch.tensor([[1]]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="must be the drafter module or its ActiveVocab"):
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(torch.tensor([[1]]))
+
+
+def test_static_state_is_not_fed_by_the_target():
+    torch._dynamo.reset()
+    target, drafter = TinyDrafter(50, 8).eval(), TinyDrafter(50, 8).eval()
+    freqs = torch.arange(50)  # token 49 most frequent
+    state = nanospec_fx.attach(drafter, head="lm_head.weight", policy="static", frequencies=freqs, static_size=5)
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})
+    with torch.inference_mode():
+        observer(torch.tensor([[1, 2, 3]]))
+    assert sorted(state.token_ids().tolist()) == [45, 46, 47, 48, 49]
