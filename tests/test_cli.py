@@ -1,0 +1,146 @@
+"""The ``nanospec-fx`` verbs end to end on tiny random models and the bundled text sample (seconds)."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from nanospec_fx import bench as B
+from nanospec_fx import cli, loaders
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A 3-layer random Llama over the 256 byte ids (the ``bytes`` tokenizer), saved as a HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=None, pad_token_id=0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def run(*args):
+    result = CliRunner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def rows_of(path):
+    return json.loads(path.read_text())["rows"]
+
+
+def test_coverage_inputs_only(tmp_path):
+    run("coverage", "--tokenizer", "bytes", "--corpus", "sample", "--static-corpus", "sample[4:]",
+        "--static-sizes", "16,64", "--capacities", "32,0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
+    rows = {(r["category"], r["policy"]): r for r in rows_of(tmp_path / "coverage.json")}
+    assert {"conversation", "code", "literature", "all"} <= {c for c, _ in rows}
+    assert rows[("all", "full")]["coverage"] == 1.0 and rows[("all", "full")]["mean_size"] == 256
+    assert rows[("all", "static-64")]["mean_size"] == 64
+    # a larger static table and an unbounded context set cover at least as much
+    assert rows[("all", "static-64")]["coverage"] >= rows[("all", "static-16")]["coverage"]
+    assert rows[("all", "context@inf")]["coverage"] >= rows[("all", "context@32")]["coverage"]
+    assert rows[("all", "context@32")]["p95_size"] <= 32
+    # English text in bytes: most next bytes were already seen
+    assert 0.5 < rows[("all", "context@inf")]["coverage"] < 1.0
+    assert (tmp_path / "coverage.csv").exists() and (tmp_path / "coverage.png").stat().st_size > 1000
+
+
+def test_coverage_with_target_topk(tmp_path, tiny_model_dir):
+    run("coverage", "--tokenizer", "bytes", "--model", tiny_model_dir, "--corpus", "sample[:4]", "--static-corpus",
+        "sample", "--static-sizes", "32", "--capacities", "0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
+    data = json.loads((tmp_path / "coverage.json").read_text())
+    rows = {(r["category"], r["policy"]): r for r in data["rows"]}
+    assert data["meta"]["topk"] == 3
+    # unbounded: adding the target's guesses only adds tokens, so coverage cannot drop
+    assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
+    assert rows[("all", "context+top3@inf")]["mean_size"] >= rows[("all", "context@inf")]["mean_size"]
+    assert ("all", "hybrid+top3-16@64") in rows
+
+
+def test_bench_head(tmp_path):
+    run("bench", "head", "--shapes", "32x2000", "--active", "64", "--static-n", "256", "--repeats", "2",
+        "--sweep", "32,128", "--no-inductor", "--out", tmp_path, "--threads", "1")
+    rows = rows_of(tmp_path / "bench-head.json")
+    variants = {r["variant"] for r in rows}
+    assert variants == {"dense", "static-256", "nanospec-ops compact", "nanospec-ops +scatter", "nanospec-compiled"}
+    assert {r["rows"] for r in rows} == {1, 10}
+    for r in rows:
+        assert r["ms"] > 0 and r["limit"] == pytest.approx(2000 / r["size"])
+    assert sorted(r["size"] for r in rows if r["variant"] == "nanospec-ops compact") == [32, 32, 64, 64, 128, 128]
+    assert (tmp_path / "bench-head.png").exists()
+
+
+def test_bench_draft(tmp_path):
+    run("bench", "draft", "--shape", "tiny", "--active", "64", "--static-n", "128", "--prefix", "8", "--repeats", "1",
+        "--no-inductor", "--out", tmp_path, "--threads", "1")
+    rows = rows_of(tmp_path / "bench-draft.json")
+    assert [r["variant"] for r in rows] == ["full", "static-128", "nanospec-ops compact", "nanospec-compiled"]
+    assert rows[0]["vs_full"] == 0 and all(0 < r["head_share"] < 1 for r in rows)
+
+
+def test_draft_round_builds_an_eagle2_tree():
+    torch.manual_seed(0)
+    c = B.DrafterConfig.tiny(300)
+    drafter = B.EagleDrafter(c).eval()
+    weight = torch.randn(c.vocab, c.hidden)
+    heads = B.make_heads(weight, k=4, active=50, static_n=100, compiled=False)
+    cache_k = torch.randn(8 + 3 * 4 + 1, c.kv_heads, c.hidden // c.heads)
+    with torch.inference_mode():
+        trees = {n: B.draft_round(drafter, h, cache_k, torch.randn_like(cache_k), 8, 5, torch.randn(c.hidden), depth=3, topk=4)
+                 for n, h in heads.items()}
+    state = B.filled_state(weight, 50)  # the same random ids as the head's state
+    for name, nodes in trees.items():
+        assert len(nodes) == 3 * 4
+        for i, (tok, parent, score) in enumerate(nodes):
+            assert parent < i and (parent == -1) == (i < 4)  # depth-1 nodes hang from the root
+            assert score <= 0
+        if name.startswith("nanospec"):
+            assert state.contains(torch.tensor([t for t, _, _ in nodes])).all()
+
+
+def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
+    run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[:2]", "--static-corpus", "sample",
+        "--static-n", "64", "--capacity", "64", "--max-new", "12", "--draft-layers", "1", "--out", tmp_path, "--threads", "1")
+    rows = rows_of(tmp_path / "e2e.json")
+    assert [r["variant"] for r in rows] == ["target only", "full head", "static-64", "nanospec@64"]
+    assert all(r["identical"] for r in rows)
+    assert all(r["tokens"] == 24 for r in rows)
+    nano = rows[-1]
+    assert 0 < nano["active_size"] <= 64 and nano["rounds"] >= 2
+    assert (tmp_path / "e2e.png").exists()
+
+
+def test_truncated_drafter_shares_the_targets_tensors(tiny_model_dir):
+    target = loaders.load_model(str(tiny_model_dir))
+    drafter = B.truncated_drafter(target, 2)
+    assert len(drafter.model.layers) == 2 and drafter.lm_head.weight is target.lm_head.weight
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert all(p.data_ptr() in target_ptrs for p in drafter.parameters())
+    table = torch.tensor([3, 7, 9])
+    head = B.StaticHead(target.lm_head.weight, table)
+    h = torch.randn(2, target.config.hidden_size)
+    out = head(h)
+    assert torch.isinf(out).sum() == 2 * (256 - 3)
+    torch.testing.assert_close(out[:, table], target.lm_head(h)[:, table])
+
+
+def test_corpus_files_and_slices(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"prompt": "a", "completion": "b", "category": "x"}\n{"text": "hello world"}\n')
+    s = loaders.load_corpus(f"{p}[1:]")
+    assert len(s) == 1 and (s[0].prompt, s[0].continuation, s[0].category) == ("hello", " world", "c")
+    q = tmp_path / "d.json"
+    q.write_text(json.dumps([{"prompt": "p", "answer": "q"}]))
+    assert loaders.read_corpus(q, category="qa")[0].category == "qa"
+    assert len(loaders.load_corpus("sample[:3]")) == 3
+
+
+def test_missing_assets_say_how_to_install():
+    with pytest.raises(loaders.MissingAsset, match="pip install some-pkg"):
+        loaders._require("surely_not_an_installed_module", "pip install some-pkg")
+    result = CliRunner().invoke(cli.main, ["coverage", "--tokenizer", "bytes", "--corpus", "no-such-corpus"])
+    assert result.exit_code == 2 and "unknown corpus" in result.output

@@ -1,0 +1,123 @@
+"""The coverage simulation on hand-made requests whose answers are known."""
+import pytest
+import torch
+
+import nanospec_fx
+from nanospec_fx import coverage as C
+
+
+def req(prompt, cont, predicted=None, category="t"):
+    return C.Request(category, list(prompt), list(cont), predicted)
+
+
+def test_context_counts_prompt_and_committed_tokens():
+    # prompt 1 2 3; continuation 2 4 4 1 5: hits are 2 (prompt), 4 (second time), 1 (prompt)
+    tr = C.simulate(req([1, 2, 3], [2, 4, 4, 1, 5]), C.context(capacity=None))
+    assert tr.hits == 3
+    assert tr.sizes == [3, 3, 4, 4, 4]  # |A| when each token is drafted
+
+
+def test_full_and_static():
+    r = req([1, 2], [1, 7, 9, 3])
+    full = C.simulate(r, C.full(100))
+    assert (full.hits, full.sizes) == (4, [100] * 4)
+    st = C.simulate(r, C.static([9, 3, 5, 1], 2))  # the top-2 of the table: {9, 3}
+    assert (st.hits, st.sizes) == (2, [2] * 4)
+
+
+def test_target_topk_is_known_only_after_verification():
+    # predicted[j] = the target's guesses for token j. The guess for the token being drafted
+    # (here always right) must never count.
+    prompt, cont = [10, 11], [20, 21, 22]
+    predicted = [[], [11], [20], [21], [22]]
+    tr = C.simulate(req(prompt, cont, predicted), C.context(capacity=None, topk=1))
+    assert tr.hits == 0
+    # A guess for an *earlier* token that names a later one does count, once that position is verified.
+    predicted = [[], [11], [21], [22], [99]]  # at position 1 the target guessed 21 for token 2
+    tr = C.simulate(req(prompt, cont, predicted), C.context(capacity=None, topk=1))
+    # 20: not known (predicted[2]=[21] is for token 2 itself, unknown while drafting it) -> miss
+    # 21: predicted[2]=[21] known after token 2 is verified -> hit; 22: predicted[3]=[22] -> hit
+    assert tr.hits == 2
+
+
+def test_prefill_adds_the_targets_guesses_at_prompt_positions():
+    prompt, cont = [10, 11, 12], [30]
+    predicted = [[], [30], [12], [40]]  # guess for prompt token 1 was 30
+    tr = C.simulate(req(prompt, cont, predicted), C.context(capacity=None, topk=1))
+    # A = prompt {10, 11, 12} + guesses {30, 12}; the guess for token 3 itself (40) is not known
+    assert tr.hits == 1 and tr.sizes == [4]
+
+
+def test_rounds_delay_the_targets_guesses():
+    # predicted[3] = [7]: the target's guess at position 2 (for token 3) names token 7 = token 4.
+    prompt, cont = [1, 2], [3, 5, 7, 8]
+    predicted = [[], [1], [2], [7], [0], [0]]
+    per_token = C.simulate(req(prompt, cont, predicted), C.context(capacity=None, topk=1), verify_every=1)
+    per_round = C.simulate(req(prompt, cont, predicted), C.context(capacity=None, topk=1), verify_every=4)
+    # per token: drafting token 4 (=5) knows predicted[<=3] = {7}: 5 misses; 7 (token 5) is hit
+    assert per_token.hits == 1
+    # one round of 4 tokens: no top-k learned during the round, 7 is a miss
+    assert per_round.hits == 0
+
+
+def test_capacity_evicts_oldest_and_keeps_pinned():
+    s = C.ActiveSet(capacity=3, num_pinned=1)
+    s.add([5, 6, 7])
+    s.add([8])  # full: evicts 6 (oldest unpinned), 5 is pinned
+    assert set(s) == {5, 7, 8} and len(s) == 3
+    s.add([7, 9])  # 7 already in; 9 evicts 7 (oldest of the ring 7, 8)
+    assert set(s) == {5, 8, 9}
+
+
+def test_hybrid_core_is_pinned_and_counted():
+    table = [100, 101, 102]
+    pol = C.hybrid(table, core=2, capacity=4)
+    tr = C.simulate(req([1, 2], [101, 3, 1, 102]), pol)
+    # A = {100, 101} pinned + {1, 2}; 101 hit; 3 miss (joins, evicts 1); 1 miss; 102 miss
+    assert tr.hits == 1
+    assert tr.sizes == [4, 4, 4, 4]
+
+
+def test_active_set_matches_the_real_active_vocab():
+    # The simulation's eviction must be the backend's: replay the same insertions into both.
+    torch.manual_seed(0)
+    V, cap, pinned = 50, 8, 2
+    weight = torch.randn(V, 4)
+    av = nanospec_fx.ActiveVocab(weight, capacity=cap, num_pinned=pinned)
+    sim = C.ActiveSet(cap, num_pinned=pinned)
+    for step in range(40):
+        ids = torch.randint(0, V, (int(torch.randint(1, 3, ())),))
+        av.observe(ids)
+        sim.add(ids.tolist())
+        assert set(av.token_ids().tolist()) == set(sim), step
+
+
+def test_frequency_order_and_percentile():
+    assert C.frequency_order([[3, 1, 3], [2, 1, 3]]) == [3, 1, 2]
+    assert C.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 95) == 10
+    assert C.percentile([4], 95) == 4
+
+
+def test_evaluate_aggregates_per_category_and_all():
+    reqs = [req([1], [1, 2], category="a"), req([5], [5, 5, 6], category="b")]
+    res = {(r.category, r.policy): r for r in C.evaluate(reqs, [C.context(None), C.full(10)])}
+    assert res[("a", "context@inf")].coverage == pytest.approx(1 / 2)
+    assert res[("b", "context@inf")].coverage == pytest.approx(2 / 3)
+    assert res[("all", "context@inf")].coverage == pytest.approx(3 / 5)
+    assert res[("all", "context@inf")].tokens == 5 and res[("all", "context@inf")].requests == 2
+    assert res[("all", "full")].coverage == 1 and res[("all", "full")].mean_size == 10
+
+
+def test_target_predictions_matches_full_logits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (11,)).tolist()
+    pred = C.target_predictions(model, ids, k=3, chunk=4)
+    logits = model(torch.tensor([ids])).logits[0]
+    assert pred[0] == [] and len(pred) == len(ids)
+    for j in range(1, len(ids)):
+        assert pred[j] == logits[j - 1].topk(3).indices.tolist()
