@@ -51,6 +51,7 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
+    config = opts.state_config()  # validates policy options before anything else
     heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once(
@@ -76,7 +77,6 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if not rewritable:
         return _compile(gm, example_inputs, opts, config_patches)
 
-    config = opts.state_config()
     builder = _GraphBuilder(gm)
     bindings = []
     for head, weight, bias in rewritable:
