@@ -216,7 +216,7 @@ class _GraphBuilder:
     def remap(self, head: HeadMatch) -> HeadMatch:
         m = self.node_map
         return HeadMatch(m[head.weight], [m[n] for n in head.nodes], head.name, head.vocab_size, head.hidden_size,
-                         [m[b] if b is not None else None for b in head.biases])
+                         [m[b] if b is not None else None for b in head.biases], head.module_path)
 
     def user_input_position(self, node: fx.Node | None) -> int | None:
         return self.user_placeholders.index(node) if node in self.user_placeholders else None

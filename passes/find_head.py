@@ -30,6 +30,7 @@ class HeadMatch:
     vocab_size: int
     hidden_size: int
     biases: list[fx.Node | None] = field(default_factory=list)
+    module_path: str | None = None
 
 
 def parameter_name(node: fx.Node) -> str:
@@ -122,7 +123,7 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         name = parameter_name(w)
         if head is not None and not _name_matches(head, name, module_path(node)):
             continue
-        match = groups.setdefault(w, HeadMatch(w, [], name, n_out, hidden))
+        match = groups.setdefault(w, HeadMatch(w, [], name, n_out, hidden, module_path=module_path(node)))
         match.nodes.append(node)
         match.biases.append(b)
     heads = list(groups.values())

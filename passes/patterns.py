@@ -164,3 +164,55 @@ def reads_row_size(node: fx.Node, logits: fx.Node) -> bool:
         return False
     d = node.args[1] % len(shape)
     return d != len(shape) - 1
+
+
+# ---------------------------------------------------------------------------- compact consumers
+# Consumers that can read the compact logits directly, mapping slots back to token ids, so the
+# [..., V] logits are never built: top-k and argmax over the vocabulary axis, and softmax /
+# log_softmax over it when only those feed them (how EAGLE and tree drafters pick candidates).
+TOPK_FUNCTIONS = {torch.topk}
+ARGMAX_FUNCTIONS = {torch.argmax}
+SOFTMAX_FUNCTIONS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call, positional index counted without ``self``/``input``."""
+    args = node.args[1:]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return args[index] if index < len(args) else default
+
+
+def _is_last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
+
+
+def match_topk(user: fx.Node, logits: fx.Node) -> tuple[int, bool] | None:
+    """``(k, largest)`` when ``user`` is a top-k of ``logits`` over the last dim."""
+    if not is_call(user, TOPK_FUNCTIONS, {"topk"}) or user.args[0] is not logits:
+        return None
+    shape = tensor_shape(logits)
+    k, dim, largest = _arg(user, 0, "k"), _arg(user, 1, "dim", -1), _arg(user, 2, "largest", True)
+    if shape is None or not isinstance(k, int) or not isinstance(largest, bool) or not _is_last_dim(dim, len(shape)):
+        return None
+    return k, largest
+
+
+def match_argmax(user: fx.Node, logits: fx.Node) -> bool | None:
+    """``keepdim`` when ``user`` is an argmax of ``logits`` over the last dim."""
+    if not is_call(user, ARGMAX_FUNCTIONS, {"argmax"}) or user.args[0] is not logits:
+        return None
+    shape = tensor_shape(logits)
+    dim, keepdim = _arg(user, 0, "dim"), _arg(user, 1, "keepdim", False)
+    if shape is None or not _is_last_dim(dim, len(shape)) or not isinstance(keepdim, bool):
+        return None
+    return keepdim
+
+
+def match_softmax(user: fx.Node, logits: fx.Node) -> bool:
+    """``user`` is a softmax/log_softmax of ``logits`` over the last dim (no dtype change)."""
+    if not is_call(user, SOFTMAX_FUNCTIONS, {"softmax", "log_softmax"}) or user.args[0] is not logits:
+        return False
+    shape = tensor_shape(logits)
+    dtype = user.kwargs.get("dtype", user.args[3] if user.op == "call_function" and len(user.args) > 3 else None)
+    return shape is not None and dtype is None and _is_last_dim(_arg(user, 0, "dim"), len(shape))

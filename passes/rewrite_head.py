@@ -18,6 +18,7 @@ every consumer sees exactly -inf at inactive tokens, after the post-ops.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,17 @@ class StateNodes:
 
 @dataclass
 class RewriteReport:
-    head: str
+    """What the rewrite did to one head (shown by ``nanospec_fx.explain``)."""
+
+    head: str  # the weight's parameter name
+    module_path: str | None
     vocab_size: int
     hidden_size: int
     projections: int
-    post_ops: list[str]
-    exits: list[str]
+    post_ops: list[str]  # ops run on the compact logits
+    exits: list[str]  # users that read the [..., V] logits (after one scatter)
+    consumers: list[str]  # top-k / argmax (/ softmax) run on the compact logits
+    observers: int = 0  # observe ops inserted on token-id inputs
 
 
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
@@ -54,6 +60,7 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
     vocab = head.vocab_size
     post_ops: list[str] = []
     exits: list[str] = []
+    consumers: list[str] = []
 
     first = min(head.nodes, key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):
@@ -88,13 +95,66 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
                     post_ops.append(_describe(user))
                 elif patterns.reads_row_size(user, node):
                     continue
+                elif handled := _compact_consumer(graph, user, node, state):
+                    consumers.extend(handled)
                 else:
                     if node not in scattered:
                         with graph.inserting_after(node):
                             scattered[node] = graph.call_function(ops.scatter_logits.default, (node, state.ids, state.cursor, vocab))
                     user.replace_input_with(node, scattered[node])
                     exits.append(_describe(user))
-    return RewriteReport(head.name, head.vocab_size, head.hidden_size, len(head.nodes), post_ops, exits)
+        _fuse_plain_head(graph, compact, scattered.get(compact), vocab)
+    return RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), post_ops, exits, consumers)
+
+
+def _compact_consumer(graph: fx.Graph, user: fx.Node, logits: fx.Node, state: StateNodes) -> list[str]:
+    """Run ``user`` (top-k / argmax, maybe behind a softmax) on the compact logits, if it is one;
+    returns the names of the ops now running on compact logits (empty if none).
+
+    Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so the
+    softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
+    ignore such slots themselves.
+    """
+    ops = torch.ops.nanospec
+    if patterns.match_softmax(user, logits):
+        readers = list(user.users)
+        if not readers or not all(patterns.match_topk(r, user) or patterns.match_argmax(r, user) is not None for r in readers):
+            return []
+        with graph.inserting_before(user):
+            filled = graph.call_function(operator.ge, (state.ids, 0))
+            masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
+        user.replace_input_with(logits, masked)
+        return [_describe(user)] + [name for r in readers for name in _compact_consumer(graph, r, user, state)]
+    topk = patterns.match_topk(user, logits)
+    if topk is not None:
+        k, largest = topk
+        with graph.inserting_before(user):
+            new = graph.call_function(ops.compact_topk.default, (logits, state.ids, state.cursor, k, largest))
+    else:
+        keepdim = patterns.match_argmax(user, logits)
+        if keepdim is None:
+            return []
+        with graph.inserting_before(user):
+            new = graph.call_function(ops.compact_argmax.default, (logits, state.ids, state.cursor))
+            if keepdim:
+                new = graph.call_function(torch.unsqueeze, (new, -1))
+    name = _describe(user)
+    user.replace_all_uses_with(new)
+    graph.erase_node(user)
+    return [name]
+
+
+def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node | None, vocab: int) -> None:
+    """``scatter_logits(compact_logits(x))`` with nothing in between -> one ``head_logits`` op."""
+    if scatter is None or len(compact.users) != 1:
+        return
+    x, cache_w, cache_b, cursor = compact.args
+    _, ids, _, _ = scatter.args
+    with graph.inserting_before(scatter):
+        fused = graph.call_function(torch.ops.nanospec.head_logits.default, (x, cache_w, cache_b, ids, cursor, vocab))
+    scatter.replace_all_uses_with(fused)
+    graph.erase_node(scatter)
+    graph.erase_node(compact)
 
 
 def _gather_vocab_operands(graph: fx.Graph, user: fx.Node, logits: fx.Node, vocab: int, safe_ids: fx.Node) -> None:

@@ -53,7 +53,16 @@ def test_compiled_drafter_matches_masked_eager(case):
         out = compiled(ids)
         mask = active_mask(model)
         expected = model(ids, _mask=mask)
-    assert_close_per_dtype(out, expected)
+    if case["returns"] == "log_softmax_topk":
+        # Fewer active tokens than k: the compact top-k pads with (-inf, -1), where eager would
+        # return -inf with arbitrary inactive ids. Compare ids only where a token was found.
+        (values, indices), (ref_values, ref_indices) = out, expected
+        assert_close_per_dtype(values, ref_values)
+        found = torch.isfinite(ref_values)
+        assert torch.equal(indices[found], ref_indices[found]) or case["dtype"] != torch.float32
+        assert (indices[~found] == -1).all()
+    else:
+        assert_close_per_dtype(out, expected)
     assert len(state) == min(case["capacity"], len(set(ids.flatten().tolist()) | set(case["extra"])), case["vocab"]) \
         or len(state) == state.capacity
     if len(set(ids.flatten().tolist())) <= state.capacity - len(set(case["extra"])):
@@ -102,16 +111,40 @@ def test_hidden_only_drafter_grows_through_observe():
     assert sorted(state.token_ids().tolist()) == [5, 7, 99]
 
 
-def test_topk_in_graph_only_returns_active_tokens():
+def test_topk_in_graph_runs_on_compact_logits_and_only_returns_active_tokens():
     torch.manual_seed(0)
-    model = TinyDrafter(200, 16, returns="log_softmax_topk").eval()
+    model = TinyDrafter(200, 16, post="softcap", returns="log_softmax_topk").eval()
     compiled = compile_nanospec(model, capacity=32)
     ids = torch.randint(0, 200, (2, 5))
     with torch.no_grad():
         values, indices = compiled(ids)
+        ref_values, ref_indices = model(ids, _mask=active_mask(model))
     state = nanospec_fx.active_vocab(model)
+    assert state.rewrites[-1].consumers == ["log_softmax", "topk"]
+    assert state.rewrites[-1].exits == []  # the [..., V] logits are never built
     assert state.contains(indices).all()
-    assert torch.isfinite(values).all()
+    torch.testing.assert_close(values, ref_values)
+    assert torch.equal(indices, ref_indices)
+
+
+def test_topk_with_fewer_active_tokens_than_k_pads_with_minus_one():
+    torch.manual_seed(0)
+    model = TinyDrafter(50, 8, returns="log_softmax_topk").eval()
+    compiled = compile_nanospec(model, capacity=8)
+    with torch.no_grad():
+        values, indices = compiled(torch.tensor([[7, 7]]))
+    assert indices[..., 0].eq(7).all() and indices[..., 1:].eq(-1).all()
+    assert values[..., 0].eq(0).all() and torch.isneginf(values[..., 1:]).all()
+
+
+def test_plain_head_uses_the_fused_op():
+    model = TinyDrafter(50, 8).eval()
+    compiled = compile_nanospec(model, capacity=8)
+    with torch.no_grad():
+        out = compiled(torch.tensor([[1, 2]]))
+        torch.testing.assert_close(out, model(torch.tensor([[1, 2]]), _mask=active_mask(model)))
+    report = nanospec_fx.active_vocab(model).rewrites[-1]
+    assert report.exits == ["output"] and report.post_ops == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
