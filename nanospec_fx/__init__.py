@@ -11,6 +11,8 @@ from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
 from nanospec_fx.options import NanoSpecOptions
 from nanospec_fx.policies import POLICIES, FrequencyTable
 from nanospec_fx.integrations import attach, speculative_pair
+from nanospec_fx.explain import explain
+from nanospec_fx.cost_model import HeadCost
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,6 @@ def register() -> None:
 register()
 
 __all__ = [
-    "ActiveVocab", "active_vocab", "attach", "speculative_pair", "FrequencyTable", "POLICIES",
+    "ActiveVocab", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable", "POLICIES",
     "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME",
 ]

@@ -53,7 +53,8 @@ def module_path(node: fx.Node) -> str | None:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
-    return re.sub(r"^L\['[^']+'\]\.?", "", path.replace("_modules['", "").replace("']", ""))
+    path = re.sub(r"^[LG]\['[^']+'\](\[\d+\])?\.?", "", path)
+    return re.sub(r"_modules\['([^']+)'\]", r"\1", path) or None
 
 
 def _is_weight_like(node: fx.Node, example: object) -> bool:
