@@ -25,6 +25,9 @@ _BLOCK_M = 16  # rows per tile (padded): tl.dot needs >= 16
 _BLOCK_C = 32  # cache rows per tile: C / 32 programs keep the SMs streaming for C ~ 3k
 _BLOCK_K = 128
 _SCATTER_BLOCK = 1024
+# Tile and launch settings of the head kernel; benchmarks/gpu_bench.py --sweep tries others
+# (no autotuning at run time: it would sync with the host and cannot run in a CUDA graph).
+HEAD_CONFIG = dict(BLOCK_C=_BLOCK_C, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -99,13 +102,15 @@ def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatte
     m, hidden = x2.shape
     capacity = cache_w.shape[0]
     has_bias = cache_b is not None
-    grid = (triton.cdiv(capacity, _BLOCK_C), triton.cdiv(m, _BLOCK_M))
+    cfg = HEAD_CONFIG
+    grid = (triton.cdiv(capacity, cfg["BLOCK_C"]), triton.cdiv(m, _BLOCK_M))
     wrap_triton(_head_kernel)[grid](
         x2, cache_w, cache_b if has_bias else cache_w, cursor, ids, out2,
         m, capacity, hidden, vocab_size, x2.stride(0), cache_w.stride(0), out2.stride(0),
         HAS_BIAS=has_bias, SCATTER=scatter, UPCAST=INTERPRET,
         IEEE=INTERPRET or x.dtype == torch.float32,
-        BLOCK_M=_BLOCK_M, BLOCK_C=_BLOCK_C, BLOCK_K=_BLOCK_K,
+        BLOCK_M=_BLOCK_M, BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

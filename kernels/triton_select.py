@@ -1,10 +1,11 @@
 """Triton top-k / argmax over compact logits: the [rows, V] scatter is never built.
 
-One program per row holds the row's active slots in registers and picks k times the best
-(class, score, token id): class ranks NaN first (``largest``) or last (smallest), score is the
-value (negated for smallest), and among equal values the smaller token id wins - the tie rule
-of :mod:`kernels.reference`. k is small for drafting (<= tens), so k passes over a few
-thousand registers beat a sort, and it is one launch instead of the reference's several.
+One program per row holds the row's active slots in registers as int64 keys - an
+order-preserving image of the value (negated for smallest; NaN first if ``largest``, last
+otherwise) in the high half, the complement of the token id in the low half - and takes k
+times the maximum key. One reduction per pick yields both the best value and, among equal
+values, the smaller token id: the tie rule of :mod:`kernels.reference`. k is small for
+drafting (<= tens), so k reductions over a few thousand registers beat a sort, in one launch.
 """
 from __future__ import annotations
 
@@ -29,30 +30,33 @@ def _topk_kernel(
     offs = tl.arange(0, BLOCK)
     live = offs < count
     v = tl.load(src_ptr + row * stride_s + offs, mask=live, other=0.0).to(tl.float32)
-    tok = tl.load(ids_ptr + offs, mask=live, other=0)
+    tok = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64)
     nan = v != v
-    if LARGEST:
-        cls = tl.where(nan, 2, 1)
-        score = v
-        pad = float("-inf")
-    else:
-        cls = tl.where(nan, 0, 1)
-        score = -v
-        pad = float("inf")
-    cls = tl.where(live, cls, -1)  # -1: not a candidate (inactive or already taken)
-    big = tl.full((BLOCK,), 9223372036854775807, tl.int64)
+    score = v if LARGEST else -v
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0, as in a sort
+    # Order-preserving map of the fp32 score to [0, 2^32); NaN above everything (largest) or
+    # below everything (smallest).
+    b = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    ordered = tl.where(b < 0x80000000, b + 0x80000000, 0xFFFFFFFF - b)
+    ordered = tl.where(nan, 0xFFFFFFFF if LARGEST else 0, ordered)
+    # One int64 key per slot: score in the high half, (2^32 - 1 - token) in the low half, so one
+    # max-reduction picks the best value and, among equal values, the smallest token id.
+    dead = -9223372036854775808
+    key = (ordered - 0x80000000) * 4294967296 + (0xFFFFFFFF - tok)
+    key = tl.where(live, key, dead)
+    pad = float("-inf") if LARGEST else float("inf")
     for j in range(0, K):
-        best_cls = tl.max(cls, axis=0)
-        cand = cls == best_cls
-        best_score = tl.max(tl.where(cand & (cls == 1), score, float("-inf")), axis=0)
-        cand = cand & ((cls != 1) | (score == best_score))
-        best_tok = tl.min(tl.where(cand, tok.to(tl.int64), big), axis=0)
-        found = best_cls >= 0
-        sel = cand & (tok == best_tok) & found
-        val = tl.sum(tl.where(sel, v, 0.0), axis=0)
+        best = tl.max(key, axis=0)
+        found = best != dead
+        best_tok = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+        best_ord = (best >> 32) + 0x80000000
+        bits = tl.where(best_ord >= 0x80000000, best_ord - 0x80000000, 0xFFFFFFFF - best_ord)
+        best_score = bits.to(tl.int32).to(tl.float32, bitcast=True)
+        val = best_score if LARGEST else -best_score
+        val = tl.where(best_ord == (0xFFFFFFFF if LARGEST else 0), float("nan"), val)
         tl.store(val_ptr + row * K + j, tl.where(found, val, pad).to(val_ptr.dtype.element_ty))
         tl.store(tok_ptr + row * K + j, tl.where(found, best_tok, -1))
-        cls = tl.where(sel, -1, cls)
+        key = tl.where(key == best, dead, key)
 
 
 def compact_topk(

@@ -181,8 +181,8 @@ def test_topk_and_argmax_match_reference(device, vocab, capacity, n_tokens, rows
     g = torch.Generator().manual_seed(seed)
     compact = torch.randint(0, levels, (*rows, capacity), generator=g).float()  # many ties
     if specials:
-        pick = torch.randint(0, 5, compact.shape, generator=g)
-        for code, value in ((0, float("nan")), (1, NEG), (2, float("inf"))):
+        pick = torch.randint(0, 6, compact.shape, generator=g)
+        for code, value in ((0, float("nan")), (1, NEG), (2, float("inf")), (3, -0.0)):
             compact = torch.where(pick == code, torch.tensor(value), compact)
     compact = compact.to(device=device, dtype=dtype)
     k = min(k, capacity)
@@ -230,7 +230,7 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
 
 
 def _subprocess(code_or_args, env_extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOSPEC_KERNELS")}
     env.update(env_extra)
     return subprocess.run([sys.executable, *code_or_args], env=env, capture_output=True, text=True, timeout=300)
 
