@@ -452,19 +452,23 @@ class E2EResult:
 
 
 def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.Module], max_new: int = 64,
-            draft_tokens: int = 6, observe_topk: int = 3, progress=None) -> list[E2EResult]:
+            draft_tokens: int = 6, observe_topk: int = 3, progress=None, pair: dict | None = None) -> list[E2EResult]:
     """Target-only greedy decoding, then ``generate(assistant_model=d)`` for each drafter.
 
     Drafters whose head has an active vocabulary (compiled with nanospec) are reset before each
     request and fed the target's top-``observe_topk`` at every verified position. Each variant's
     output is compared token for token with the target's greedy output.
+
+    With ``pair`` (backend options) the last drafter is set up with ``nanospec_fx.speculative_pair``
+    instead: the target is compiled in place as the observer (so it must come last).
     """
     from transformers import LogitsProcessorList
 
     kw = dict(do_sample=False, max_new_tokens=max_new, pad_token_id=target.generation_config.pad_token_id or 0)
     results, reference = [], []
     with torch.inference_mode():
-        target.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4})  # warm-up
+        for p in prompts[:2]:  # warm-up, as for the drafters
+            target.generate(torch.tensor([p]), **kw)
         t0, n = time.perf_counter(), 0
         for p in prompts:
             out = target.generate(torch.tensor([p]), **kw)[0, len(p):]
@@ -477,11 +481,17 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
         for name, drafter in drafters.items():
             g = drafter.generation_config
             g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = draft_tokens, "constant", 0.0
-            timer = DraftTimer(drafter)
-            procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk else [])
+            if pair is not None and name == list(drafters)[-1]:
+                nanospec_fx.speculative_pair(target, drafter, observe_topk=observe_topk, **pair)
+                procs = LogitsProcessorList()
+                timer = DraftTimer(drafter)
+            else:
+                timer = DraftTimer(drafter)
+                procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk else [])
             run = lambda p, m=max_new: target.generate(torch.tensor([p]), assistant_model=drafter, logits_processor=procs,
                                                        **{**kw, "max_new_tokens": m})[0, len(p):]
-            run(prompts[0], 8)  # warm-up (compiles a compiled drafter)
+            for p in prompts[:2]:  # warm-up: a compiled drafter recompiles once for dynamic lengths, then settles
+                run(p)
             timer.reset()
             same, n, secs, sizes = True, 0, 0.0, []
             for p, ref in zip(prompts, reference):

@@ -394,13 +394,17 @@ def _bars(rows: list[dict], label: str, value: str, path: Path, ylabel: str, tit
 @click.option("--max-prompt", default=256, show_default=True)
 @click.option("--max-new", default=64, show_default=True)
 @click.option("--draft-tokens", default=6, show_default=True, help="Tokens drafted per round (constant schedule).")
+@click.option("--observer", type=click.Choice(["processor", "api"]), default="processor", show_default=True,
+              help="How the target's top-k reaches the drafter: a LogitsProcessor on the target (verified positions; "
+              "the target stays eager), or nanospec_fx.speculative_pair (the target compiled in place as an observer: "
+              "every scored position, prefill included).")
 @click.option("--inductor/--no-inductor", default=False, show_default=True,
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/results"), show_default=True)
 @click.option("--name", default="e2e", show_default=True)
 @click.option("--threads", type=int, default=None)
 def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new,
-        draft_tokens, inductor, out, name, threads):
+        draft_tokens, observer, inductor, out, name, threads):
     """generate(assistant_model=...) with a layer-truncated drafter: full vs static vs nanospec head."""
     from nanospec_fx import bench as B
     from nanospec_fx.coverage import frequency_order
@@ -422,7 +426,8 @@ def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capac
         table = frequency_order((tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)[:n_static]
         weight = target.get_output_embeddings().weight
         nano = B.truncated_drafter(target, layers)
-        nano.compile(backend="nanospec", options={"capacity": capacity, "inductor": inductor})
+        if observer == "processor":
+            nano.compile(backend="nanospec", options={"capacity": capacity, "inductor": inductor})
         drafters = {
             "full head": B.truncated_drafter(target, layers),
             f"static-{n_static}": B.truncated_drafter(target, layers, B.StaticHead(weight, torch.tensor(table))),
@@ -431,7 +436,8 @@ def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capac
         with _progress() as prog:
             task = prog.add_task(spec, total=len(drafters) + 1)
             res = B.run_e2e(target, prompts, drafters, max_new, draft_tokens, observe_topk,
-                            progress=lambda s: prog.update(task, advance=1, description=f"{spec}: {s}"))
+                            progress=lambda s: prog.update(task, advance=1, description=f"{spec}: {s}"),
+                            pair=None if observer == "processor" else dict(capacity=capacity, inductor=inductor))
         t = Table(title=f"{spec} (V={vocab:,}), drafter = first {layers} of {target.config.num_hidden_layers} layers + "
                         f"shared head, {len(prompts)} prompts x {max_new} new tokens, greedy, {torch.get_num_threads()} CPU threads")
         for col in ("variant", "tok/s", "tokens/round", "draft share", "mean |A|", "== target greedy"):
@@ -446,7 +452,9 @@ def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capac
     _e2e_plot(rows, out / f"{name}.png")
     meta = {"command": "nanospec-fx " + " ".join(sys.argv[1:]), "max_new": max_new, "draft_tokens": draft_tokens,
             "observe_topk": observe_topk, "capacity": capacity, "inductor": inductor,
-            "target_observer": "LogitsProcessor on the target calling active_vocab(drafter).observe(top-k)",
+            "observer": observer, "target_observer": {
+                "processor": "LogitsProcessor on the target calling active_vocab(drafter).observe(top-k)",
+                "api": "nanospec_fx.speculative_pair(target, drafter) (target compiled in place as observer)"}[observer],
             "machine": machine()}
     write_outputs(out, name, rows, meta)
 
