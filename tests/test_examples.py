@@ -1,0 +1,26 @@
+"""The examples run and say what they should (small settings)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_policies_example():
+    out = run("examples/policies.py")
+    assert "static   active=['the', '.', 'cat', 'dog']" in out
+    assert "hybrid   active=['the', '.', 'a', 'dog', 'met', 'cat']" in out
+
+
+def test_assisted_generation_example():
+    out = run("examples/assisted_generation.py", "--no-inductor", "--vocab", "3000", "--new-tokens", "8")
+    assert out.count("assisted output == greedy target output: True") == 2
+    assert "nanospec: 1 head(s) rewritten" in out
