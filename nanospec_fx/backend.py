@@ -250,7 +250,8 @@ class _GraphBuilder:
 
     def compile(self, example_inputs: list, bindings: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
         graph = self.graph
-        graph.eliminate_dead_code()  # placeholders and the (mutating) observe ops are impure and stay
+        # Placeholders, the (mutating) observe ops and in-place methods (`z.div_(t)`) must stay.
+        graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or (n.op == "call_method" and n.target.endswith("_")))
         graph.lint()
         self.gm.recompile()
         extra = [t for b in bindings for t in b.tensors()]

@@ -33,7 +33,10 @@ ELEMENTWISE_FUNCTIONS = {
     operator.add, operator.sub, operator.mul, operator.truediv,
     torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.tanh,
 }
-ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "true_divide", "tanh", "float", "half", "bfloat16", "double", "to", "type_as", "contiguous"}
+ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "true_divide", "tanh", "add_", "sub_", "mul_", "div_", "tanh_",
+    "float", "half", "bfloat16", "double", "to", "type_as", "contiguous",
+}
 
 # Ops that consume the vocabulary axis; what they return reaches the output "through the head".
 CONSUMER_FUNCTIONS = {

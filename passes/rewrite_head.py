@@ -76,7 +76,7 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
 
         # Grow the compact region over post-ops and views, in graph order.
         region = {compact}
-        scattered: dict[fx.Node, fx.Node] = {}
+        leaving: list[tuple[fx.Node, fx.Node]] = []  # (compact node, user that needs [..., V])
         worklist = [compact]
         while worklist:
             node = worklist.pop(0)
@@ -98,13 +98,28 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
                 elif handled := _compact_consumer(graph, user, node, state):
                     consumers.extend(handled)
                 else:
-                    if node not in scattered:
-                        with graph.inserting_after(node):
-                            scattered[node] = graph.call_function(ops.scatter_logits.default, (node, state.ids, state.cursor, vocab))
-                    user.replace_input_with(node, scattered[node])
+                    leaving.append((node, user))
                     exits.append(_describe(user))
+        scattered = _insert_scatters(graph, leaving, region, state, vocab)
         _fuse_plain_head(graph, compact, scattered.get(compact), vocab)
     return RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), post_ops, exits, consumers)
+
+
+def _insert_scatters(graph: fx.Graph, leaving: list, region: set, state: StateNodes, vocab: int) -> dict:
+    """One ``scatter_logits`` per compact value, just before its first reader outside the region.
+
+    With in-place post-ops (``z.div_(t)``) a value read at two places may differ between them,
+    so then each reader gets its own scatter, placed right before it.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    in_place = any(n.op == "call_method" and n.target.endswith("_") for n in region)
+    scattered: dict[fx.Node, fx.Node] = {}
+    for node, user in sorted(leaving, key=lambda pair: order[pair[1]]):
+        if in_place or node not in scattered:
+            with graph.inserting_before(user):
+                scattered[node] = graph.call_function(torch.ops.nanospec.scatter_logits.default, (node, state.ids, state.cursor, vocab))
+        user.replace_input_with(node, scattered[node])
+    return scattered
 
 
 def _compact_consumer(graph: fx.Graph, user: fx.Node, logits: fx.Node, state: StateNodes) -> list[str]:

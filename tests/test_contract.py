@@ -158,3 +158,26 @@ def test_with_inductor(dtype):
             ids = torch.randint(0, 300, (2, 4))
             out = compiled(ids)
             assert_close_per_dtype(out, model(ids, _mask=active_mask(model)))
+
+
+class InPlaceSoftcap(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.embed(ids))
+        z.div_(5.0).tanh_().mul_(5.0)
+        return z if _mask is None else z.masked_fill(~_mask, float("-inf"))
+
+
+def test_in_place_post_ops_keep_inactive_tokens_at_minus_inf():
+    torch.manual_seed(0)
+    model = InPlaceSoftcap(80, 8).eval()
+    compiled = compile_nanospec(model, capacity=8)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        out = compiled(ids)
+        expected = model(ids, _mask=active_mask(model))
+    torch.testing.assert_close(out, expected)
