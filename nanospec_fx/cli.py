@@ -78,6 +78,9 @@ def main() -> None:
 @click.option("--tokenizer", default="gemma3", show_default=True, help="gemma3, smollm2, cl100k, tekken, bytes, or a path.")
 @click.option("--model", default=None, help="Target model (gemma3-270m, smollm2-135m, HF dir, .gguf): adds its top-k.")
 @click.option("--topk", default=3, show_default=True, help="How many of the target's predictions join the set.")
+@click.option("--continuation", type=click.Choice(["reference", "greedy"]), default="reference", show_default=True,
+              help="Score the corpus's reference text, or the target's own greedy continuation of each prompt "
+              "(needs --model): the tokens a drafter really has to propose.")
 @click.option("--static-corpus", default="sharegpt[1000:3000]", show_default=True,
               help="Where FR-Spec's frequency table is counted (kept apart from the evaluated text).")
 @click.option("--static-sizes", default="1024,3072,8192,16384,32768", show_default=True)
@@ -90,7 +93,7 @@ def main() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/results"), show_default=True)
 @click.option("--name", default="coverage", show_default=True, help="Output file stem.")
 @click.option("--threads", type=int, default=None)
-def coverage(corpora, tokenizer, model, topk, static_corpus, static_sizes, capacities, cores, capacity, verify_every,
+def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, static_sizes, capacities, cores, capacity, verify_every,
              max_prompt, max_new, out, name, threads):
     """Coverage of the next token by the active vocabulary, per task category and policy."""
     from nanospec_fx import coverage as C
@@ -103,6 +106,8 @@ def coverage(corpora, tokenizer, model, topk, static_corpus, static_sizes, capac
         target = loaders.load_model(model) if model else None
     except loaders.MissingAsset as e:
         fail(e)
+    if continuation == "greedy" and target is None:
+        fail(click.UsageError("--continuation greedy needs --model"))
     if target is not None and target.config.vocab_size < tok.vocab_size:
         fail(ValueError(f"the model's vocabulary ({target.config.vocab_size}) is smaller than the tokenizer's ({tok.vocab_size})"))
     requests = []
@@ -113,6 +118,11 @@ def coverage(corpora, tokenizer, model, topk, static_corpus, static_sizes, capac
         cont = tok.encode(s.continuation)[:max_new]
         if cont:
             requests.append(C.Request(s.category, prompt, cont))
+    if continuation == "greedy":
+        cache = loaders.CACHE / "greedy" / f"{Path(str(model)).name}-{max_new}"
+        for r in track(requests, description="target greedy continuations", console=console):
+            r.continuation = _cached(cache, r.prompt, lambda: _greedy(target, r.prompt, max_new))
+        requests = [r for r in requests if r.continuation]
     table = C.frequency_order((tok.encode(s.prompt) + tok.encode(s.continuation)
                                for s in track(static_samples, description="frequency table", console=console)), tok.vocab_size)
     if target is not None:
@@ -131,7 +141,7 @@ def coverage(corpora, tokenizer, model, topk, static_corpus, static_sizes, capac
     results = C.evaluate(requests, policies, verify_every)
     rows = [dataclasses.asdict(r) for r in results]
     meta = {"command": "nanospec-fx " + " ".join(sys.argv[1:]), "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "model": model, "topk": k, "static_corpus": static_corpus,
+            "model": model, "topk": k, "continuation": continuation, "static_corpus": static_corpus,
             "corpora": list(corpora or loaders.DEFAULT_CORPORA), "requests": len(requests), "verify_every": verify_every,
             "max_prompt": max_prompt, "max_new": max_new, "machine": machine()}
     headline = ["full", f"static-{max(_ints(static_sizes) or [0])}", f"static-{capacity}", f"context@{capacity}"]
@@ -139,26 +149,40 @@ def coverage(corpora, tokenizer, model, topk, static_corpus, static_sizes, capac
         headline.append(f"context+top{k}@{capacity}")
     headline += [f"hybrid{'+top%d' % k if k else ''}-1024@{capacity}"]
     _coverage_table(results, headline, f"next-token coverage ({tok.name}, V={tok.vocab_size:,}"
-                    + (f", target {model} top-{k}" if k else ", inputs only") + f", {len(requests)} requests)")
+                    + (f", target {model} top-{k}" if k else ", inputs only") + f", {len(requests)} requests, "
+                    + f"{continuation} continuations, verified every {verify_every})")
     out.mkdir(parents=True, exist_ok=True)
     _coverage_plot(results, out / f"{name}.png", f"{tok.name} V={tok.vocab_size:,}" + (f", +{model} top-{k}" if k else ""))
     write_outputs(out, name, rows, meta)
 
 
 def _cached_predictions(cache: Path, model, ids: list[int], k: int) -> list[list[int]]:
-    import hashlib
-
     from nanospec_fx.coverage import target_predictions
+
+    return _cached(cache, ids, lambda: target_predictions(model, ids, k))
+
+
+def _cached(cache: Path, ids: list[int], compute):
+    """``compute()`` for the token ids ``ids``, kept as JSON under ``cache`` (model outputs are slow on CPU)."""
+    import hashlib
 
     path = cache / (hashlib.sha1(torch.tensor(ids).numpy().tobytes()).hexdigest() + ".json")
     if path.exists():
         return json.loads(path.read_text())
-    pred = target_predictions(model, ids, k)
+    value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(pred))
+    tmp.write_text(json.dumps(value))
     tmp.replace(path)  # atomic: a concurrent run never reads half a file
-    return pred
+    return value
+
+
+@torch.inference_mode()
+def _greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    pad = model.generation_config.pad_token_id
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         pad_token_id=pad if pad is not None else 0)
+    return out[0, len(prompt):].tolist()
 
 
 def _coverage_table(results, headline: list[str], title: str) -> None:

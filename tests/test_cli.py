@@ -144,3 +144,15 @@ def test_missing_assets_say_how_to_install():
         loaders._require("surely_not_an_installed_module", "pip install some-pkg")
     result = CliRunner().invoke(cli.main, ["coverage", "--tokenizer", "bytes", "--corpus", "no-such-corpus"])
     assert result.exit_code == 2 and "unknown corpus" in result.output
+
+
+def test_coverage_on_the_targets_greedy_continuations(tmp_path, tiny_model_dir):
+    run("coverage", "--tokenizer", "bytes", "--model", tiny_model_dir, "--continuation", "greedy", "--max-new", "10",
+        "--corpus", "sample[:3]", "--static-corpus", "sample", "--static-sizes", "32", "--capacities", "0",
+        "--cores", "16", "--capacity", "64", "--out", tmp_path, "--name", "greedy")
+    data = json.loads((tmp_path / "greedy.json").read_text())
+    assert data["meta"]["continuation"] == "greedy"
+    rows = {(r["category"], r["policy"]): r for r in data["rows"]}
+    assert rows[("all", "full")]["tokens"] == 3 * 10  # the tiny model has no EOS: exactly --max-new each
+    # unbounded, the target's guesses only add tokens
+    assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
