@@ -36,3 +36,13 @@ def assert_close_per_dtype(actual, expected):
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     else:
         torch.testing.assert_close(actual, expected)
+
+
+def tiny_llama(vocab: int, layers: int, seed: int):
+    """A random-weight LlamaForCausalLM small enough for CPU tests."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()

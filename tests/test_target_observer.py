@@ -6,16 +6,10 @@ import torch
 import torch._dynamo
 
 import nanospec_fx
+from helpers import tiny_llama
 from drafters import TinyDrafter
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(vocab: int, layers: int, seed: int):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def test_target_outputs_are_bit_identical_and_its_top3_is_observed():

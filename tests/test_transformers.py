@@ -8,13 +8,7 @@ import torch._dynamo
 transformers = pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-
-
-def tiny_llama(vocab: int, layers: int, seed: int):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).eval()
+from helpers import tiny_llama  # noqa: E402
 
 
 @pytest.mark.parametrize("inductor", [False, True])
