@@ -227,6 +227,17 @@ def main(argv=None) -> int:
             for name in ("dense_head_topk", "static32k_head_topk", "nanospec_head", "nanospec_head_topk", "nanospec_step"):
                 replay = graphed(variants[name], dev)
                 r["graph_us"][name] = timer(replay, before=next_tokens if name == "nanospec_step" else None)
+            # The same step through inductor (read-only ops inlined as triton_op kernels): a
+            # regression here (e.g. a copy of the cache per call) shows as a gap to the eager step.
+            try:
+                t0 = time.perf_counter()
+                compiled = torch.compile(ns_step, fullgraph=True)
+                next_tokens()
+                compiled()
+                r["compile_s"] = round(time.perf_counter() - t0, 1)
+                r["eager_us"]["nanospec_step_compiled"] = timer(compiled, before=next_tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+                r["compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
         # Correctness at this shape: compact logits vs the dense head on the active ids; the
         # top-k equals the reference's on the same compact logits (same tie rule, exact).
@@ -278,8 +289,8 @@ def sweep_head_configs(timer, x, cache_w, cursor) -> dict:
     base = dict(triton_head.HEAD_CONFIG)
     out = {}
     for block_c in (16, 32, 64):
-        for block_k in (64, 128, 256):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+        for block_k in (128, 256):
+            for warps, stages in ((4, 3), (4, 5)):
                 cfg = dict(BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
                 key = f"C{block_c}_K{block_k}_w{warps}_s{stages}"
                 triton_head.HEAD_CONFIG.update(cfg)
@@ -306,6 +317,8 @@ def write(results: dict, args) -> None:
         lines.append("")
         lines.append(f"max |compact - dense| = {r['max_abs_err_vs_dense']:.3g}; top-k equals reference: {r['topk_equals_reference']}; "
                      f"top-k tokens active: {r['topk_tokens_active']}")
+        if "compile_s" in r or "compiled_error" in r:
+            lines.append(f"torch.compile of the step: {r.get('compile_s', '-')} s {r.get('compiled_error', '')}")
     if results["checks"]:
         lines += ["", "checks: " + ", ".join(f"{k}={v}" for k, v in results["checks"].items())]
     if "head_sweep_us" in results:

@@ -6,9 +6,10 @@ picks its kernel set per call (see :func:`kernels.dispatch.implementation_for`):
 reference (``kernels/reference.py``) or the Triton kernels (``kernels/triton_*.py``).
 
 How they are registered:
-  * CUDA available, triton importable, not interpreting: ``torch.library.triton_op``, so
-    inductor traces into the body and sees the Triton kernels (``wrap_triton``) instead of an
-    opaque call. If that registration fails, the plain opaque custom op below.
+  * CUDA available, triton importable, not interpreting: the read-only ops are
+    ``torch.library.triton_op``, so inductor traces into the body and sees the Triton kernels
+    (``wrap_triton``) instead of an opaque call (if that registration fails: the opaque op
+    below). ``observe`` mutates the state and stays an opaque custom op (see ``_register``).
   * otherwise (CPU machines, ``TRITON_INTERPRET=1``): ``torch.library.custom_op`` with a fake
     implementation; the body still runs the Triton kernels when ``NANOSPEC_KERNELS=triton``
     (on CPU tensors through the interpreter).
@@ -53,10 +54,14 @@ USES_TRITON_OP = _want_triton_op()
 
 
 def _register(name: str, body: Callable, mutates_args: tuple[str, ...], fake: Callable):
-    """Register ``body`` as ``nanospec::<name>`` (triton_op when possible, else opaque custom op)."""
+    """Register ``body`` as ``nanospec::<name>`` (triton_op when possible, else opaque custom op).
+
+    ``observe`` (the one op that mutates) stays opaque everywhere: inlined, its kernels would be
+    functionalised, and a clone of the [C, H] cache per step would cost more than the head.
+    """
     global USES_TRITON_OP
     qualname = f"nanospec::{name}"
-    if USES_TRITON_OP:
+    if USES_TRITON_OP and not mutates_args:
         try:
             return torch.library.triton_op(qualname, mutates_args=mutates_args)(body)
         except Exception as exc:  # noqa: BLE001 - any failure: keep the op usable, opaque

@@ -22,9 +22,8 @@ values the smaller token id first. ``torch.topk`` itself leaves the order of tie
 (on CPU it differs with size and k), so this is the rule eager code gets from
 ``torch.sort(..., stable=True)``; ``torch.argmax`` documents the same rule (first maximum).
 
-Masked writes use ``scatter_reduce`` with the reduction's identity for the masked-off
-entries (``amax`` with -inf / ``amin`` with +inf), so duplicates never race and no op
-needs a data-dependent shape.
+Masked writes redirect masked-off entries to repeat a masked-on write (same index, same
+value), so duplicate indices never race and no op needs a data-dependent shape.
 """
 from __future__ import annotations
 
@@ -49,22 +48,30 @@ def _first_occurrence(x: torch.Tensor) -> torch.Tensor:
     return first
 
 
-def _masked_set(buf: torch.Tensor, index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
-    """``buf[index[i]] = value[i]`` where ``mask[i]``; indices under the mask must be unique.
+def _redirect_masked(index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, fallback_value: torch.Tensor, dim: int = 0):
+    """Index/value pairs where masked-off entries repeat the first masked-on one.
 
-    Done as "clear with amin, then set with amax": masked-off entries carry the reduction's
-    identity, so they never change ``buf`` whatever index they point at.
+    Every write to a position then carries the same value, so duplicate indices are harmless
+    on any device (deterministic), and nothing has a data-dependent shape. With no masked-on
+    entry, everything goes to position 0 with ``fallback_value`` (its current content).
     """
-    if buf.is_floating_point():
-        lo, hi = float("-inf"), float("inf")
-    else:
-        info = torch.iinfo(buf.dtype)
-        lo, hi = info.min, info.max
-    shape = (-1,) + (1,) * (buf.dim() - 1)
-    mask_b = mask.view(shape).expand_as(value)
-    index_b = index.view(shape).expand_as(value)
-    buf.scatter_reduce_(0, index_b, torch.where(mask_b, torch.full_like(value, lo), torch.full_like(value, hi)), "amin")
-    buf.scatter_reduce_(0, index_b, torch.where(mask_b, value, torch.full_like(value, lo)), "amax")
+    first = torch.argmax(mask.to(torch.int32)).view(1)  # first masked-on entry (0 when none)
+    any_on = mask.any()
+    first_index = index.index_select(0, first)
+    tgt_index = torch.where(any_on, first_index, torch.zeros_like(first_index))
+    tgt_value = torch.where(any_on, value.index_select(dim, first), fallback_value.unsqueeze(dim))
+    shape = [1] * value.dim()
+    shape[dim] = -1
+    return torch.where(mask, index, tgt_index), torch.where(mask.view(shape), value, tgt_value)
+
+
+def _masked_set(buf: torch.Tensor, index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+    """``buf[index[i]] = value[i]`` where ``mask[i]``; indices under the mask must be unique."""
+    if index.numel() == 0:
+        return
+    value = value.to(buf.dtype)
+    idx, val = _redirect_masked(index, value, mask, buf[0])
+    buf.index_put_((idx,), val)
 
 
 def observe(
@@ -133,10 +140,11 @@ def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor
 def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Place compact logits [..., C] at their token ids in a [..., V] tensor of -inf."""
     valid = active_mask(cursor, ids.numel())
-    src = compact.masked_fill(~valid, float("-inf"))
-    index = torch.where(valid, ids, torch.zeros_like(ids)).expand_as(src)
     out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
-    return out.scatter_reduce_(-1, index, src, "amax")
+    fallback = torch.full_like(compact.select(-1, 0), float("-inf"))
+    idx, src = _redirect_masked(ids, compact, valid, fallback, dim=compact.dim() - 1)
+    out[..., idx] = src
+    return out
 
 
 def head_logits(
