@@ -1,0 +1,387 @@
+"""An EAGLE-2-style drafter, its draft loop, and a plain greedy verifier.
+
+The drafter predicts the target's next feature from (token embedding, target feature):
+``fc(cat(embed(x[t+1]), f[t])) -> one Llama-style decoder layer -> target's LM head``, and
+returns ``(logits, hidden)``. Compiled with nanospec, its head computes only the active tokens.
+
+A draft round starts from the drafter's output at the last committed position (the *root*):
+
+* :func:`draft_chain`: ``depth`` greedy steps, one token each;
+* :func:`draft_tree`: EAGLE-2's dynamic tree: at each depth expand the ``top_k`` frontier nodes,
+  score their ``top_k`` children by cumulative log-prob and keep the best ``top_k`` as the next
+  frontier; every scored child is a candidate, and :meth:`DraftTree.paths` keeps the best ones.
+
+Shapes are static within a round (``top_k`` rows per depth, a KV cache of fixed length masked by
+slot), all selection runs on the device, and the host reads the tree once per round, when it is
+verified. :func:`speculative_generate` is the whole greedy loop: verify every root-to-leaf path
+with the target over the full vocabulary, accept the longest prefix matching the target's greedy
+choice plus the target's own next token. It recomputes the target over the whole sequence each
+round (no target cache): simple and obviously lossless, meant for tiny targets and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanospec_fx.state import ActiveVocab, active_vocab
+
+
+# ----------------------------------------------------------------------------- the drafter
+@dataclass
+class EagleConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_target(cls, config) -> "EagleConfig":
+        """The drafter shape of EAGLE for a transformers Llama-like target config."""
+        rope = getattr(config, "rope_parameters", None) or {}  # transformers 5; 4.x has config.rope_theta
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_heads=config.num_attention_heads, num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
+            head_dim=getattr(config, "head_dim", None), rope_theta=theta, rms_eps=getattr(config, "rms_norm_eps", 1e-6),
+        )
+
+    @classmethod
+    def llama3_8b(cls) -> "EagleConfig":
+        """Llama-3.1-8B's shape (H=4096, V=128256, GQA 32/8)."""
+        return cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                   rope_theta=500000.0, rms_eps=1e-5)
+
+
+class KVCache:
+    """Keys and values of the drafter's layer, ``[B, kv_heads, max_len, head_dim]``, written by slot."""
+
+    def __init__(self, config: EagleConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x [B, heads, T, D]`` at ``positions [B, T]`` (rotate-half form)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = positions[:, None, :, None].float() * inv_freq  # [B, 1, T, D/2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer (RMSNorm, GQA attention with RoPE, SwiGLU) over a slot-addressed KV cache."""
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        c, h, d = config, config.hidden_size, config.head_dim
+        self.config = config
+        self.attn_norm = nn.RMSNorm(h, eps=c.rms_eps)
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.mlp_norm = nn.RMSNorm(h, eps=c.rms_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def forward(self, x, positions, slots, mask, cache_k, cache_v):
+        c = self.config
+        b, t, _ = x.shape
+        y = self.attn_norm(x)
+        q = self.q_proj(y).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(y).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        cache_k.index_copy_(2, slots, k)  # in place: the cache keeps its address across steps
+        cache_v.index_copy_(2, slots, v)
+        y = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        y = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class EagleDrafter(nn.Module):
+    """EAGLE's drafter: (token ids, target features) -> (logits, hidden).
+
+    ``embed`` and ``lm_head`` are the target's (shared, as in EAGLE); without them the drafter
+    makes its own (e.g. to benchmark a draft step at a real shape without a target).
+    """
+
+    def __init__(self, config: EagleConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
+        super().__init__()
+        self.config = config
+        self.embed = embed if embed is not None else nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.layer = DecoderLayer(config)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v):
+        """Args: ``input_ids [B, T]``, ``features [B, T, H]`` (the feature before each token),
+        ``positions [B, T]`` (RoPE), ``slots [T]`` (cache rows written), ``mask [T, L]`` bool
+        (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place)."""
+        x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        h = self.layer(x, positions, slots, mask, cache_k, cache_v)
+        return self.lm_head(h), h
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        w = self.fc.weight
+        return KVCache(self.config, max_len, batch, dtype=w.dtype, device=w.device)
+
+    @torch.no_grad()
+    def copy_target_layer(self, layer: nn.Module, noise: float = 0.0) -> "EagleDrafter":
+        """Stand-in for training: pass the token embedding through ``fc`` and copy a transformers
+        Llama decoder ``layer`` of the target (plus Gaussian ``noise`` relative to each weight's scale).
+        With the target's first layer, the drafter then approximates a one-layer target closely."""
+        h = self.config.hidden_size
+        self.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+        self.fc.bias.zero_()
+        mine, theirs = self.layer, layer
+        pairs = [
+            (mine.attn_norm, theirs.input_layernorm), (mine.mlp_norm, theirs.post_attention_layernorm),
+            (mine.q_proj, theirs.self_attn.q_proj), (mine.k_proj, theirs.self_attn.k_proj),
+            (mine.v_proj, theirs.self_attn.v_proj), (mine.o_proj, theirs.self_attn.o_proj),
+            (mine.gate_proj, theirs.mlp.gate_proj), (mine.up_proj, theirs.mlp.up_proj), (mine.down_proj, theirs.mlp.down_proj),
+        ]
+        for dst, src in pairs:
+            dst.weight.copy_(src.weight + noise * src.weight.std() * torch.randn_like(src.weight))
+        return self
+
+
+# ----------------------------------------------------------------------------- drafting
+@dataclass
+class DraftTree:
+    """Drafted candidates of one round, on the device: token, parent candidate (-1: the root), score.
+
+    Scores are cumulative log-probs; -inf marks a candidate that does not exist (fewer active
+    tokens than ``top_k``).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+
+    def paths(self, num_nodes: int | None = None) -> list[list[int]]:
+        """Root-to-leaf token paths of the best ``num_nodes`` candidates (all, if None) and their ancestors."""
+        scores = self.scores.float()
+        keep = int(torch.isfinite(scores).sum())
+        if num_nodes is not None:
+            keep = min(keep, num_nodes)
+        chosen = set(scores.topk(keep).indices.tolist()) if keep else set()
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        for node in list(chosen):  # a tie can leave out an ancestor: put it back
+            while parents[node] >= 0 and parents[node] not in chosen:
+                node = parents[node]
+                chosen.add(node)
+        inner = {parents[n] for n in chosen}
+        paths = []
+        for leaf in sorted(chosen - inner):
+            path, node = [], leaf
+            while node >= 0:
+                path.append(tokens[node])
+                node = parents[node]
+            paths.append(path[::-1])
+        return paths
+
+
+def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor, start: int):
+    """Run the drafter over committed positions ``start..start+T-1`` (causal); return the root.
+
+    ``tokens [T]`` are x[start+1 ..], ``features [T, H]`` are the target's f[start ..]. Returns the
+    logits ``[V]`` and hidden ``[H]`` of the last position: the root of the next draft round.
+    """
+    device = cache.k.device
+    slots = torch.arange(start, start + tokens.numel(), device=device)
+    mask = torch.arange(cache.max_len, device=device) <= slots[:, None]
+    logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask, cache.k, cache.v)
+    return logits[0, -1], hidden[0, -1]
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy at storage offset 0: views of other tensors (slices, expands) would make
+    Dynamo guard on their strides and offsets and recompile the drafter."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def draft_chain(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int) -> DraftTree:
+    """``depth`` tokens, each the drafter's argmax after the previous one (``depth - 1`` drafter calls)."""
+    device = cache.k.device
+    logp = torch.log_softmax(root_logits.float(), -1)
+    score, token = logp.max(-1)
+    tokens, scores = [token], [score]
+    hidden = root_hidden
+    for d in range(1, depth):
+        slot = torch.tensor([start + d - 1], device=device)
+        mask = (torch.arange(cache.max_len, device=device) <= slot)[None]
+        logits, h = drafter(token.view(1, 1), _fresh(hidden.view(1, 1, -1)), slot.view(1, 1), slot, mask, cache.k, cache.v)
+        step, token = torch.log_softmax(logits[0, -1].float(), -1).max(-1)
+        score, hidden = score + step, h[0, -1]
+        tokens.append(token)
+        scores.append(score)
+    parents = torch.arange(-1, depth - 1, device=device)
+    return DraftTree(torch.stack(tokens), parents, torch.stack(scores))
+
+
+def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, top_k: int) -> DraftTree:
+    """EAGLE-2's dynamic draft tree: ``depth`` levels, ``top_k`` frontier nodes per level.
+
+    Level 1 is the root's ``top_k``; each further level runs the drafter once over the frontier
+    (``top_k`` rows, each attending to the committed cache and its own ancestors), scores
+    ``top_k x top_k`` children and keeps the best ``top_k``. Candidates: ``top_k + (depth-1) top_k^2``.
+    Frontier node i of level d is cached at slot ``start + (d-1) top_k + i``.
+    """
+    device, k = cache.k.device, top_k
+    scores, tokens = torch.log_softmax(root_logits.float(), -1).topk(k)
+    fallback = tokens[0]  # the best root token: active, stands in for candidates that do not exist
+    tokens = torch.where(torch.isneginf(scores), fallback, tokens)
+    all_tokens, all_parents, all_scores = [tokens], [torch.full((k,), -1, device=device)], [scores]
+    frontier = torch.arange(k, device=device)  # candidate index of each frontier node
+    hidden = _fresh(root_hidden.expand(k, -1))  # the hidden each frontier node is conditioned on
+    mask = (torch.arange(cache.max_len, device=device) < start).expand(k, -1).clone()
+    rows, offset = torch.arange(k, device=device), k
+    for d in range(1, depth):
+        slots = start + (d - 1) * k + rows
+        mask[rows, slots] = True
+        positions = torch.full((1, k), start + d - 1, device=device)
+        logits, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v)
+        child_scores, child_tokens = torch.log_softmax(logits[0].float(), -1).topk(k, dim=-1)  # [k, k]
+        child_tokens = torch.where(torch.isneginf(child_scores), fallback, child_tokens)
+        cumulative = (scores[:, None] + child_scores).flatten()
+        all_tokens.append(child_tokens.flatten())
+        all_parents.append(frontier.repeat_interleave(k))
+        all_scores.append(cumulative)
+        scores, best = cumulative.topk(k)
+        parent_row = best // k
+        tokens, hidden, mask = child_tokens.flatten()[best], h[0][parent_row], mask[parent_row]
+        frontier, offset = offset + best, offset + k * k
+    return DraftTree(torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores))
+
+
+# ----------------------------------------------------------------------------- verifying
+TargetForward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def hf_target_forward(model) -> TargetForward:
+    """``ids [P, T] -> (logits, features)`` for a transformers causal LM (features: the final-norm output)."""
+    def forward(ids):
+        features = model.model(input_ids=ids).last_hidden_state
+        return model.lm_head(features), features
+    return forward
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per round
+    drafted: int = 0  # candidates verified (summed over rounds)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens committed per round (accepted drafts + the target's token), EAGLE's tau."""
+        return sum(a + 1 for a in self.accepted) / max(self.rounds, 1)
+
+
+def _state(drafter) -> ActiveVocab | None:
+    try:
+        return active_vocab(drafter)
+    except (LookupError, TypeError):
+        return None  # not compiled with nanospec: drafts over the full vocabulary
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetForward,
+    drafter: Callable,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    depth: int = 4,
+    top_k: int = 4,
+    num_nodes: int | None = 16,
+    chain: bool = False,
+    target_topk: int = 3,
+    on_draft: Callable[[DraftTree], None] | None = None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Greedy speculative decoding of ``prompt [1, P]``; returns ``([1, P + max_new_tokens], stats)``.
+
+    ``target(ids [P, T]) -> (logits [P, T, V], features [P, T, H])``. With a nanospec drafter, the
+    active vocabulary is seeded with the prompt and gets the target's ``target_topk`` predictions
+    at every committed position (design.md section 3). ``on_draft`` sees each round's tree before
+    it is verified.
+    """
+    p = prompt.shape[-1]
+    # Room for the sequence and one round's tree; rounded up so calls of similar length share one
+    # cache length (the mask's width), and so one compiled graph.
+    need = p + max_new_tokens + depth * (1 if chain else top_k) + 2
+    cache = drafter_cache(drafter, -(-need // 64) * 64)
+    logits, features = target(prompt)
+    seq = prompt[0].tolist() + [int(logits[0, -1].argmax())]
+    # The drafter reads (x[j+1], f[j]) at position j: positions 0..P-1 now, then n = len(seq) - 1.
+    root_logits, root_hidden = feed(drafter, cache, torch.tensor(seq[1:], device=prompt.device), features[0], 0)
+    state = _state(drafter)
+    if state is not None:
+        state.observe(prompt, validate=False)
+        _observe_topk(state, logits[0], target_topk)
+    n, stats = p, GenerationStats()
+    while len(seq) - p < max_new_tokens:
+        if chain:
+            tree = draft_chain(drafter, cache, root_logits, root_hidden, n, depth)
+        else:
+            tree = draft_tree(drafter, cache, root_logits, root_hidden, n, depth, top_k)
+        if on_draft is not None:
+            on_draft(tree)
+        paths = tree.paths(num_nodes)
+        longest = max(len(path) for path in paths)
+        batch = torch.tensor([seq + path + [0] * (longest - len(path)) for path in paths], device=prompt.device)
+        logits, features = target(batch)
+        greedy = logits[:, n:].argmax(-1).tolist()  # the target's choice after seq + path[:j]
+        row, accepted = 0, -1
+        for i, path in enumerate(paths):
+            m = 0
+            while m < len(path) and path[m] == greedy[i][m]:
+                m += 1
+            if m > accepted:
+                row, accepted = i, m
+        seq += paths[row][:accepted] + [greedy[row][accepted]]
+        new = torch.tensor(seq[n + 1:], device=prompt.device)
+        root_logits, root_hidden = feed(drafter, cache, new, features[row, n:n + accepted + 1], n)
+        if state is not None:
+            _observe_topk(state, logits[row, n:n + accepted + 1], target_topk)
+        n += accepted + 1
+        stats.rounds += 1
+        stats.accepted.append(accepted)
+        stats.drafted += sum(len(path) for path in paths)
+    return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
+
+
+def drafter_cache(drafter, max_len: int) -> KVCache:
+    return getattr(drafter, "_orig_mod", drafter).new_cache(max_len)
+
+
+def _observe_topk(state: ActiveVocab, logits: torch.Tensor, k: int) -> None:
+    if k > 0:
+        state.observe(logits.topk(k, dim=-1).indices, validate=False)
+
+
+@torch.inference_mode()
+def greedy_generate(target: TargetForward, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The target alone, greedy, recomputing the whole sequence each step (the reference output)."""
+    ids = prompt
+    for _ in range(max_new_tokens):
+        next_id = target(ids)[0][:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=-1)
+    return ids
