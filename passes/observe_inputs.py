@@ -48,8 +48,26 @@ def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[tuple[fx.Node, fx
             continue
         if not isinstance(ids_value, torch.Tensor) or ids_value.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             continue
+        if not _depends_on_user_input(ids):
+            continue  # e.g. positions from torch.arange: a table that happens to have V rows
         found.append((node, ids))
     return found
+
+
+def _depends_on_user_input(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from a graph input that is not a parameter or buffer."""
+    seen, stack = set(), [node]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur.op == "placeholder":
+            if not isinstance(patterns.example_value(cur), torch.nn.Parameter):
+                return True
+            continue
+        stack.extend(cur.all_input_nodes)
+    return False
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:

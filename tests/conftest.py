@@ -15,6 +15,11 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_configure(config):
+    # A NanoSpecWarning in a test is an error unless the test expects it (pytest.warns).
+    config.addinivalue_line("filterwarnings", "error::nanospec_fx.backend.NanoSpecWarning")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

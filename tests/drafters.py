@@ -21,7 +21,7 @@ class TinyDrafter(nn.Module):
         assert head in HEAD_KINDS and post in POST_OPS and returns in RETURNS
         self.head_kind, self.post, self.returns = head, post, returns
         self.embed = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(64, hidden)  # a position table: not the vocabulary, never observed
+        self.pos = nn.Embedding(16, hidden)  # a position table: not the vocabulary, never observed
         # A body MLP; with body_width == vocab its up-projection has the head's width but is not the head.
         width = body_width or 2 * hidden
         self.up = nn.Linear(hidden, width)

@@ -102,3 +102,14 @@ def test_inductor_options_pass_through():
     ids = torch.randint(0, 40, (1, 3))
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), model(ids, _mask=active_mask(model)))
+
+
+def test_position_table_with_vocabulary_rows_is_not_observed():
+    torch.manual_seed(0)
+    model = TinyDrafter(16, 8).eval()  # V == rows of the position table (16)
+    compiled = compile_nanospec(model, capacity=8)
+    with torch.no_grad():
+        compiled(torch.tensor([[9, 11]]))
+    state = nanospec_fx.active_vocab(model)
+    assert state.rewrites[-1].observers == 1
+    assert sorted(state.token_ids().tolist()) == [9, 11]  # positions 0 and 1 did not join
