@@ -1,0 +1,72 @@
+"""Markdown tables from the JSON files that ``nanospec-fx`` writes (for docs/results.md).
+
+    python benchmarks/report.py benchmarks/results/*.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def coverage(data: dict) -> str:
+    rows, meta = data["rows"], data["meta"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    by = {(r["policy"], r["category"]): r for r in rows}
+    k = meta.get("topk") or 0
+    pols = ["full", "static-32768", "static-3072", "context@3072"] + ([f"context+top{k}@3072"] if k else [])
+    pols += [f"hybrid{'+top%d' % k if k else ''}-1024@3072"]
+    out = [[p] + [pct(by[(p, c)]["coverage"]) for c in cats] + [f"{by[(p, 'all')]['mean_size']:,.0f}",
+                                                                  f"{by[(p, 'all')]['p95_size']:,.0f}"]
+           for p in pols if (p, "all") in by]
+    return table(["policy", *cats, "mean \\|A\\|", "p95 \\|A\\|"], out)
+
+
+def head(data: dict) -> str:
+    rows = [r for r in data["rows"]]
+    sweep_start = next((i for i in range(1, len(rows)) if rows[i]["shape"] == rows[0]["shape"] and rows[i]["variant"] == "dense"
+                        and rows[i - 1]["shape"] != rows[0]["shape"]), len(rows))
+    main, sweep = rows[:sweep_start], rows[sweep_start:]
+    t = table(["shape (H x V)", "rows", "variant", "rows computed", "ms", "speedup", "limit V/N", "of limit"],
+              [[f"{r['shape']} ({r['hidden']}x{r['vocab']})", str(r["rows"]), r["variant"], f"{r['size']:,}",
+                f"{r['ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['limit']:.1f}x", f"{100 * r['of_limit']:.0f}%"] for r in main])
+    if sweep:
+        t += "\n\nSweep (" + sweep[0]["shape"] + "):\n\n" + table(
+            ["rows", "variant", "rows computed", "ms", "speedup vs dense"],
+            [[str(r["rows"]), r["variant"], f"{r['size']:,}", f"{r['ms']:.2f}", f"{r['speedup']:.2f}x"] for r in sweep])
+    return t
+
+
+def draft(data: dict) -> str:
+    return table(["head", "round ms", "head ms", "head share", "vs full"],
+                 [[r["variant"], f"{r['round_ms']:.1f}", f"{r['head_ms']:.1f}", f"{100 * r['head_share']:.0f}%",
+                   f"{100 * r['vs_full']:+.1f}%"] for r in data["rows"]])
+
+
+def e2e(data: dict) -> str:
+    return table(["model", "variant", "tok/s", "tokens/round", "draft share", "mean \\|A\\|", "== target greedy"],
+                 [[r["model"], r["variant"], f"{r['tokens_per_s']:.2f}", f"{r['tokens_per_round']:.2f}",
+                   f"{100 * r['draft_share']:.0f}%", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
+                   "yes" if r["identical"] else "**no**"] for r in data["rows"]])
+
+
+def render(path: Path) -> str:
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
+            "draft" if "round_ms" in rows[0] else "e2e")
+    body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e}[kind](data)
+    return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`\n\n{body}\n"
+
+
+if __name__ == "__main__":
+    print("\n".join(render(Path(p)) for p in sys.argv[1:]))
