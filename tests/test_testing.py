@@ -65,7 +65,7 @@ def test_keyword_inputs_and_explicit_token_inputs():
 
 
 def test_capacity_smaller_than_the_input_is_reported_not_failed():
-    state = assert_equivalent(tiny(), (torch.arange(40).view(2, 20),), options={"capacity": 16})
+    state = assert_equivalent(tiny(), (torch.arange(40).view(4, 10),), options={"capacity": 16})
     assert len(state) == 16
 
 
@@ -124,3 +124,13 @@ def test_fails_without_a_head():
     with pytest.raises(AssertionError, match="did not rewrite a head"), pytest.warns(NanoSpecWarning, match="no LM head"):
         assert_equivalent(NoHead(4).eval(), (torch.randn(2, 4),))
 
+
+
+def test_transformers_model_with_keyword_inputs_and_a_cache_object():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    state = assert_equivalent(model, {"input_ids": ids(), "use_cache": True}, options={"capacity": 64})
+    assert state.contains(ids()).all()
