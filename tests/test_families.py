@@ -34,7 +34,8 @@ def gemma3(vocab, layers):
 
 
 def gpt2(vocab, layers):
-    return transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128)
+    return transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128,
+                                   bos_token_id=vocab - 1, eos_token_id=vocab - 1)
 
 
 FAMILIES = {  # name -> (config factory, model class, vocabulary size)

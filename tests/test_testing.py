@@ -5,12 +5,15 @@ reference, an observer that does nothing), so a checker that always passes would
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import nanospec_fx.kernels.reference as reference_ops
 from drafters import EagleLikeDrafter, HiddenOnlyDrafter, NoHead, TinyDrafter
 from nanospec_fx import NanoSpecWarning
 from nanospec_fx.testing import active_sets, assert_equivalent, token_ids
@@ -88,22 +91,32 @@ def test_strategies_draw_valid_values(x, active):
 
 
 # ----------------------------------------------------------------------------- failures
+def patch_reference(monkeypatch, name, wrap):
+    """Replace reference kernel ``name`` by ``wrap(original)`` in every loaded copy of the module.
+
+    There can be two: run from the repository root, transformers' probe for the ``kernels``
+    package imports ``kernels/`` again as a top-level package, and its ops then run (see the
+    xfail test below).
+    """
+    copies = {sys.modules[n] for n in ("nanospec_fx.kernels.reference", "kernels.reference") if n in sys.modules}
+    for module in copies:
+        monkeypatch.setattr(module, name, wrap(getattr(module, name)))
+
+
 def test_fails_when_active_logits_are_wrong(monkeypatch):
-    original = reference_ops.compact_logits
-    monkeypatch.setattr(reference_ops, "compact_logits", lambda *a: original(*a) + 0.01)
+    patch_reference(monkeypatch, "compact_logits", lambda original: lambda *a: original(*a) + 0.01)
     with pytest.raises(AssertionError, match=r"out \(active tokens\): \d+ of \d+ entries differ .*max abs error"):
         assert_equivalent(tiny(seed=3), (ids(),))
 
 
 def test_fails_when_inactive_logits_are_not_minus_inf(monkeypatch):
-    original = reference_ops.scatter_logits
-    monkeypatch.setattr(reference_ops, "scatter_logits", lambda *a: original(*a).clamp(min=-1e4))
+    patch_reference(monkeypatch, "scatter_logits", lambda original: lambda *a: original(*a).clamp(min=-1e4))
     with pytest.raises(AssertionError, match=r"out\[0\]: \d+ of \d+ inactive logits are not -inf"):
         assert_equivalent(tiny("tied", "softcap", "tuple", seed=4), (ids(),))
 
 
 def test_fails_when_input_tokens_are_not_observed(monkeypatch):
-    monkeypatch.setattr(reference_ops, "observe", lambda *a: None)
+    patch_reference(monkeypatch, "observe", lambda original: lambda *a: None)
     with pytest.raises(AssertionError, match=r"input 0: \d+ of \d+ distinct token ids are not active"):
         assert_equivalent(tiny(seed=7), (ids(),), active_ids=[3])
 
@@ -134,3 +147,13 @@ def test_transformers_model_with_keyword_inputs_and_a_cache_object():
     model = transformers.LlamaForCausalLM(config).eval()
     state = assert_equivalent(model, {"input_ids": ids(), "use_cache": True}, options={"capacity": 64})
     assert state.contains(ids()).all()
+
+
+@pytest.mark.xfail(strict=True, reason="backend packaging: from the repository root, transformers' probe for the "
+                   "`kernels` package imports kernels/ as a second, top-level copy that re-registers the nanospec ops")
+def test_transformers_does_not_import_a_second_copy_of_the_kernels():
+    probe = ("import sys, nanospec_fx; from transformers.utils.import_utils import is_kernels_available; "
+             "is_kernels_available(); m = sys.modules.get('kernels'); print(getattr(m, '__file__', None))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert not out.strip().startswith(str(root)), f"kernels imported from {out.strip()}"
