@@ -288,7 +288,7 @@ def hf_target_forward(model) -> TargetForward:
 class GenerationStats:
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per round
-    drafted: int = 0  # candidates verified (summed over rounds)
+    drafted: int = 0  # path tokens the target verified (summed over rounds)
 
     @property
     def mean_accept_length(self) -> float:
@@ -344,7 +344,7 @@ def speculative_generate(
             tree = draft_tree(drafter, cache, root_logits, root_hidden, n, depth, top_k)
         if on_draft is not None:
             on_draft(tree)
-        paths = tree.paths(num_nodes)
+        paths = tree.paths(num_nodes) or [[]]  # no candidate at all: the target adds one token
         longest = max(len(path) for path in paths)
         batch = torch.tensor([seq + path + [0] * (longest - len(path)) for path in paths], device=prompt.device)
         logits, features = target(batch)
