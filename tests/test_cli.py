@@ -23,6 +23,12 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Model outputs are cached on disk: give each test its own cache so nothing stale is reused."""
+    monkeypatch.setattr(loaders, "CACHE", tmp_path / "cache")
+
+
 def run(*args):
     result = CliRunner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
