@@ -436,8 +436,9 @@ class DraftTimer:
 class TargetTopK:
     """LogitsProcessor for the target: its top-k at every position it verifies joins the drafter's set.
 
-    Interim stand-in for the project's target-observer API. Assisted generation hands the same
-    processors to the drafter, so calls made while the drafter drafts are ignored.
+    Unlike ``nanospec_fx.speculative_pair`` (which compiles the target in place as the observer and
+    also sees the prefill), this keeps the target eager, so every variant runs the same target.
+    Assisted generation hands the same processors to the drafter: calls made while it drafts are ignored.
     """
 
     def __init__(self, drafter: nn.Module, timer: DraftTimer, k: int = 3):

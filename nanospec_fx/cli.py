@@ -143,7 +143,9 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     meta = {"command": "nanospec-fx " + " ".join(sys.argv[1:]), "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "model": model, "topk": k, "continuation": continuation, "static_corpus": static_corpus,
             "corpora": list(corpora or loaders.DEFAULT_CORPORA), "requests": len(requests), "verify_every": verify_every,
-            "max_prompt": max_prompt, "max_new": max_new, "machine": machine()}
+            "max_prompt": max_prompt, "max_new": max_new, "machine": machine(),
+            # how repetitive the scored text is (degenerate loops make any context set look good)
+            "distinct_token_ratio": sum(len(set(r.continuation)) / len(r.continuation) for r in requests) / len(requests)}
     headline = ["full", f"static-{max(_ints(static_sizes) or [0])}", f"static-{capacity}", f"context@{capacity}"]
     if k:
         headline.append(f"context+top{k}@{capacity}")
@@ -151,6 +153,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     _coverage_table(results, headline, f"next-token coverage ({tok.name}, V={tok.vocab_size:,}"
                     + (f", target {model} top-{k}" if k else ", inputs only") + f", {len(requests)} requests, "
                     + f"{continuation} continuations, verified every {verify_every})")
+    console.print(f"distinct tokens / continuation tokens, mean over requests: {meta['distinct_token_ratio']:.2f}")
     out.mkdir(parents=True, exist_ok=True)
     _coverage_plot(results, out / f"{name}.png", f"{tok.name} V={tok.vocab_size:,}" + (f", +{model} top-{k}" if k else ""))
     write_outputs(out, name, rows, meta)
