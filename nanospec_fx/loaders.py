@@ -165,6 +165,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32):
         cached = CACHE / spec
         if not (cached / "config.json").exists():
             _require("gguf", "pip install gguf")
+            _require("accelerate", "pip install accelerate")  # transformers needs it to read GGUF
             gguf = GGUF_MODELS[spec]()
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
@@ -176,6 +177,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32):
         path = Path(spec)
         if path.suffix == ".gguf":
             _require("gguf", "pip install gguf")
+            _require("accelerate", "pip install accelerate")
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         elif path.is_dir():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
