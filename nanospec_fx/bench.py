@@ -142,7 +142,6 @@ def bench_head(shape: str, hidden: int, vocab: int, active: int = 3072, static_n
         for name, (size, t, tmin) in times.items():
             sp, lim = dense / t, vocab / size
             out.append(HeadTiming(shape, hidden, vocab, r, name, size, 1e3 * t, sp, lim, sp / lim, 1e3 * tmin))
-    del weight, w_static, state, cmod
     return out
 
 
@@ -166,7 +165,6 @@ def bench_head_sweep(shape: str, hidden: int, vocab: int, sizes, rows=(1, 10), r
                                       vocab / n, dense / t / (vocab / n), 1e3 * min(ts)))
                 if progress:
                     progress(f"rows={r} size={n}")
-                del st
     return out
 
 
