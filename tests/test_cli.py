@@ -162,3 +162,13 @@ def test_coverage_on_the_targets_greedy_continuations(tmp_path, tiny_model_dir):
     assert rows[("all", "full")]["tokens"] == 3 * 10  # the tiny model has no EOS: exactly --max-new each
     # unbounded, the target's guesses only add tokens
     assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
+
+
+def test_e2e_through_speculative_pair(tmp_path, tiny_model_dir):
+    run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[5:7]", "--static-corpus", "sample",
+        "--static-n", "64", "--capacity", "64", "--max-new", "10", "--draft-layers", "1", "--observer", "api",
+        "--out", tmp_path, "--threads", "1")
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert data["meta"]["observer"] == "api"
+    assert all(r["identical"] for r in data["rows"])
+    assert 0 < data["rows"][-1]["active_size"] <= 64
