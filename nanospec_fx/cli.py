@@ -4,6 +4,7 @@
     nanospec-fx bench head    # LM-head time at real shapes: dense vs static 32k vs nanospec
     nanospec-fx bench draft   # one EAGLE-2-style draft round with each head
     nanospec-fx e2e           # generate(assistant_model=...) with each drafter head, output checked
+    nanospec-fx explain       # what the pass rewrote in a model, and the predicted head speedup
 
 Every verb prints a table and writes JSON, CSV and a PNG plot into ``--out``.
 """
@@ -506,6 +507,45 @@ def _e2e_plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- explain
+@main.command()
+@click.option("--model", default="tiny-llama", show_default=True,
+              help="gemma3-270m, smollm2-135m, a HF directory, a .gguf file, or tiny-llama (random weights, offline).")
+@click.option("--capacity", default=3072, show_default=True)
+@click.option("--prompt-tokens", default=32, show_default=True, help="Random prompt tokens fed once (they become active).")
+@click.option("--rows", default="1,10", show_default=True, help="Rows for the predicted head speedup.")
+@click.option("--inductor/--no-inductor", default=False, show_default=True, help="Compile the rest with inductor (slow on CPU).")
+def explain(model, capacity, prompt_tokens, rows, inductor):
+    """Compile a model with nanospec, run it once, print what the pass did and the cost model."""
+    import nanospec_fx
+
+    try:
+        lm = _tiny_llama() if model == "tiny-llama" else loaders.load_model(model)
+    except loaders.MissingAsset as e:
+        fail(e)
+    torch._dynamo.reset()
+    compiled = torch.compile(lm, backend="nanospec", options={"capacity": capacity, "inductor": inductor})
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        compiled(ids)
+    report = nanospec_fx.explain(lm)
+    console.print(str(report), markup=False, highlight=False)
+    for head in report.heads:
+        for n_active in dict.fromkeys([max(len(head.state), 1), head.state.capacity]):
+            preds = ", ".join(f"{head.cost.predict(r, n_active):.1f}x at {r} row(s)" for r in _ints(rows))
+            console.print(f"  predicted {head.name} speedup with {n_active} active tokens: {preds}", markup=False)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
 if __name__ == "__main__":

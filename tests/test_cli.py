@@ -172,3 +172,16 @@ def test_e2e_through_speculative_pair(tmp_path, tiny_model_dir):
     assert data["meta"]["observer"] == "api"
     assert all(r["identical"] for r in data["rows"])
     assert 0 < data["rows"][-1]["active_size"] <= 64
+
+
+def test_explain_on_a_local_model_directory(tiny_model_dir):
+    out = run("explain", "--model", tiny_model_dir, "--capacity", "64", "--prompt-tokens", "5").output
+    assert "head model.embed_tokens.weight" in out and "V=256, H=32" in out  # tied head
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert f"active vocabulary: {ids.unique().numel()} / 64 slots" in out
+    assert "predicted model.embed_tokens.weight speedup with 64 active tokens" in out
+
+
+def test_explain_missing_model_is_a_clear_error():
+    result = CliRunner().invoke(cli.main, ["explain", "--model", "no-such-model"])
+    assert result.exit_code == 2 and "unknown model" in result.output
