@@ -33,6 +33,18 @@ _BLOCK_H = 1024
 
 
 @triton.jit
+def _claimed(tok_ptr, slot_of_ptr, offs, n, V):
+    """Token ids at ``offs``, their safe indices, and which positions won their token's claim."""
+    inb = offs < n
+    x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
+    ok = inb & (x >= 0) & (x < V)
+    xs = tl.where(ok, x, 0)
+    cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
+    code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+    return x, xs, ok & (cur == code)
+
+
+@triton.jit
 def _observe_alloc_kernel(
     tok_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
 ):
@@ -54,13 +66,7 @@ def _observe_alloc_kernel(
     n_new = tl.zeros((), dtype=tl.int64)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
-        ok = inb & (x >= 0) & (x < V)
-        xs = tl.where(ok, x, 0)
-        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
-        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
-        first = ok & (cur == code)
+        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
         n_new += tl.sum(first.to(tl.int64), axis=0)
 
     cursor0 = tl.load(cursor_ptr)
@@ -74,12 +80,7 @@ def _observe_alloc_kernel(
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < n
-        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
-        ok = inb & (x >= 0) & (x < V)
-        xs = tl.where(ok, x, 0)
-        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
-        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
-        first = ok & (cur == code)
+        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
         f = first.to(tl.int64)
         rank = done + tl.cumsum(f, axis=0) - 1
         k = cursor0 + rank
