@@ -40,16 +40,20 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
     return state_for(weight, bias, **opts.state_config())
 
 
-def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, inductor: bool = True,
-                     **vocab_options) -> ActiveVocab:
+def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, observe_prompt: bool = True,
+                     inductor: bool = True, **vocab_options) -> ActiveVocab:
     """Compile ``drafter`` (nanospec head) and ``target`` (top-k observer) in place; return the drafter's ActiveVocab.
 
     ``vocab_options``: capacity, policy, frequencies, static_size, pinned_size, num_pinned,
-    draft_to_target... as for the backend. Target outputs are unchanged; generation stays lossless.
+    draft_to_target... as for the backend. ``observe_prompt`` also observes the target's top-k at
+    the prompt positions at prefill (transformers asks the target for the last position's logits
+    only; this costs one more head pass over the prompt). Target outputs are unchanged; generation
+    stays lossless.
     """
     state = attach(drafter, **vocab_options)
     drafter.compile(backend="nanospec", options={**vocab_options, "inductor": inductor})
-    target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor})
+    target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor,
+                                                "observe_all_positions": observe_prompt})
     return state
 
 

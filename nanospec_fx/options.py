@@ -42,6 +42,9 @@ class NanoSpecOptions:
     position into the active vocabulary given by ``vocab``; the target's outputs are unchanged."""
     vocab: Any = None
     """With ``observe_topk``: the drafter (module) or its ActiveVocab."""
+    observe_all_positions: bool = False
+    """With ``observe_topk``: also observe positions whose logits the caller did not ask for
+    (transformers' ``logits_to_keep``: the prompt at prefill), at the cost of one more head pass."""
     inductor: bool = True
     """Compile the rewritten graph with inductor; ``False`` runs it eagerly (debugging, fast tests)."""
     inductor_options: dict = field(default_factory=dict)
@@ -78,6 +81,7 @@ class NanoSpecOptions:
                f"observe_topk must be a positive int, got {self.observe_topk!r}")
         _check((self.observe_topk is None) == (self.vocab is None),
                "observe_topk and vocab go together: options={'observe_topk': 3, 'vocab': drafter}")
+        _check(isinstance(self.observe_all_positions, bool), f"observe_all_positions must be a bool, got {self.observe_all_positions!r}")
         _check(self.target_vocab_size is None or positive_int(self.target_vocab_size),
                f"target_vocab_size must be a positive int, got {self.target_vocab_size!r}")
         _check(isinstance(self.inductor, bool), f"inductor must be a bool, got {self.inductor!r}")

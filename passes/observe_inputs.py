@@ -94,11 +94,44 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     return len(lookups)
 
 
-def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto) -> int:
-    """After each head projection, observe the top-k token ids at every scored position."""
+def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto,
+                          all_positions: bool = False) -> int:
+    """After each head projection, observe the top-k token ids at every scored position.
+
+    With ``all_positions``, when the head reads a slice of the hidden states (transformers'
+    ``hidden[:, -logits_to_keep:]``), the head is also applied to the positions the slice left out
+    - the prompt at prefill - so their top-k is observed too. Nothing is left out at decode and
+    verification steps, so that extra pass is empty there.
+    """
     for proj in projections:
         with graph.inserting_before(proj.next):  # a fixed anchor keeps the new nodes in order
-            topk = graph.call_function(torch.topk, (proj, k), {"dim": -1})
-            indices = graph.call_function(operator.getitem, (topk, 1))
-            insert_observe(graph, indices, into)
+            scored = [proj]
+            rest = _positions_left_out(graph, proj) if all_positions else None
+            if rest is not None:
+                x = patterns.match_projection(proj)[0]
+                scored.append(graph.node_copy(proj, lambda n: rest if n is x else n))
+            for logits in scored:
+                topk = graph.call_function(torch.topk, (logits, k), {"dim": -1})
+                indices = graph.call_function(operator.getitem, (topk, 1))
+                insert_observe(graph, indices, into)
     return len(projections)
+
+
+def _positions_left_out(graph: fx.Graph, proj: fx.Node) -> fx.Node | None:
+    """For a head input ``h[:, start:]`` (last dim whole), a new node ``h[:, :start]``; else None."""
+    x = patterns.match_projection(proj)[0]
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem):
+        return None
+    h, index = x.args
+    shape = patterns.tensor_shape(h)
+    if shape is None or len(shape) < 2 or not patterns.view_keeps_vocab(x, h, shape[-1]):
+        return None
+    index = list(index) if isinstance(index, tuple) else [index]
+    seq_dim = len(shape) - 2
+    if len(index) <= seq_dim or any(i != slice(None) for i in index[:seq_dim]):
+        return None
+    cut = index[seq_dim]
+    if not (isinstance(cut, slice) and cut.stop is None and cut.step is None and cut.start is not None):
+        return None
+    complement = index[:seq_dim] + [slice(None, cut.start, None)] + index[seq_dim + 1:]
+    return graph.call_function(operator.getitem, (h, tuple(complement)))
