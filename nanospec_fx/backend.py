@@ -26,7 +26,8 @@ from nanospec_fx.options import NanoSpecOptions, mode_config
 from nanospec_fx.passes import (
     HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers, rewrite_head,
 )
-from nanospec_fx.state import ActiveVocab, registered_state, state_for
+from nanospec_fx.integrations import head_parameters
+from nanospec_fx.state import ActiveVocab, registered_state, registered_states, state_for
 
 BACKEND_NAME = "nanospec"
 
@@ -174,20 +175,19 @@ def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
         return vocab
     if not isinstance(vocab, nn.Module):
         raise TypeError(f"options['vocab'] must be the drafter module or its ActiveVocab, got {type(vocab).__name__}")
-    module = getattr(vocab, "_orig_mod", vocab)
-    states = {id(s): s for p in module.parameters() if (s := registered_state(p)) is not None}
+    states = list({id(s): s for s in registered_states(getattr(vocab, "_orig_mod", vocab)).values()}.values())
     if len(states) == 1:
-        return next(iter(states.values()))
+        return states[0]
     if len(states) > 1:
         raise ValueError("the drafter has several active vocabularies; pass options['vocab'] = nanospec_fx.active_vocab(drafter, head=...)")
-    get_head = getattr(module, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+    try:
+        weight, bias = head_parameters(vocab)
+    except ValueError:
         raise ValueError(
             "nanospec: the drafter has no active vocabulary yet and no get_output_embeddings(); compile and call the "
             "drafter first, or pass options['vocab'] = nanospec_fx.attach(drafter, ...)"
-        )
-    return state_for(head.weight, getattr(head, "bias", None), **opts.state_config())
+        ) from None
+    return state_for(weight, bias, **opts.state_config())
 
 
 # ----------------------------------------------------------------------------- shared mechanics

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.cost_model import HeadCost
-from nanospec_fx.state import ActiveVocab, registered_state
+from nanospec_fx.state import ActiveVocab, registered_states
 
 
 @dataclass
@@ -60,10 +60,7 @@ def explain(module: nn.Module) -> Explanation:
     post-ops and consumers kept in compact space, the active set, and the cost model."""
     module = getattr(module, "_orig_mod", module)
     heads = []
-    for name, param in module.named_parameters():
-        state = registered_state(param)
-        if state is None:
-            continue
+    for name, state in registered_states(module).items():
         reports = state.rewrites
         compact_only = bool(reports) and all(not r.exits for r in reports)
         cost = HeadCost(state.rows, state.hidden_size, torch.empty((), dtype=state.cache_w.dtype).element_size(), compact_only)

@@ -16,6 +16,23 @@ from nanospec_fx.options import NanoSpecOptions
 from nanospec_fx.state import ActiveVocab, state_for
 
 
+def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of a model's LM head: the parameter named ``head`` (e.g. ``"lm_head.weight"``,
+    its bias beside it) or, without a name, ``get_output_embeddings()`` (transformers models)."""
+    module = getattr(module, "_orig_mod", module)
+    if head is not None:
+        params = dict(module.named_parameters())
+        if head not in params:
+            raise KeyError(f"{type(module).__name__} has no parameter {head!r}")
+        bias = params.get(head.rsplit(".", 1)[0] + ".bias") if head.endswith(".weight") else None
+        return params[head], bias
+    get_head = getattr(module, "get_output_embeddings", None)
+    layer = get_head() if callable(get_head) else None
+    if layer is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(module).__name__} has no get_output_embeddings(); pass head='<weight parameter name>'")
+    return layer.weight, getattr(layer, "bias", None)
+
+
 def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> ActiveVocab:
     """Create the drafter's ActiveVocab now, before its first compiled call.
 
@@ -23,21 +40,8 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
     ``head`` (e.g. ``"lm_head.weight"``). ``vocab_options`` are the backend's vocabulary options
     (capacity, policy, frequencies, ...); compile the drafter with the same ones.
     """
-    module = getattr(drafter, "_orig_mod", drafter)
-    if head is not None:
-        params = dict(module.named_parameters())
-        if head not in params:
-            raise KeyError(f"{type(module).__name__} has no parameter {head!r}")
-        weight = params[head]
-        bias = params.get(head.rsplit(".", 1)[0] + ".bias") if head.endswith(".weight") else None
-    else:
-        get_head = getattr(module, "get_output_embeddings", None)
-        layer = get_head() if callable(get_head) else None
-        if layer is None:
-            raise ValueError(f"{type(module).__name__} has no get_output_embeddings(); pass head='<weight parameter name>'")
-        weight, bias = layer.weight, getattr(layer, "bias", None)
-    opts = NanoSpecOptions.parse({k: v for k, v in vocab_options.items()})
-    return state_for(weight, bias, **opts.state_config())
+    weight, bias = head_parameters(drafter, head)
+    return state_for(weight, bias, **NanoSpecOptions.parse(vocab_options).state_config())
 
 
 def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, observe_prompt: bool = True,
@@ -57,4 +61,4 @@ def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int
     return state
 
 
-__all__ = ["attach", "speculative_pair"]
+__all__ = ["attach", "head_parameters", "speculative_pair"]

@@ -248,6 +248,16 @@ def registered_state(weight: torch.Tensor) -> ActiveVocab | None:
     return getattr(weight, _ATTR, None)
 
 
+def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
+    """The ActiveVocab of every parameter of ``module`` that has one, by parameter name."""
+    found = {}
+    for name, p in module.named_parameters(remove_duplicate=True):
+        state = registered_state(p)
+        if state is not None:
+            found[name] = state
+    return found
+
+
 def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
     """The ActiveVocab of ``module``'s head (``module`` may be the compiled or the original one).
 
@@ -257,11 +267,7 @@ def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
     module = getattr(module, "_orig_mod", module)
     if not isinstance(module, nn.Module):
         raise TypeError(f"active_vocab expects an nn.Module, got {type(module).__name__}")
-    found = {}
-    for name, p in module.named_parameters(remove_duplicate=True):
-        st = registered_state(p)
-        if st is not None:
-            found[name] = st
+    found = registered_states(module)
     if head is not None:
         if head not in found:
             raise KeyError(f"no active vocabulary for parameter {head!r}; heads with one: {sorted(found) or 'none'}")

@@ -35,12 +35,7 @@ class HeadMatch:
 
 def parameter_name(node: fx.Node) -> str:
     """A readable dotted name for a parameter placeholder, e.g. ``lm_head.weight``."""
-    source = node.meta.get("grapharg").source if "grapharg" in node.meta else None
-    text = source.name if source is not None and isinstance(getattr(source, "name", None), str) else None
-    if text is None and source is not None:
-        text = source.name() if callable(getattr(source, "name", None)) else str(source)
-    if text is None:
-        return str(node.target)
+    text = parameter_name_raw(node)
     text = re.sub(r"^[LG]\['[^']+'\](\[\d+\])?\.?", "", text)  # the frame local (self, args[0], ...)
     text = re.sub(r"\._(modules|parameters|buffers)\['([^']+)'\]", r".\2", text)
     text = re.sub(r"^_(modules|parameters|buffers)\['([^']+)'\]", r"\2", text)
@@ -69,6 +64,7 @@ def _is_weight_like(node: fx.Node, example: object) -> bool:
 
 
 def parameter_name_raw(node: fx.Node) -> str:
+    """Dynamo's source expression for a placeholder (``L['self']._modules['lm_head']...``), or ''."""
     source = node.meta.get("grapharg").source if "grapharg" in node.meta else None
     if source is None:
         return ""

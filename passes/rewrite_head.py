@@ -62,7 +62,8 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
     exits: list[str] = []
     consumers: list[str] = []
 
-    first = min(head.nodes, key=lambda n: list(graph.nodes).index(n))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(head.nodes, key=order.__getitem__)
     with graph.inserting_before(first):
         safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
 
