@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nanospec_fx
-from nanospec_fx import coverage as C
+from nanospec_fx.eval import coverage as C
 
 
 def req(prompt, cont, predicted=None, category="t"):

@@ -148,6 +148,6 @@ def test_transformers_probe_does_not_load_a_second_copy_of_the_ops():
     directory as a top-level package; it must stay empty (no second registration of the ops)."""
     probe = ("import sys, nanospec_fx; from transformers.utils.import_utils import is_kernels_available; "
              "print(is_kernels_available(), sorted(n for n in sys.modules if n.startswith('kernels.')))")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "[]"]

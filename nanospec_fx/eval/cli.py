@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from nanospec_fx import loaders
+from nanospec_fx.eval import loaders
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -96,7 +96,7 @@ def main() -> None:
 def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, static_sizes, capacities, cores, capacity, verify_every,
              max_prompt, max_new, out, name, threads):
     """Coverage of the next token by the active vocabulary, per task category and policy."""
-    from nanospec_fx import coverage as C
+    from nanospec_fx.eval import coverage as C
 
     _threads(threads)
     try:
@@ -160,7 +160,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
 
 
 def _cached_predictions(cache: Path, model, ids: list[int], k: int) -> list[list[int]]:
-    from nanospec_fx.coverage import target_predictions
+    from nanospec_fx.eval.coverage import target_predictions
 
     return _cached(cache, ids, lambda: target_predictions(model, ids, k))
 
@@ -247,7 +247,7 @@ def bench() -> None:
 
 
 def _shapes(names: str) -> list[tuple[str, int, int]]:
-    from nanospec_fx.bench import SHAPES
+    from nanospec_fx.eval.bench.head import SHAPES
 
     out = []
     for name in names.split(","):
@@ -281,7 +281,7 @@ def _shapes(names: str) -> list[tuple[str, int, int]]:
 @click.option("--threads", type=int, default=None)
 def bench_head(shapes, active, static_n, rows, repeats, dtype, compiled, inductor, sweep, device, out, name, threads):
     """Head time: dense vs static top-N vs nanospec at one active size, 1 and 10 rows."""
-    from nanospec_fx import bench as B
+    from nanospec_fx.eval.bench import head as B
 
     _threads(threads)
     shape_list, row_list = _shapes(shapes), tuple(_ints(rows))
@@ -363,7 +363,7 @@ def _head_plot(sweep_rows, results, path: Path, title: str) -> None:
 @click.option("--threads", type=int, default=None)
 def bench_draft(shape, active, static_n, depth, topk, prefix, repeats, dtype, compiled, inductor, device, out, name, threads):
     """One EAGLE-2 draft round (depth x top-k tree) with the full, static and nanospec heads."""
-    from nanospec_fx import bench as B
+    from nanospec_fx.eval.bench import head as B
 
     _threads(threads)
     if shape == "llama3-8b":
@@ -433,8 +433,8 @@ def _bars(rows: list[dict], label: str, value: str, path: Path, ylabel: str, tit
 def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new,
         draft_tokens, observer, inductor, out, name, threads):
     """generate(assistant_model=...) with a layer-truncated drafter: full vs static vs nanospec head."""
-    from nanospec_fx import bench as B
-    from nanospec_fx.coverage import frequency_order
+    from nanospec_fx.eval.bench import head as B
+    from nanospec_fx.eval.coverage import frequency_order
 
     _threads(threads)
     rows = []

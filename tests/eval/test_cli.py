@@ -5,8 +5,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nanospec_fx import bench as B
-from nanospec_fx import cli, loaders
+from nanospec_fx.eval.bench import head as B
+from nanospec_fx.eval import cli, loaders
 
 
 @pytest.fixture(scope="module")
