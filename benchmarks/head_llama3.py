@@ -8,27 +8,12 @@ V / active: the dense head reads all V rows, the compact one reads the active ro
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn as nn
 
 import nanospec_fx
-
-
-def median_ms(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median time of each function, calls interleaved so load changes hit every variant alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+from nanospec_fx.eval.bench.timing import interleaved_medians
 
 
 def main() -> None:
@@ -56,8 +41,8 @@ def main() -> None:
         dense_out = head(x)
         mask = state.contains(torch.arange(args.vocab))
         assert torch.allclose(out[:, mask], dense_out[:, mask], rtol=1e-3, atol=1e-3) and torch.isneginf(out[:, ~mask]).all()
-        ms = median_ms({"dense": lambda: head(x), "nanospec": lambda: compiled(x)}, args.repeats)
-        dense_ms, nanospec_ms = ms["dense"], ms["nanospec"]
+        seconds = interleaved_medians({"dense": lambda: head(x), "nanospec": lambda: compiled(x)}, args.repeats)
+        dense_ms, nanospec_ms = 1e3 * seconds["dense"], 1e3 * seconds["nanospec"]
 
     print(f"shape: H={args.hidden} V={args.vocab} rows={args.rows} active={len(state)} capacity={state.capacity} dtype={args.dtype} "
           f"threads={torch.get_num_threads()}")

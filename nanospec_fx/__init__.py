@@ -4,34 +4,71 @@
     nanospec_fx.active_vocab(drafter)   # the ActiveVocab of its LM head
 
 The pass lives in ``nanospec_fx.passes``, the kernels in ``nanospec_fx.kernels``, the state
-in ``nanospec_fx.state`` and the backend in ``nanospec_fx.backend``.
+in ``nanospec_fx.state`` and the backend in ``nanospec_fx.backend``; the evaluation (CLI,
+benchmarks) in ``nanospec_fx.eval``, which the runtime never imports.
+
+Importing the package is cheap: the names below load their module on first use (the backend
+itself is registered with Dynamo by the ``torch_dynamo_backends`` entry point).
 """
-from nanospec_fx.state import DEFAULT_CAPACITY, ActiveVocab, active_vocab
-from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
-from nanospec_fx.options import NanoSpecOptions
-from nanospec_fx.policies import POLICIES, FrequencyTable
-from nanospec_fx.integrations import attach, speculative_pair
-from nanospec_fx.explain import explain
-from nanospec_fx.cost_model import HeadCost
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.state", "DEFAULT_CAPACITY": "nanospec_fx.state",
+    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
+    "NanoSpecOptions": "nanospec_fx.options", "compile": "nanospec_fx.integrations",
+    "POLICIES": "nanospec_fx.policies", "FrequencyTable": "nanospec_fx.policies",
+    "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
+    "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
+}
+
+if TYPE_CHECKING:
+    from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
+    from nanospec_fx.cost_model import HeadCost
+    from nanospec_fx.explain import explain
+    from nanospec_fx.integrations import attach, compile, speculative_pair
+    from nanospec_fx.options import NanoSpecOptions
+    from nanospec_fx.policies import POLICIES, FrequencyTable
+    from nanospec_fx.state import DEFAULT_CAPACITY, ActiveVocab, active_vocab
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        try:  # a submodule: nanospec_fx.testing, nanospec_fx.kernels, ...
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 
 def register() -> None:
     """Register the ``nanospec`` backend with Dynamo, unless it is known already.
 
     After ``pip install`` the ``torch_dynamo_backends`` entry point makes it known without
-    any import; registering a second time would fail with "duplicate name".
+    any import; this is for a source checkout that is not installed.
     """
     from torch._dynamo import list_backends, register_backend
+
+    from nanospec_fx.backend import BACKEND_NAME, nanospec_backend
 
     if BACKEND_NAME not in list_backends(exclude_tags=()):
         register_backend(compiler_fn=nanospec_backend, name=BACKEND_NAME)
 
 
-register()
-
 __all__ = [
     "ActiveVocab", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable", "POLICIES",
-    "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME",
+    "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME", "compile",
 ]

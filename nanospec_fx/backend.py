@@ -137,7 +137,7 @@ def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: Nan
             raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
         if state.observes:
             observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
-                                              all_positions=opts.observe_all_positions)
+                                              observe_prompt=opts.observe_prompt)
     if opts.observe_inputs and state.observes:
         insert_input_observers(builder.graph, into)
     if not observed:

@@ -10,6 +10,7 @@ either model, and the target's top-k predictions at every position it scores.
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 
 from nanospec_fx.options import NanoSpecOptions
@@ -54,11 +55,39 @@ def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int
     only; this costs one more head pass over the prompt). Target outputs are unchanged; generation
     stays lossless.
     """
+    _check_not_wrapped(drafter, "speculative_pair")
+    _check_not_wrapped(target, "speculative_pair")
     state = attach(drafter, **vocab_options)
     drafter.compile(backend="nanospec", options={**vocab_options, "inductor": inductor})
     target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor,
-                                                "observe_all_positions": observe_prompt})
+                                                "observe_prompt": observe_prompt})
     return state
 
 
-__all__ = ["attach", "head_parameters", "speculative_pair"]
+def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = False, **compile_kwargs):
+    """``torch.compile(model, backend="nanospec", options=options)`` with the options checked now.
+
+    ``torch.compile`` defers the backend to the first call, where a bad option surfaces as torch's
+    ``BackendCompilerFailed``; here unknown keys and bad values raise ``ValueError`` at once. With
+    ``in_place`` the module itself is compiled (``model.compile(...)``, what transformers' assisted
+    generation needs) and returned. ``compile_kwargs`` go to ``torch.compile`` (``dynamic``, ``fullgraph``...).
+    """
+    NanoSpecOptions.parse(options)
+    _check_not_wrapped(model, "nanospec_fx.compile")
+    if in_place:
+        model.compile(backend="nanospec", options=options, **compile_kwargs)
+        return model
+    return torch.compile(model, backend="nanospec", options=options, **compile_kwargs)
+
+
+def _check_not_wrapped(module: nn.Module, caller: str) -> None:
+    """A ``torch.compile`` wrapper already compiles its module; transformers' generate bypasses it."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            f"{caller} got a torch.compile wrapper ({type(module._orig_mod).__name__}); pass the module itself. "
+            "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses a wrapper "
+            "(the head would run dense): compile in place: drafter.compile(backend='nanospec')"
+        )
+
+
+__all__ = ["attach", "compile", "head_parameters", "speculative_pair"]

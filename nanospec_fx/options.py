@@ -2,14 +2,22 @@
 
 Keys that are not nanospec's and that inductor knows (``"max_autotune"``, ``"triton.cudagraphs"``...)
 go to inductor unchanged; any other key is an error, so a typo never passes silently.
+
+``torch.compile`` checks nothing: the backend parses the options at the first call, where Dynamo
+wraps the ``ValueError`` in its ``BackendCompilerFailed``. ``nanospec_fx.compile`` (or
+``NanoSpecOptions.parse``) checks them at once and raises the ``ValueError`` itself.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nanospec_fx.policies import POLICIES
 from nanospec_fx.state import DEFAULT_CAPACITY
+
+
+DEPRECATED = {"observe_all_positions": "observe_prompt"}  # old option name -> its name now
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,10 @@ class NanoSpecOptions:
     position into the active vocabulary given by ``vocab``; the target's outputs are unchanged."""
     vocab: Any = None
     """With ``observe_topk``: the drafter (module) or its ActiveVocab."""
-    observe_all_positions: bool = False
-    """With ``observe_topk``: also observe positions whose logits the caller did not ask for
-    (transformers' ``logits_to_keep``: the prompt at prefill), at the cost of one more head pass."""
+    observe_prompt: bool = False
+    """With ``observe_topk``: also observe the positions whose logits the caller did not ask for
+    (a ``hidden[:, start:]`` slice, as transformers' ``logits_to_keep``: the prompt at prefill), at the
+    cost of one more head pass over them."""
     inductor: bool = True
     """Compile the rewritten graph with inductor; ``False`` runs it eagerly (debugging, fast tests)."""
     inductor_options: dict = field(default_factory=dict)
@@ -52,6 +61,10 @@ class NanoSpecOptions:
     @classmethod
     def parse(cls, options: dict | None) -> "NanoSpecOptions":
         options = dict(options or {})
+        for old, new in DEPRECATED.items():
+            if old in options:
+                warnings.warn(f"nanospec option {old!r} is now {new!r}", DeprecationWarning, stacklevel=3)
+                options.setdefault(new, options.pop(old))
         names = {f.name for f in fields(cls)} - {"inductor_options"}
         ours = {k: options.pop(k) for k in list(options) if k in names}
         unknown = [k for k in options if not _is_inductor_key(k)]
@@ -81,7 +94,7 @@ class NanoSpecOptions:
                f"observe_topk must be a positive int, got {self.observe_topk!r}")
         _check((self.observe_topk is None) == (self.vocab is None),
                "observe_topk and vocab go together: options={'observe_topk': 3, 'vocab': drafter}")
-        _check(isinstance(self.observe_all_positions, bool), f"observe_all_positions must be a bool, got {self.observe_all_positions!r}")
+        _check(isinstance(self.observe_prompt, bool), f"observe_prompt must be a bool, got {self.observe_prompt!r}")
         _check(self.target_vocab_size is None or positive_int(self.target_vocab_size),
                f"target_vocab_size must be a positive int, got {self.target_vocab_size!r}")
         _check(isinstance(self.inductor, bool), f"inductor must be a bool, got {self.inductor!r}")

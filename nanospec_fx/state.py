@@ -264,6 +264,7 @@ def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
     It exists after the first call of the compiled module. With several heads, pass ``head``:
     the name of the head's weight parameter (as in ``module.named_parameters()``).
     """
+    wrapper = module if hasattr(module, "_orig_mod") else None
     module = getattr(module, "_orig_mod", module)
     if not isinstance(module, nn.Module):
         raise TypeError(f"active_vocab expects an nn.Module, got {type(module).__name__}")
@@ -273,9 +274,16 @@ def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
             raise KeyError(f"no active vocabulary for parameter {head!r}; heads with one: {sorted(found) or 'none'}")
         return found[head]
     if not found:
+        if wrapper is not None:
+            raise LookupError(
+                f"{type(module).__name__} has no active vocabulary: its torch.compile wrapper was not called. "
+                "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses the "
+                "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
+                "To create the set before the first call: nanospec_fx.attach(drafter)"
+            )
         raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: compile it with "
-            "torch.compile(module, backend='nanospec') and call it once"
+            f"{type(module).__name__} has no active vocabulary yet: compile it with backend='nanospec' and call "
+            "it once, or create it now with nanospec_fx.attach(module, **options)"
         )
     if len(found) > 1:
         raise LookupError(f"several heads have an active vocabulary: {sorted(found)}; pass head=<name>")

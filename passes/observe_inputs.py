@@ -95,10 +95,10 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
 
 
 def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto,
-                          all_positions: bool = False) -> int:
+                          observe_prompt: bool = False) -> int:
     """After each head projection, observe the top-k token ids at every scored position.
 
-    With ``all_positions``, when the head reads a slice of the hidden states (transformers'
+    With ``observe_prompt``, when the head reads a slice of the hidden states (transformers'
     ``hidden[:, -logits_to_keep:]``), the head is also applied to the positions the slice left out
     - the prompt at prefill - so their top-k is observed too. Nothing is left out at decode and
     verification steps, so that extra pass is empty there.
@@ -106,7 +106,7 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
     for proj in projections:
         with graph.inserting_before(proj.next):  # a fixed anchor keeps the new nodes in order
             scored = [proj]
-            rest = _positions_left_out(graph, proj) if all_positions else None
+            rest = _positions_left_out(graph, proj) if observe_prompt else None
             if rest is not None:
                 x = patterns.match_projection(proj)[0]
                 scored.append(graph.node_copy(proj, lambda n: rest if n is x else n))

@@ -23,7 +23,7 @@ insertions stay; the rest is a ring that evicts the oldest), in plain Python so 
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -201,18 +201,6 @@ def evaluate(requests: list[Request], policies: list[Policy], verify_every: int 
         if progress:
             progress(pol)
     return results
-
-
-def frequency_order(token_lists: Iterable[Sequence[int]], vocab_size: int | None = None) -> list[int]:
-    """Token ids by decreasing count (ties: smaller id first): FR-Spec's table.
-
-    With ``vocab_size`` the ids never seen follow, in id order, so any top-N is defined.
-    """
-    counts = Counter(t for ids in token_lists for t in ids)
-    order = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-    if vocab_size is not None:
-        order += [t for t in range(vocab_size) if t not in counts]
-    return order
 
 
 @torch.no_grad()

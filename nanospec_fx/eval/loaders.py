@@ -21,9 +21,10 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CACHE = Path(os.environ.get("NANOSPEC_FX_CACHE", Path.home() / ".cache" / "nanospec-fx"))
 EVAL_EXTRA = "pip install 'nanospec-fx[eval]'"
@@ -154,13 +155,30 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 # ----------------------------------------------------------------------------- models
-def load_model(spec: str, dtype: torch.dtype = torch.float32):
-    """A causal LM in eval mode from ``gemma3-270m``, ``smollm2-135m``, a HF directory or a GGUF file.
+def tiny_llama(vocab_size: int = 32000, layers: int = 1, hidden: int = 64, seed: int = 0, **config):
+    """A random-weight ``LlamaForCausalLM`` small enough for CPU tests and offline smoke runs (``tiny-llama``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **config}
+    llama = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        **config)
+    return LlamaForCausalLM(llama).eval()
+
+
+def load_model(spec: str, dtype: "torch.dtype | None" = None):
+    """A causal LM in eval mode from ``gemma3-270m``, ``smollm2-135m``, a HF directory, a GGUF file, or
+    ``tiny-llama`` (random weights, offline).
 
     GGUF models are dequantized once and cached as fp32 safetensors under ``~/.cache/nanospec-fx``.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
+    if spec == "tiny-llama":
+        return tiny_llama().to(dtype).requires_grad_(False)
     if spec in GGUF_MODELS:
         cached = CACHE / spec
         if not (cached / "config.json").exists():

@@ -5,8 +5,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nanospec_fx.eval.bench import head as B
 from nanospec_fx.eval import cli, loaders
+from nanospec_fx.eval.bench import draft as D
+from nanospec_fx.eval.bench import e2e as E2E
 
 
 @pytest.fixture(scope="module")
@@ -84,28 +85,38 @@ def test_bench_draft(tmp_path):
     run("bench", "draft", "--shape", "tiny", "--active", "64", "--static-n", "128", "--prefix", "8", "--repeats", "1",
         "--no-inductor", "--out", tmp_path, "--threads", "1")
     rows = rows_of(tmp_path / "bench-draft.json")
-    assert [r["variant"] for r in rows] == ["full", "static-128", "nanospec-ops compact", "nanospec-compiled"]
+    assert [r["variant"] for r in rows] == ["full", "static-128", "nanospec-ops +scatter", "nanospec-compiled"]
     assert rows[0]["vs_full"] == 0 and all(0 < r["head_share"] < 1 for r in rows)
 
 
-def test_draft_round_builds_an_eagle2_tree():
-    torch.manual_seed(0)
-    c = B.DrafterConfig.tiny(300)
-    drafter = B.EagleDrafter(c).eval()
-    weight = torch.randn(c.vocab, c.hidden)
-    heads = B.make_heads(weight, k=4, active=50, static_n=100, compiled=False)
-    cache_k = torch.randn(8 + 3 * 4 + 1, c.kv_heads, c.hidden // c.heads)
-    with torch.inference_mode():
-        trees = {n: B.draft_round(drafter, h, cache_k, torch.randn_like(cache_k), 8, 5, torch.randn(c.hidden), depth=3, topk=4)
-                 for n, h in heads.items()}
-    state = B.filled_state(weight, 50)  # the same random ids as the head's state
-    for name, nodes in trees.items():
-        assert len(nodes) == 3 * 4
-        for i, (tok, parent, score) in enumerate(nodes):
-            assert parent < i and (parent == -1) == (i < 4)  # depth-1 nodes hang from the root
-            assert score <= 0
-        if name.startswith("nanospec"):
-            assert state.contains(torch.tensor([t for t, _, _ in nodes])).all()
+def test_draft_round_is_eagles_tree_with_each_head():
+    """The benchmark drafts with nanospec_fx.eagle's tree; a nanospec head drafts active tokens only, and with
+    every token active it drafts the full head's tree."""
+    config = D.DRAFTER_SHAPES["tiny"]()
+    config.vocab_size = 96
+    body = D.random_drafter(config)
+    weight = torch.randn(96, config.hidden_size) / config.hidden_size**0.5
+    feature = torch.randn(config.hidden_size)
+    depth, topk, prefix = 3, 4, 8
+
+    def tree(head):
+        cache = body.new_cache(prefix + 1 + (depth - 1) * topk)
+        torch.manual_seed(1)
+        cache.k[:, :, :prefix].normal_()
+        cache.v[:, :, :prefix].normal_()
+        with torch.inference_mode():
+            return D.draft_round(D.TimedHead(body, head), cache, prefix, 5, feature, depth, topk)
+
+    partial = D.head_variants(weight, active=20, static_n=40, compiled=False)
+    state = D.filled_state(weight, 20)  # the same random ids as the heads' state
+    small = tree(partial["nanospec-ops +scatter"])
+    assert len(small.tokens) == topk + (depth - 1) * topk * topk
+    assert state.contains(small.tokens).all()
+    assert all(p < i and (p == -1) == (i < topk) for i, p in enumerate(small.parents.tolist()))
+    every = D.head_variants(weight, active=96, static_n=96, compiled=False)
+    full, nano = tree(every["full"]), tree(every["nanospec-ops +scatter"])
+    assert torch.equal(full.tokens, nano.tokens) and torch.equal(full.parents, nano.parents)
+    torch.testing.assert_close(full.scores, nano.scores)
 
 
 def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
@@ -122,12 +133,12 @@ def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
 
 def test_truncated_drafter_shares_the_targets_tensors(tiny_model_dir):
     target = loaders.load_model(str(tiny_model_dir))
-    drafter = B.truncated_drafter(target, 2)
+    drafter = E2E.truncated_drafter(target, 2)
     assert len(drafter.model.layers) == 2 and drafter.lm_head.weight is target.lm_head.weight
     target_ptrs = {p.data_ptr() for p in target.parameters()}
     assert all(p.data_ptr() in target_ptrs for p in drafter.parameters())
     table = torch.tensor([3, 7, 9])
-    head = B.StaticHead(target.lm_head.weight, table)
+    head = E2E.StaticHead(target.lm_head.weight, table)
     h = torch.randn(2, target.config.hidden_size)
     out = head(h)
     assert torch.isinf(out).sum() == 2 * (256 - 3)

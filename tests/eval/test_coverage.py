@@ -92,8 +92,7 @@ def test_active_set_matches_the_real_active_vocab():
         assert set(av.token_ids().tolist()) == set(sim), step
 
 
-def test_frequency_order_and_percentile():
-    assert C.frequency_order([[3, 1, 3], [2, 1, 3]]) == [3, 1, 2]
+def test_percentile():
     assert C.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 95) == 10
     assert C.percentile([4], 95) == 4
 

@@ -1,0 +1,1 @@
+"""The ``nanospec-fx`` verbs, one module each (imported only when the verb runs or is listed)."""

@@ -1,0 +1,117 @@
+"""``nanospec-fx e2e``: transformers' assisted generation with a self-speculative drafter and each head."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+
+from nanospec_fx.eval.cli import out_option, threads_option
+from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
+
+
+@click.command()
+@click.option("--model", "models", multiple=True, default=("gemma3-270m", "smollm2-135m"), show_default=True,
+              help="Target model (repeatable): gemma3-270m, smollm2-135m, a HF directory or a .gguf file.")
+@click.option("--tokenizer", default=None, help="Tokenizer of the model (default: the model's own).")
+@click.option("--draft-layers", default=None, type=int, help="Layers of the self-speculative drafter (default: a third).")
+@click.option("--corpus", "corpora", multiple=True, default=("sharegpt[:3]", "humaneval[:3]"), show_default=True,
+              help="Prompts: NAME[a:b] of a built-in corpus or a JSON/JSONL file (repeatable).")
+@click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
+              help="Where the FR-Spec static head's frequency table is counted.")
+@click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head.")
+@click.option("--capacity", default=3072, show_default=True, help="Capacity of the nanospec drafter's active vocabulary.")
+@click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
+@click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
+@click.option("--max-new", default=64, show_default=True, help="New tokens generated per prompt.")
+@click.option("--draft-tokens", default=6, show_default=True, help="Tokens drafted per round (constant schedule).")
+@click.option("--observer", type=click.Choice(["processor", "api"]), default="processor", show_default=True,
+              help="How the target's top-k reaches the drafter: a LogitsProcessor on the target (verified positions; "
+              "the target stays eager), or nanospec_fx.speculative_pair (the target compiled in place as an observer: "
+              "every scored position, prefill included).")
+@click.option("--inductor/--no-inductor", default=False, show_default=True,
+              help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
+@out_option("e2e")
+@threads_option
+def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new,
+        draft_tokens, observer, inductor, out, name, threads):
+    """generate(assistant_model=...) with a layer-truncated drafter: full vs static vs nanospec head."""
+    import torch
+    from rich.table import Table
+
+    from nanospec_fx import FrequencyTable
+    from nanospec_fx.eval import loaders
+    from nanospec_fx.eval.bench import e2e as B
+    from nanospec_fx.eval.commands.coverage import _load
+    from nanospec_fx.eval.report import command_line, console, fail, machine, progress, set_threads, write_outputs
+
+    set_threads(threads)
+    rows = []
+    for spec in models:
+        try:
+            target = _load("--model", loaders.load_model, spec)
+            tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
+            samples = [s for c in corpora for s in _load("--corpus", loaders.load_corpus, c)]
+            static_samples = _load("--static-corpus", loaders.load_corpus, static_corpus)
+        except loaders.MissingAsset as e:
+            fail(e)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        layers = draft_layers or max(1, target.config.num_hidden_layers // 3)
+        prompts = [tok.encode(s.prompt, bos=True)[-max_prompt:] for s in samples]
+        n_static = min(static_n, vocab)
+        table = FrequencyTable.from_token_ids(
+            (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab).top(n_static)
+        weight = target.get_output_embeddings().weight
+        torch._dynamo.reset()
+        nano = B.truncated_drafter(target, layers)
+        if observer == "processor":
+            nano.compile(backend="nanospec", options={"capacity": capacity, "inductor": inductor})
+        drafters = {
+            "full head": B.truncated_drafter(target, layers),
+            f"static-{n_static}": B.truncated_drafter(target, layers, B.StaticHead(weight, table)),
+            f"nanospec@{capacity}": nano,
+        }
+        with progress() as prog:
+            task = prog.add_task(spec, total=len(drafters) + 1)
+            res = B.run_e2e(target, prompts, drafters, max_new, draft_tokens, observe_topk,
+                            progress=lambda s: prog.update(task, advance=1, description=f"{spec}: {s}"),
+                            pair=None if observer == "processor" else dict(capacity=capacity, inductor=inductor))
+        t = Table(title=f"{spec} (V={vocab:,}), drafter = first {layers} of {target.config.num_hidden_layers} layers + "
+                        f"shared head, {len(prompts)} prompts x {max_new} new tokens, greedy, {torch.get_num_threads()} CPU threads")
+        for col in ("variant", "tok/s", "tokens/round", "draft share", "mean |A|", "== target greedy"):
+            t.add_column(col, justify="left" if col == "variant" else "right")
+        for r in res:
+            t.add_row(r.variant, f"{r.tokens_per_s:.1f}", f"{r.tokens_per_round:.2f}", f"{100 * r.draft_share:.0f}%",
+                      "" if r.active_size != r.active_size else f"{r.active_size:,.0f}", "yes" if r.identical else "NO")
+            rows.append({"model": spec, "draft_layers": layers, **dataclasses.asdict(r)})
+        console.print(t)
+        del target, drafters, nano
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(rows, out / f"{name}.png")
+    meta = {"command": command_line(), "max_new": max_new, "draft_tokens": draft_tokens,
+            "observe_topk": observe_topk, "capacity": capacity, "inductor": inductor,
+            "observer": observer, "target_observer": {
+                "processor": "LogitsProcessor on the target calling active_vocab(drafter).observe(top-k)",
+                "api": "nanospec_fx.speculative_pair(target, drafter) (target compiled in place as observer)"}[observer],
+            "machine": machine()}
+    write_outputs(out, name, rows, meta)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    from nanospec_fx.eval.report import pyplot
+
+    plt = pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == m]
+        bars = ax.bar([r["variant"] for r in rs], [r["tokens_per_s"] for r in rs], color="tab:blue")
+        for b, r in zip(bars, rs):
+            ax.annotate(f"{r['tokens_per_round']:.2f} tok/rnd", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=6)
+        ax.set_title(m, fontsize=9)
+        ax.set_ylabel("tokens/s")
+        ax.tick_params(axis="x", labelsize=6, rotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

