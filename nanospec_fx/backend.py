@@ -27,7 +27,7 @@ from nanospec_fx.passes import (
     HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers, rewrite_head,
 )
 from nanospec_fx.integrations import head_parameters
-from nanospec_fx.state import ActiveVocab, registered_state, registered_states, state_for
+from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_state, registered_states, state_for
 
 BACKEND_NAME = "nanospec"
 
@@ -240,14 +240,15 @@ class _GraphBuilder:
     def add_state(self, state: ActiveVocab, weight: fx.Node | None, bias: fx.Node | None) -> ObserveInto:
         """Inputs for ``state`` (and for the head weight/bias when the graph does not hold them)."""
         names = [] if weight is not None else ["weight"] + (["bias"] if state.bias is not None else [])
-        names += ["ids", "slot_of", "cursor", "cache_w", "cache_b"] + (["token_to_row"] if state.token_to_row is not None else [])
+        names += list(STATE_TENSORS) + (["token_to_row"] if state.token_to_row is not None else [])
         nodes = self.add_inputs(names)
         if weight is None:
             weight, nodes = nodes[0], nodes[1:]
             if state.bias is not None:
                 bias, nodes = nodes[0], nodes[1:]
-        return ObserveInto(weight, bias, StateNodes(*nodes[:5]), state.num_pinned, state.vocab_size,
-                           nodes[5] if len(nodes) > 5 else None)
+        n = len(STATE_TENSORS)
+        return ObserveInto(weight, bias, StateNodes(*nodes[:n]), state.num_pinned, state.vocab_size,
+                           nodes[n] if len(nodes) > n else None)
 
     def compile(self, example_inputs: list, bindings: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
         graph = self.graph

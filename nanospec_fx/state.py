@@ -7,6 +7,7 @@ their addresses never change (CUDA graphs keep working) and no step needs the ho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import warnings
 from typing import Iterable, Iterator
@@ -15,7 +16,10 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.kernels import ops
+from nanospec_fx.passes.rewrite_head import StateNodes
 
+# The state tensors a compiled graph receives, in order: the fields of the pass's StateNodes.
+STATE_TENSORS = tuple(f.name for f in dataclasses.fields(StateNodes))
 DEFAULT_CAPACITY = 3072
 
 
@@ -87,8 +91,8 @@ class ActiveVocab:
 
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
-        """The state tensors the compiled graph receives, in the order the ops take them."""
-        return [self.ids, self.slot_of, self.cursor, self.cache_w, self.cache_b]
+        """The state tensors the compiled graph receives, in the order the ops take them (:data:`STATE_TENSORS`)."""
+        return [getattr(self, name) for name in STATE_TENSORS]
 
     @property
     def count(self) -> torch.Tensor:
