@@ -2,7 +2,7 @@
 
 The rewritten graph calls these ops (``torch.ops.nanospec.*``). Shapes never depend on the
 active set, so the ops trace, compile and capture into CUDA graphs as they are. Each op's body
-picks its kernel set per call (see :func:`kernels.dispatch.implementation_for`): the plain-torch
+picks its kernel set per call (see :func:`nanospec_fx.kernels.dispatch.implementation_for`): the plain-torch
 reference (``kernels/reference.py``) or the Triton kernels (``kernels/triton_*.py``).
 
 How they are registered:

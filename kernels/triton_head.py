@@ -115,7 +115,7 @@ def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatte
 
 
 def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference.compact_logits`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.compact_logits`."""
     if not _supported(x, cache_w, cache_b):
         return reference.compact_logits(x, cache_w, cache_b, cursor)
     capacity = cache_w.shape[0]
@@ -127,7 +127,7 @@ def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor
 def head_logits(
     x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference.head_logits`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.head_logits`."""
     if not _supported(x, cache_w, cache_b):
         return reference.head_logits(x, cache_w, cache_b, ids, cursor, vocab_size)
     out = torch.full((*x.shape[:-1], vocab_size), float("-inf"), dtype=x.dtype, device=x.device)
@@ -136,7 +136,7 @@ def head_logits(
 
 
 def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference.scatter_logits`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.scatter_logits`."""
     capacity = ids.numel()
     out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
     src = _rows(compact)

@@ -1,6 +1,6 @@
-"""The Triton implementations of the nanospec ops (same signatures as :mod:`kernels.reference`).
+"""The Triton implementations of the nanospec ops (same signatures as :mod:`nanospec_fx.kernels.reference`).
 
-Importing this module needs triton; :mod:`kernels.dispatch` falls back to the reference when
+Importing this module needs triton; :mod:`nanospec_fx.kernels.dispatch` falls back to the reference when
 it cannot be imported.
 """
 from .triton_head import compact_logits, head_logits, scatter_logits

@@ -131,7 +131,7 @@ def observe(
     cache_b: torch.Tensor,
     num_pinned: int,
 ) -> None:
-    """Same contract as :func:`kernels.reference.observe`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.observe`."""
     tok = token_ids.reshape(-1).to(ids.device)
     if tok.dtype not in (torch.int32, torch.int64):
         tok = tok.to(torch.int64)

@@ -4,7 +4,7 @@ One program per row holds the row's active slots in registers as int64 keys - an
 order-preserving image of the value (negated for smallest; NaN first if ``largest``, last
 otherwise) in the high half, the complement of the token id in the low half - and takes k
 times the maximum key. One reduction per pick yields both the best value and, among equal
-values, the smaller token id: the tie rule of :mod:`kernels.reference`. k is small for
+values, the smaller token id: the tie rule of :mod:`nanospec_fx.kernels.reference`. k is small for
 drafting (<= tens), so k reductions over a few thousand registers beat a sort, in one launch.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _topk_kernel(
 def compact_topk(
     compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`kernels.reference.compact_topk`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.compact_topk`."""
     capacity = ids.numel()
     block = triton.next_power_of_2(capacity)
     if compact.dtype not in FLOAT_DTYPES or block > _MAX_BLOCK:
@@ -83,5 +83,5 @@ def compact_topk(
 
 
 def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference.compact_argmax`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.compact_argmax`."""
     return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)

@@ -320,8 +320,8 @@ def speculative_generate(
 
     ``target(ids [P, T]) -> (logits [P, T, V], features [P, T, H])``. With a nanospec drafter, the
     active vocabulary is seeded with the prompt and gets the target's ``target_topk`` predictions
-    at every committed position (design.md section 3). ``on_draft`` sees each round's tree before
-    it is verified.
+    at every committed position (README, "Where the active tokens come from"). ``on_draft`` sees
+    each round's tree before it is verified.
     """
     p = prompt.shape[-1]
     # Room for the sequence and one round's tree; rounded up so calls of similar length share one

@@ -1,4 +1,4 @@
-"""Check a drafter against the nanospec contract in your own CI (design.md section 5).
+"""Check a drafter against the nanospec contract (docs/testing.md) in your own CI.
 
     from nanospec_fx.testing import assert_equivalent
     assert_equivalent(drafter.eval(), (input_ids,))

@@ -1,7 +1,7 @@
 """Tiny drafters covering every head pattern the pass must handle.
 
 Each takes ``_mask`` (bool [V]) in eager mode: it sets inactive logits to -inf right after
-the post-ops, which is exactly what the compiled drafter must compute (design.md section 5).
+the post-ops, which is exactly what the compiled drafter must compute (the contract in docs/testing.md).
 """
 from __future__ import annotations
 

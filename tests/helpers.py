@@ -1,4 +1,4 @@
-"""Shared test helpers: compile with nanospec, build the eager oracle, compare per dtype."""
+"""Shared test helpers: compile with nanospec, build the eager oracle, compare per dtype, a tiny Llama."""
 from __future__ import annotations
 
 import torch
@@ -6,11 +6,8 @@ import torch._dynamo
 
 import nanospec_fx
 
-TOLERANCES = {  # (rtol, atol) per dtype for logits computed from a different matmul blocking
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (2e-2, 5e-2),
-}
+from nanospec_fx.eval.loaders import tiny_llama as _tiny_llama
+from nanospec_fx.testing import TOLERANCES
 
 
 def compile_nanospec(model, **options):
@@ -42,11 +39,6 @@ def assert_close_per_dtype(actual, expected, compute_dtype=None):
         torch.testing.assert_close(actual, expected)
 
 
-def tiny_llama(vocab: int, layers: int, seed: int):
-    """A random-weight LlamaForCausalLM small enough for CPU tests."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).eval()
+def tiny_llama(vocab: int, layers: int, seed: int, hidden: int = 32, **config):
+    """A random-weight LlamaForCausalLM small enough for CPU tests (``config``: more LlamaConfig fields)."""
+    return _tiny_llama(vocab, layers, hidden=hidden, seed=seed, **config)

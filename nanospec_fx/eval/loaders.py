@@ -312,7 +312,7 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
     or ``{"text"}`` (split in the middle); an optional ``"category"`` field labels the task."""
     path = Path(path)
     raw = path.read_text(encoding="utf-8")
-    rows = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(l) for l in raw.splitlines() if l.strip()]
+    rows = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(line) for line in raw.splitlines() if line.strip()]
     out = []
     for r in rows:
         cont = next((r[k] for k in ("continuation", "completion", "response", "answer") if k in r), None)

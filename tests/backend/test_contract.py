@@ -1,4 +1,4 @@
-"""The correctness contract of design.md section 5, as property tests over drafters and inputs.
+"""The correctness contract (docs/testing.md), as property tests over drafters and inputs.
 
 The oracle is the eager drafter with inactive logits set to -inf after the post-ops
 (``TinyDrafter(_mask=...)``); the compiled drafter must match it exactly in structure and
@@ -6,7 +6,6 @@ within dtype tolerance in value, and every token fed to it must be active.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import tiny_llama
 from drafters import EagleLikeDrafter, HiddenOnlyDrafter, NoHead, TinyDrafter
 from nanospec_fx import NanoSpecWarning
 from nanospec_fx.testing import active_sets, assert_equivalent, token_ids
@@ -134,11 +135,7 @@ def test_fails_without_a_head():
 
 
 def test_transformers_model_with_keyword_inputs_and_a_cache_object():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(V, 1, 0, hidden=16, num_attention_heads=2, num_key_value_heads=1)
     state = assert_equivalent(model, {"input_ids": ids(), "use_cache": True}, options={"capacity": 64})
     assert state.contains(ids()).all()
 

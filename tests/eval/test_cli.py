@@ -8,19 +8,16 @@ from click.testing import CliRunner
 from nanospec_fx.eval import cli, loaders
 from nanospec_fx.eval.bench import draft as D
 from nanospec_fx.eval.bench import e2e as E2E
+from helpers import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 3-layer random Llama over the 256 byte ids (the ``bytes`` tokenizer), saved as a HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=None, pad_token_id=0)
+    model = tiny_llama(256, 3, 0, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0)
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     return path
 
 

@@ -4,6 +4,7 @@ import torch
 
 import nanospec_fx
 from nanospec_fx.eval import coverage as C
+from helpers import tiny_llama
 
 
 def req(prompt, cont, predicted=None, category="t"):
@@ -108,12 +109,7 @@ def test_evaluate_aggregates_per_category_and_all():
 
 
 def test_target_predictions_matches_full_logits():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(64, 1, 0, hidden=16, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     ids = torch.randint(0, 64, (11,)).tolist()
     pred = C.target_predictions(model, ids, k=3, chunk=4)
     logits = model(torch.tensor([ids])).logits[0]

@@ -19,6 +19,7 @@ from nanospec_fx.eagle import (  # noqa: E402
     speculative_generate,
 )
 from nanospec_fx.testing import assert_equivalent  # noqa: E402
+from helpers import tiny_llama  # noqa: E402
 
 V = 1000
 
@@ -26,11 +27,8 @@ V = 1000
 def models(noise: float = 0.1, init: float = 0.02):
     """A one-layer target and a drafter copying its layer. ``init`` 0.3 gives peaked distributions
     (draft scores that depend visibly on attention); the default gives long accepted runs."""
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=init)
-    torch.manual_seed(0)
-    target = transformers.LlamaForCausalLM(config).eval()
-    drafter = EagleDrafter(EagleConfig.from_target(config), target.model.embed_tokens, target.lm_head)
+    target = tiny_llama(V, 1, 0, initializer_range=init)
+    drafter = EagleDrafter(EagleConfig.from_target(target.config), target.model.embed_tokens, target.lm_head)
     return target, drafter.copy_target_layer(target.model.layers[0], noise).eval()
 
 

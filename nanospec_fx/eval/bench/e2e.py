@@ -154,8 +154,9 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
             else:
                 timer = DraftTimer(drafter)
                 procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk else [])
-            run = lambda p, m=max_new: target.generate(torch.tensor([p]), assistant_model=drafter, logits_processor=procs,
-                                                       **{**kw, "max_new_tokens": m})[0, len(p):]
+            def run(p, drafter=drafter, procs=procs):
+                out = target.generate(torch.tensor([p]), assistant_model=drafter, logits_processor=procs, **kw)
+                return out[0, len(p):]
             for p in prompts[:2]:  # warm-up: a compiled drafter recompiles once for dynamic lengths, then settles
                 run(p)
             timer.reset()
