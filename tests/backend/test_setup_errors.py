@@ -1,0 +1,54 @@
+"""Mistakes at setup are caught where the user can catch them, with a message that says what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanospec_fx
+from drafters import TinyDrafter
+from helpers import tiny_llama
+
+
+def test_compile_checks_options_at_once():
+    model = TinyDrafter(40, 8).eval()
+    with pytest.raises(ValueError, match="unknown nanospec option.*'capacty'"):
+        nanospec_fx.compile(model, {"capacty": 8})
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        nanospec_fx.compile(model, {"capacity": 0})
+    compiled = nanospec_fx.compile(model, {"capacity": 8, "inductor": False})
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 2, 3]]))
+    assert nanospec_fx.active_vocab(model).capacity == 8
+
+
+def test_compile_in_place_returns_the_module():
+    torch._dynamo.reset()
+    model = TinyDrafter(40, 8).eval()
+    assert nanospec_fx.compile(model, {"capacity": 8, "inductor": False}, in_place=True) is model
+    with torch.no_grad():
+        model(torch.tensor([[4, 5]]))
+    assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [4, 5]
+
+
+def test_the_old_option_name_still_works_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="'observe_all_positions' is now 'observe_prompt'"):
+        opts = nanospec_fx.NanoSpecOptions.parse({"observe_all_positions": True})
+    assert opts.observe_prompt is True
+
+
+def test_a_torch_compile_wrapper_is_refused_with_the_in_place_advice():
+    target, drafter = tiny_llama(300, 1, 0), tiny_llama(300, 1, 1)
+    wrapper = torch.compile(drafter, backend="nanospec")
+    with pytest.raises(TypeError, match=r"compile in place: drafter.compile\(backend='nanospec'\)"):
+        nanospec_fx.speculative_pair(target, wrapper)
+    with pytest.raises(TypeError, match="pass the module itself"):
+        nanospec_fx.compile(wrapper)
+    # a wrapper that generate() bypassed never ran: the lookup says why and what to do instead
+    with pytest.raises(LookupError, match=r"bypasses the wrapper.*drafter.compile\(backend='nanospec'\)"):
+        nanospec_fx.active_vocab(wrapper)
+
+
+def test_active_vocab_before_the_first_call_points_at_attach():
+    model = TinyDrafter(40, 8).eval()
+    with pytest.raises(LookupError, match=r"nanospec_fx.attach"):
+        nanospec_fx.active_vocab(model)
