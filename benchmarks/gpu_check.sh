@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the nanospec kernels, for a bare CUDA machine (no network assumed):
 #   1. make the package importable (pip --no-deps editable install, else a symlink tree);
-#   2. run the kernel tests on CUDA (pytest -m cuda tests/test_kernels.py);
+#   2. run the kernel tests on CUDA (pytest -m cuda tests/kernels/test_kernels.py);
 #   3. run benchmarks/gpu_bench.py at Llama-3-8B head shape (bf16) with a head-config sweep.
 # Logs and results go to benchmarks/results/ and, when set, to $OUT. Budget: < 8 minutes.
 #   bash benchmarks/gpu_check.sh
@@ -63,8 +63,8 @@ if ! $PY -c 'import pytest, hypothesis' 2>/dev/null; then
     $PY -m pip install -q pytest hypothesis >>"$LOG" 2>&1 || say "pytest/hypothesis unavailable: skipping the tests"
 fi
 if $PY -c 'import pytest, hypothesis' 2>/dev/null; then
-    say "pytest -m '$MARK' tests/test_kernels.py"
-    timeout 300 $PY -m pytest -q -m "$MARK" -p no:cacheprovider --durations=10 tests/test_kernels.py 2>&1 | tee "$RES/gpu_pytest.log" | tail -40 | tee -a "$LOG"
+    say "pytest -m '$MARK' tests/kernels/test_kernels.py"
+    timeout 300 $PY -m pytest -q -m "$MARK" -p no:cacheprovider --durations=10 tests/kernels/test_kernels.py 2>&1 | tee "$RES/gpu_pytest.log" | tail -40 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
     say "pytest exit status $rc"
     [ "$rc" -eq 0 ] || status=1

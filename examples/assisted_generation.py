@@ -10,7 +10,11 @@ A small random Llama drafter drives ``target.generate(..., assistant_model=draft
 Both outputs are token for token the target's greedy output, while the drafter's head computes
 logits for a few dozen tokens instead of V.
 
-    python examples/assisted_generation.py            # tiny random models, ~1 min on 2 CPU cores
+    python examples/assisted_generation.py                 # tiny random models; ~2.5 min on 2 CPU cores
+    python examples/assisted_generation.py --no-inductor   # the rewritten graphs run eagerly; ~1 min
+
+Most of the time is compiling (Dynamo + inductor, once per new input shape, on the first generate
+calls); each step says what it is doing.
 """
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nanospec_fx
+
+START = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f} s] {message}", flush=True)
 
 
 def tiny_llama(vocab: int, layers: int, seed: int) -> LlamaForCausalLM:
@@ -38,21 +48,27 @@ def main() -> None:
     parser.add_argument("--no-inductor", action="store_true", help="run the rewritten graph eagerly (faster start)")
     args = parser.parse_args()
 
+    say(f"building a random 2-layer target and 1-layer drafter (V={args.vocab})")
     target, drafter = tiny_llama(args.vocab, 2, seed=0), tiny_llama(args.vocab, 1, seed=1)
     prompt = torch.randint(0, args.vocab, (1, 16), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
     options = {"capacity": args.capacity, "inductor": not args.no_inductor}
+    say("the target alone, greedy (the reference output)")
     with torch.inference_mode():
         greedy = target.generate(prompt, **kwargs)
 
     # 1. generate() calls drafter.generate(), so compile the drafter in place, not through a wrapper.
     drafter.compile(backend="nanospec", options=options)
+    say("assisted generation, drafter compiled with nanospec (its first calls compile it" +
+        (")" if args.no_inductor else " with inductor: the slow part)"))
     run("drafter inputs only", target, drafter, prompt, greedy, kwargs)
 
     # 2. The full NanoSpec context: the target observes its top-3 into the drafter's vocabulary.
     nanospec_fx.speculative_pair(target, drafter, observe_topk=3, **options)
+    say("assisted generation with the target compiled as an observer (compiling the target now)")
     run("with the target observer", target, drafter, prompt, greedy, kwargs)
     print(nanospec_fx.explain(drafter))
+    say("done")
 
 
 def run(label: str, target, drafter, prompt, greedy, kwargs) -> None:
@@ -64,7 +80,7 @@ def run(label: str, target, drafter, prompt, greedy, kwargs) -> None:
         seconds = time.perf_counter() - start
     state = nanospec_fx.active_vocab(drafter)
     same = torch.equal(greedy, assisted)
-    print(f"[{label}] assisted output == greedy target output: {same}; "
+    say(f"[{label}] assisted output == greedy target output: {same}; "
           f"the drafter head computes {len(state)} of {state.vocab_size} tokens; {seconds:.1f} s (includes compiling)")
     if not same:
         raise SystemExit("outputs differ")

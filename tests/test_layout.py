@@ -63,3 +63,17 @@ def test_the_runtime_never_imports_the_evaluation():
         for module, _ in _imports(path):
             assert not module.startswith("nanospec_fx.eval"), f"{path.relative_to(ROOT)} imports {module}"
             assert module.split(".")[0] not in ("click", "rich", "matplotlib"), f"{path.relative_to(ROOT)} imports {module}"
+
+
+def test_every_package_directory_is_installed():
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    roots = {"nanospec_fx": ROOT / "nanospec_fx", **{k: ROOT / v for k, v in setuptools["package-dir"].items()}}
+    found = set()
+    for name, path in roots.items():
+        for init in path.rglob("__init__.py"):
+            found.add(".".join([name, *init.parent.relative_to(path).parts]))
+    assert found == listed
+    assert setuptools["package-data"] == {"nanospec_fx.eval.data": ["*.jsonl"]}
