@@ -34,11 +34,6 @@ def timings(fn: Callable[[], object], repeats: int, warmup: int = 2, min_seconds
     return times
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in seconds."""
-    return statistics.median(timings(fn, repeats, warmup))
-
-
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
     """Median seconds of each function, calls interleaved so that load changes hit every variant alike."""
     for _ in range(warmup):

@@ -38,20 +38,30 @@ def _shapes(names: str) -> list[tuple[str, int, int]]:
     return out
 
 
+def head_variant_options(fn):
+    """The options both benchmarks share: which heads are timed, in which dtype."""
+    for option in reversed([
+        click.option("--active", default=3072, show_default=True, help="Active vocabulary size (= capacity)."),
+        click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head."),
+        click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+                     help="Weight and activation dtype."),
+        click.option("--compiled/--no-compiled", default=True, show_default=True,
+                     help="Also time the head through torch.compile(backend='nanospec')."),
+        click.option("--inductor/--no-inductor", default=True, show_default=True,
+                     help="Compile the rewritten head with inductor (else run it eagerly)."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
 @bench.command("head")
 @click.option("--shapes", default="llama3-8b,qwen2-7b,gemma3-270m,gemma3-27b", show_default=True,
               help="Comma-separated model names or HxV (hidden x vocabulary).")
-@click.option("--active", default=3072, show_default=True, help="Active vocabulary size (= capacity).")
-@click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head.")
 @click.option("--rows", default="1,10", show_default=True, help="Hidden-state rows per call (comma-separated).")
 @click.option("--repeats", default=10, show_default=True, help="Timed calls per variant (at least; medians reported).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True, help="Weight and activation dtype.")
-@click.option("--compiled/--no-compiled", default=True, show_default=True,
-              help="Also time the head through torch.compile(backend='nanospec').")
-@click.option("--inductor/--no-inductor", default=True, show_default=True,
-              help="Compile the rewritten graph with inductor (else run it eagerly).")
 @click.option("--sweep", default="256,1024,3072,8192,32768", show_default=True,
               help="Active sizes for the head-time-vs-size plot (first shape only; empty: none).")
+@head_variant_options
 @device_option
 @out_option("bench-head")
 @threads_option
@@ -121,17 +131,11 @@ def _head_plot(sweep_rows, results, path: Path, title: str) -> None:
 @bench.command("draft")
 @click.option("--shape", type=click.Choice(DRAFTER_SHAPES), default="llama3-8b", show_default=True,
               help="Drafter shape: llama3-8b (EAGLE's drafter of Llama-3.1-8B) or tiny (a smoke run).")
-@click.option("--active", default=3072, show_default=True, help="Active vocabulary size (= capacity).")
-@click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head.")
 @click.option("--depth", default=6, show_default=True, help="Drafter calls per round (the root + depth-1 tree levels).")
 @click.option("--topk", default=10, show_default=True, help="Frontier nodes per tree level (EAGLE-2's top-k).")
 @click.option("--prefix", default=512, show_default=True, help="Tokens already in the drafter's KV cache.")
 @click.option("--repeats", default=5, show_default=True, help="Timed rounds per variant (median reported).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True, help="Weight and activation dtype.")
-@click.option("--compiled/--no-compiled", default=True, show_default=True,
-              help="Also time the head through torch.compile(backend='nanospec').")
-@click.option("--inductor/--no-inductor", default=True, show_default=True,
-              help="Compile the rewritten head with inductor (else run it eagerly).")
+@head_variant_options
 @device_option
 @out_option("bench-draft")
 @threads_option
