@@ -88,13 +88,14 @@ def main() -> None:
 @click.option("--cores", default="256,512,1024,2048", show_default=True, help="Hybrid: static core sizes (capacity 3072).")
 @click.option("--capacity", default=3072, show_default=True, help="Capacity of the headline context/hybrid policies.")
 @click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
+@click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")
 @click.option("--max-new", default=128, show_default=True, help="Score the first N continuation tokens.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("benchmarks/results"), show_default=True)
 @click.option("--name", default="coverage", show_default=True, help="Output file stem.")
 @click.option("--threads", type=int, default=None)
 def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, static_sizes, capacities, cores, capacity, verify_every,
-             max_prompt, max_new, out, name, threads):
+             compare_lru, max_prompt, max_new, out, name, threads):
     """Coverage of the next token by the active vocabulary, per task category and policy."""
     from nanospec_fx import coverage as C
 
@@ -137,6 +138,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     policies += [C.context(c) for c in caps]
     if k:
         policies += [C.context(c, topk=k) for c in caps]
+    if compare_lru:
+        policies += [C.context(c, topk=t, eviction="lru") for t in sorted({0, k}) for c in caps]
     policies += [C.hybrid(table, c, capacity, topk=k) for c in _ints(cores) if c < capacity]
     results = C.evaluate(requests, policies, verify_every)
     rows = [dataclasses.asdict(r) for r in results]

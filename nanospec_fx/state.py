@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.kernels import ops
+from nanospec_fx.kernels.schema import STATE
 
 DEFAULT_CAPACITY = 3072
 
@@ -88,7 +89,7 @@ class ActiveVocab:
     # ----------------------------------------------------------------- tensors
     def tensors(self) -> list[torch.Tensor]:
         """The state tensors the compiled graph receives, in the order the ops take them."""
-        return [self.ids, self.slot_of, self.cursor, self.cache_w, self.cache_b]
+        return [getattr(self, name) for name in STATE]
 
     @property
     def count(self) -> torch.Tensor:
