@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-RES="$ROOT/benchmarks/results"
+RES=${GPU_CHECK_RESULTS:-"$ROOT/benchmarks/results"}
 mkdir -p "$RES"
 LOG="$RES/gpu_check.log"
 : >"$LOG"
