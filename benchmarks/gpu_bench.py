@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from nanospec_fx.kernels import reference
-from nanospec_fx.kernels.schema import new_state as _new_state
+from nanospec_fx.kernels.schema import STATE, new_state as _new_state
 
 OPS = torch.ops.nanospec
 TOPK = 10
@@ -62,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="device memory bandwidth, bytes/s")
     p.add_argument("--sweep", action="store_true", help="also time every head-kernel configuration (HEAD_CONFIGS)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failed check (exit 1)")
     p.add_argument("--corrupt", action="store_true",
                    help="add 1.0 to one compact logit before the check (proves the check fails the run)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
 
     # State: seed with `active` ids (like a prompt), then each step observes NEW_PER_STEP ids.
     state = new_state(W, args.capacity)
-    ids, slot_of, cursor, cache_w, cache_b = state
+    ids, _, cursor, cache_w, cache_b = state
     seed_ids = torch.randperm(V, generator=gen)[: args.active].to(dev)
     OPS.observe(seed_ids, W, None, *state, 0)
     table = step_token_table(seed_ids, V, STEPS, gen)
@@ -205,6 +206,9 @@ def main(argv=None) -> int:
     def check(name: str, ok: bool, detail: str = "") -> None:
         results["checks"][name] = "pass" if ok else f"FAIL {detail}".strip()
         write(results, args)
+        if not ok and args.fail_fast:
+            print(f"FAILED check {name}: {detail}", file=sys.stderr)
+            raise SystemExit(1)
 
     # Observe alone against the reference: duplicates, out-of-range ids, pinned slots, a small
     # ring that overflows and the full capacity; eager (and replayed from a CUDA graph).
@@ -255,6 +259,9 @@ def main(argv=None) -> int:
             "nanospec_head": ns_head, "nanospec_head_scatter": ns_head_scatter, "nanospec_head_fused": ns_head_fused,
             "nanospec_head_topk": ns_head_topk, "nanospec_step": ns_step,
         }
+        # Correctness at this shape first: compact logits vs the dense head on the active ids; the
+        # top-k equals the reference's on the same compact logits (same tie rule, exact).
+        check_head(r, check, f"rows{rows}", ns_head, dense_head, ns_head_topk, ids, cursor, args)
         cursor0, steps0 = int(cursor), steps_run[0]
         for name, fn in variants.items():
             r["eager_us"][name] = timer(fn, before=step_prep if name == "nanospec_step" else None)
@@ -286,9 +293,6 @@ def main(argv=None) -> int:
         check(f"cursor_moved_rows{rows}", r["insertions_per_step"] >= FRESH_PER_STEP,
               f"{r['insertions_per_step']:.2f} insertions per step, expected >= {FRESH_PER_STEP}")
 
-        # Correctness at this shape: compact logits vs the dense head on the active ids; the
-        # top-k equals the reference's on the same compact logits (same tie rule, exact).
-        check_head(r, check, f"rows{rows}", ns_head, dense_head, ns_head_topk, ids, cursor, args)
 
     # Observe alone with 0, 2 and 16 new ids per call.
     if dev == "cuda":
@@ -350,7 +354,7 @@ def check_head(r, check, tag, ns_head, dense_head, ns_head_topk, ids, cursor, ar
 
 def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
     """Triton observe vs the reference on random call sequences; returns (ok, first difference)."""
-    V, H = W.shape
+    V = W.shape[0]
     calls = 24 if dev == "cuda" else 4  # the interpreter is slow
     for cap in sorted({64, capacity}) if dev == "cuda" else [64]:
         for pinned in (0, 5):
@@ -362,7 +366,7 @@ def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
                 tok = tok.to(dev)
                 OPS.observe(tok, W, None, *a, pinned)
                 reference.observe(tok, W, None, *b, pinned)
-                for name, x, y in zip(("ids", "slot_of", "cursor", "cache_w", "cache_b"), a, b):
+                for name, x, y in zip(STATE, a, b):
                     if not torch.equal(x, y):
                         return False, f"capacity {cap}, pinned {pinned}, call {call}: {name} differs"
     return True, ""

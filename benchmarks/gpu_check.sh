@@ -74,14 +74,14 @@ if [ "${GPU_CHECK_FALLBACK:-0}" = 1 ] || ! $PY -c 'import nanospec_fx.kernels.op
         ln -s "$ROOT/passes" "$TREE/nanospec_fx/passes"
         export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
         say "no editable install; using the symlink tree $TREE"
-        $PY -c 'import sys, nanospec_fx; sys.exit(not nanospec_fx.__file__.startswith(sys.argv[1]))' "$TREE" \
-            || finish 4 "nanospec_fx is not imported from the symlink tree"
     fi
 fi
+# The import must work, include the Triton kernels, and (with the tree) come from the tree.
 $PY -c '
-import nanospec_fx, nanospec_fx.kernels.ops as o, nanospec_fx.kernels.triton_kernels
-print("nanospec_fx from", nanospec_fx.__file__, "| kernels from", o.__file__, "| triton_op registration:", o.USES_TRITON_OP)' 2>&1 | tee -a "$LOG"
-[ "${PIPESTATUS[0]}" -eq 0 ] || finish 4 "nanospec_fx.kernels (with its Triton kernels) does not import"
+import sys, nanospec_fx, nanospec_fx.kernels.ops as o, nanospec_fx.kernels.triton_kernels
+print("nanospec_fx from", nanospec_fx.__file__, "| kernels from", o.__file__, "| triton_op registration:", o.USES_TRITON_OP)
+assert nanospec_fx.__file__.startswith(sys.argv[1]), "not imported from " + sys.argv[1]' "${TREE:-/}" 2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || finish 4 "nanospec_fx.kernels (with its Triton kernels) does not import, or not from the symlink tree"
 
 # 2. Every launched kernel variant compiles for this GPU (and keeps int64 offsets).
 if [ "$CPU" != 1 ]; then

@@ -120,7 +120,7 @@ def _launch_everything() -> None:
                     w = torch.zeros(vocab, hidden, dtype=dtype)
                     b = torch.zeros(vocab, dtype=dtype)
                     state = new_state(vocab, hidden, capacity, dtype, "cpu")
-                    ids, slot_of, cursor, cache_w, cache_b = state
+                    ids, _, cursor, cache_w, cache_b = state
                     for tok_dtype in (torch.int32, torch.int64):
                         for bias in (None, b):
                             T.observe(torch.zeros(5, dtype=tok_dtype), w, bias, *state, 0)

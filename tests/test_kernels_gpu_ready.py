@@ -89,12 +89,10 @@ def test_every_wrapper_launches_under_the_device_guard(monkeypatch):
     for mod in (triton_head, triton_observe, triton_select):
         monkeypatch.setattr(mod, "device_guard", guard)
     launched = []
-    real = triton_util.direct_launch
-
     vocab, hidden, capacity = 40, 8, 16
     w = torch.randn(vocab, hidden)
     s = schema.new_state(vocab, hidden, capacity, torch.float32, "cpu")
-    with real():
+    with direct_launch():
         for name, call in [
             ("observe", lambda: T.observe(torch.tensor([3, 7, 3]), w, None, *s, 0)),
             ("compact_logits", lambda: T.compact_logits(torch.randn(2, hidden), s[3], None, s[2])),
@@ -159,9 +157,8 @@ def test_observe_rejects_a_pinned_count_without_a_ring(impl):
     s = schema.new_state(vocab, hidden, capacity, torch.float32, "cpu")
     fn = {"op": torch.ops.nanospec.observe, "reference": R.observe, "triton": T.observe}[impl]
     for bad in (capacity, capacity + 1, -1):
-        with pytest.raises((ValueError, RuntimeError), match="num_pinned"):
-            with direct_launch():
-                fn(torch.tensor([1, 2]), w, None, *s, bad)
+        with pytest.raises((ValueError, RuntimeError), match="num_pinned"), direct_launch():
+            fn(torch.tensor([1, 2]), w, None, *s, bad)
     assert int(s[2]) == 0  # nothing happened
 
 
@@ -315,11 +312,16 @@ def test_gpu_check_fails_without_pytest(tmp_path):
 
 
 @needs_interpreter
-def test_gpu_check_fails_on_wrong_logits(tmp_path):
-    proc, results = _gpu_check(tmp_path, bench_extra="--corrupt")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "gpu_bench.py failed" in out, out[-3000:]
+def test_gpu_bench_fails_on_wrong_logits(tmp_path):
+    """The benchmark's correctness check can fail the run (gpu_check.sh stops on its exit status,
+    as test_gpu_check_fails_without_pytest shows for a failing step)."""
     import json
 
-    checks = json.loads((results / "gpu_bench_cpu_small.json").read_text())["checks"]
+    args = ["--device", "cpu", "--small", "--iters", "1", "--warmup", "0", "--rows", "1", "--out", str(tmp_path),
+            "--corrupt", "--fail-fast"]
+    proc = _subprocess([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args],
+                       {"TRITON_INTERPRET": "1", "NANOSPEC_KERNELS": "triton"})
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    checks = json.loads((tmp_path / "gpu_bench_cpu_small.json").read_text())["checks"]
+    assert checks["observe_stress"] == "pass"  # the JSON was written before the failing step
     assert checks["logits_match_dense_rows1"].startswith("FAIL")
