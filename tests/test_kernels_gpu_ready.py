@@ -138,6 +138,28 @@ def test_observe_grid_depends_on_a_bucket_of_the_length_and_is_2d(monkeypatch):
     assert triton_observe.padded_length(17) == 32 and triton_observe.padded_length(0) == 16
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_ids_padded_with_minus_one_to_a_fixed_length_change_nothing(impl):
+    """A caller replaying one CUDA graph pads its ids to a fixed length with -1: same state."""
+    if impl == "triton" and not INTERPRET:
+        pytest.skip("CPU variant")
+    fn = R.observe if impl == "reference" else T.observe
+    vocab, hidden, capacity = 60, 5, 12
+    w = torch.randn(vocab, hidden)
+    padded, plain = (schema.new_state(vocab, hidden, capacity, torch.float32, "cpu") for _ in range(2))
+    g = torch.Generator().manual_seed(7)
+    buf = torch.full((16,), -1, dtype=torch.int64)
+    with direct_launch():
+        for n in (3, 9, 1, 16, 5):
+            t = torch.randint(0, vocab, (n,), generator=g)
+            buf.fill_(-1)
+            buf[:n] = t
+            fn(buf, w, None, *padded, 1)
+            fn(t, w, None, *plain, 1)
+            for x, y in zip(padded, plain):
+                assert torch.equal(x, y)
+
+
 def test_observe_kernels_do_not_specialise_on_the_length():
     for kernel in (triton_observe._observe_alloc_kernel, triton_observe._observe_copy_kernel):
         names = getattr(kernel, "arg_names", None) or list(inspect.signature(kernel.fn).parameters)
