@@ -34,7 +34,18 @@ else
 fi
 
 say() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
-copy_out() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && cp -r "$RES"/. "$OUT"/ 2>/dev/null; fi; }
+# Only this check's own files go to $OUT (the device tool brings back at most 8).
+copy_out() {
+    [ -n "${OUT:-}" ] || return 0
+    mkdir -p "$OUT"
+    for f in gpu_check.log compile_check.log gpu_pytest.log gpu_pytest.xml; do
+        [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"
+    done
+    return 0
+}
+FAILED=()
+# A failed step that later steps do not depend on: recorded, the check goes on, the end fails.
+fail_step() { say "STEP FAILED: $1"; FAILED+=("$1"); copy_out; }
 finish() {
     copy_out
     if [ "$1" -eq 0 ]; then say "PASS"; else say "FAIL (status $1): $2"; fi
@@ -87,19 +98,26 @@ assert nanospec_fx.__file__.startswith(sys.argv[1]), "not imported from " + sys.
 if [ "$CPU" != 1 ]; then
     ARCH=$($PY -c 'import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)')
     say "compile_check --arch $ARCH"
-    TRITON_INTERPRET=0 timeout 240 $PY -m nanospec_fx.kernels.compile_check --arch "$ARCH" 2>&1 | tail -20 | tee -a "$LOG"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || finish 5 "compile_check failed"
+    TRITON_INTERPRET=0 timeout "${GPU_CHECK_COMPILE_S:-120}" $PY -m nanospec_fx.kernels.compile_check --arch "$ARCH" >"$RES/compile_check.log" 2>&1
+    rc=$?
+    tail -20 "$RES/compile_check.log" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || fail_step "compile_check (status $rc, see compile_check.log)"
 fi
 
 # 3. Kernel tests: pytest and hypothesis are required (a skipped test suite is a failure).
 if ! $PY -c 'import pytest, hypothesis' >/dev/null 2>&1; then
     say "pytest/hypothesis missing: trying pip install pytest hypothesis"
     $PY -m pip install -q pytest hypothesis >>"$LOG" 2>&1
-    $PY -c 'import pytest, hypothesis' >/dev/null 2>&1 || finish 6 "pytest and hypothesis are required for the kernel tests and could not be installed"
+    if [ -n "${GPU_CHECK_WHEELS:-}" ]; then  # offline: wheels carried to the machine
+        $PY -m pip install -q --no-index --find-links "$GPU_CHECK_WHEELS" pytest hypothesis >>"$LOG" 2>&1
+    fi
 fi
+if ! $PY -c 'import pytest, hypothesis' >/dev/null 2>&1; then
+    fail_step "pytest and hypothesis are required for the kernel tests and could not be installed (carry wheels: GPU_CHECK_WHEELS=dir)"
+else
 K=${GPU_CHECK_PYTEST_K:-}
 say "pytest -m '$MARK' ${K:+-k '$K' }tests/test_kernels.py tests/test_kernels_gpu_ready.py"
-timeout 300 $PY -m pytest -q -m "$MARK" ${K:+-k "$K"} -p no:cacheprovider --durations=10 --junitxml="$RES/gpu_pytest.xml" \
+timeout "${GPU_CHECK_PYTEST_S:-210}" $PY -m pytest -q -m "$MARK" ${K:+-k "$K"} -p no:cacheprovider --durations=10 --junitxml="$RES/gpu_pytest.xml" \
     tests/test_kernels.py tests/test_kernels_gpu_ready.py >"$RES/gpu_pytest.log" 2>&1
 rc=$?
 tail -30 "$RES/gpu_pytest.log" | tee -a "$LOG"
@@ -113,12 +131,16 @@ bad = int(suite.get("failures")) + int(suite.get("errors"))
 print(f"pytest: {n} tests, {bad} failed, {skipped} skipped")
 sys.exit(1 if n - skipped == 0 or bad or (sys.argv[2] != "1" and skipped) else 0)
 EOF
-[ "$rc" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ] || finish 7 "kernel tests failed, errored, were skipped or none ran (see gpu_pytest.log)"
+counts=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] && [ "$counts" -eq 0 ] || fail_step "kernel tests failed, errored, were skipped or none ran (see gpu_pytest.log)"
 copy_out
+fi
 
 # 4. Benchmark + checks (its JSON is rewritten after every step, so a timeout keeps what ran).
 say "gpu_bench.py $BENCH_ARGS"
 # shellcheck disable=SC2086
-timeout 300 $PY benchmarks/gpu_bench.py $BENCH_ARGS 2>&1 | tee -a "$LOG"
-[ "${PIPESTATUS[0]}" -eq 0 ] || finish 8 "gpu_bench.py failed (a check failed, it crashed or it timed out)"
+timeout "${GPU_CHECK_BENCH_S:-240}" $PY benchmarks/gpu_bench.py $BENCH_ARGS 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || fail_step "gpu_bench.py failed (a check failed, it crashed or it timed out)"
+[ "${#FAILED[@]}" -eq 0 ] || finish 1 "$(printf '%s; ' "${FAILED[@]}")"
 finish 0 ""

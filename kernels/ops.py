@@ -61,7 +61,10 @@ def _register(name: str, body: Callable, fake: Callable):
     mutates_args, schema = mutated(name), SCHEMAS[name]
     if USES_TRITON_OP and not mutates_args:
         try:
-            return torch.library.triton_op(qualname, mutates_args=mutates_args, schema=schema)(body)
+            try:
+                return torch.library.triton_op(qualname, mutates_args=mutates_args, schema=schema)(body)
+            except TypeError:  # an older torch without triton_op(schema=): inferred from the same hints
+                return torch.library.triton_op(qualname, mutates_args=mutates_args)(body)
         except Exception as exc:  # noqa: BLE001 - any failure: keep the op usable, opaque
             warnings.warn(f"nanospec: triton_op registration of {qualname} failed ({exc}); using an opaque custom op")
             USES_TRITON_OP = False
