@@ -16,13 +16,8 @@ How they are registered:
 ``NANOSPEC_TRITON_OP=0`` forces the opaque registration; ``=force`` the triton_op one even
 without CUDA (CPU tensors then take the reference branch, inlined by the compiler).
 
-Ops (``Tensor?`` may be None):
-  observe(token_ids, weight, bias?, ids!, slot_of!, cursor!, cache_w!, cache_b!, int num_pinned) -> ()
-  compact_logits(x, cache_w, cache_b?, cursor) -> [..., C]
-  scatter_logits(compact, ids, cursor, int vocab_size) -> [..., V]
-  head_logits(x, cache_w, cache_b?, ids, cursor, int vocab_size) -> [..., V]
-  compact_topk(compact, ids, cursor, int k, bool largest=True) -> (values [..., k], token ids int64 [..., k])
-  compact_argmax(compact, ids, cursor) -> token ids int64 [...]
+The ops' signatures and the state's order are declared once, in :mod:`kernels.schema`; each op
+is registered with that schema string (and a test checks every implementation against it).
 """
 from __future__ import annotations
 
@@ -35,6 +30,7 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
+from .schema import SCHEMAS, check_num_pinned, mutated
 
 
 def _want_triton_op() -> bool:
@@ -53,17 +49,22 @@ def _want_triton_op() -> bool:
 USES_TRITON_OP = _want_triton_op()
 
 
-def _register(name: str, body: Callable, mutates_args: tuple[str, ...], fake: Callable):
-    """Register ``body`` as ``nanospec::<name>`` (triton_op when possible, else opaque custom op).
+def _register(name: str, body: Callable, fake: Callable):
+    """Register ``body`` as ``nanospec::<name>`` with its :data:`~kernels.schema.SCHEMAS` entry
+    (triton_op when possible, else an opaque custom op).
 
     ``observe`` (the one op that mutates) stays opaque everywhere: inlined, its kernels would be
     functionalised, and a clone of the [C, H] cache per step would cost more than the head.
     """
     global USES_TRITON_OP
     qualname = f"nanospec::{name}"
+    mutates_args, schema = mutated(name), SCHEMAS[name]
     if USES_TRITON_OP and not mutates_args:
         try:
-            return torch.library.triton_op(qualname, mutates_args=mutates_args)(body)
+            try:
+                return torch.library.triton_op(qualname, mutates_args=mutates_args, schema=schema)(body)
+            except TypeError:  # an older torch without triton_op(schema=): inferred from the same hints
+                return torch.library.triton_op(qualname, mutates_args=mutates_args)(body)
         except Exception as exc:  # noqa: BLE001 - any failure: keep the op usable, opaque
             warnings.warn(f"nanospec: triton_op registration of {qualname} failed ({exc}); using an opaque custom op")
             USES_TRITON_OP = False
@@ -74,7 +75,7 @@ def _register(name: str, body: Callable, mutates_args: tuple[str, ...], fake: Ca
 
         with direct_launch():  # launch kernels directly, not through the tracing wrapper
             return body(*args, **kwargs)
-    op = torch.library.custom_op(qualname, mutates_args=mutates_args)(opaque)
+    op = torch.library.custom_op(qualname, mutates_args=mutates_args, schema=schema)(opaque)
     op.register_fake(fake)
     return op
 
@@ -92,6 +93,7 @@ def _observe(
     num_pinned: int,
 ) -> None:
     """Add ``token_ids`` to the active vocabulary held in the state tensors (in place)."""
+    check_num_pinned(num_pinned, ids.numel())
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 
@@ -126,6 +128,7 @@ def _compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tens
 
 # ----------------------------------------------------------------------------- fakes
 def _observe_fake(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned):
+    check_num_pinned(num_pinned, ids.shape[0])
     return None
 
 
@@ -150,13 +153,12 @@ def _compact_argmax_fake(compact, ids, cursor):
     return compact.new_empty(compact.shape[:-1], dtype=torch.int64)
 
 
-_STATE = ("ids", "slot_of", "cursor", "cache_w", "cache_b")
-observe = _register("observe", _observe, _STATE, _observe_fake)
-compact_logits = _register("compact_logits", _compact_logits, (), _compact_logits_fake)
-scatter_logits = _register("scatter_logits", _scatter_logits, (), _scatter_logits_fake)
-head_logits = _register("head_logits", _head_logits, (), _head_logits_fake)
-compact_topk = _register("compact_topk", _compact_topk, (), _compact_topk_fake)
-compact_argmax = _register("compact_argmax", _compact_argmax, (), _compact_argmax_fake)
+observe = _register("observe", _observe, _observe_fake)
+compact_logits = _register("compact_logits", _compact_logits, _compact_logits_fake)
+scatter_logits = _register("scatter_logits", _scatter_logits, _scatter_logits_fake)
+head_logits = _register("head_logits", _head_logits, _head_logits_fake)
+compact_topk = _register("compact_topk", _compact_topk, _compact_topk_fake)
+compact_argmax = _register("compact_argmax", _compact_argmax, _compact_argmax_fake)
 
 __all__ = [
     "observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax",

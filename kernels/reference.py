@@ -13,7 +13,9 @@ State layout (owned by :class:`nanospec_fx.ActiveVocab`)::
     cache_b  [C]            bias entries of the active tokens (unused without a bias)
 
 Slots [0, num_pinned) are filled first and never evicted; the rest form a ring that
-evicts the oldest insertion first.
+evicts the oldest insertion first (FIFO by first insertion: observing an active token again
+does not refresh it; measured against LRU in docs/kernels.md "Eviction order"). The names,
+order and dtypes of these tensors are declared once, in :mod:`kernels.schema`.
 
 Selection on compact logits (:func:`compact_topk`, :func:`compact_argmax`) follows one tie
 rule, that of a *stable* sort of the full-vocabulary logits restricted to the active set:
@@ -28,6 +30,8 @@ value), so duplicate indices never race and no op needs a data-dependent shape.
 from __future__ import annotations
 
 import torch
+
+from .schema import check_num_pinned
 
 
 def slot_for_insertion(k: torch.Tensor, capacity: int, num_pinned: int) -> torch.Tensor:
@@ -92,6 +96,7 @@ def observe(
     holds, the last ones stay.
     """
     capacity, vocab = ids.numel(), slot_of.numel()
+    check_num_pinned(num_pinned, capacity)
     x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
     in_range = (x >= 0) & (x < vocab)
     # Out-of-range ids share the key -1 for de-duplication, so they never shadow a real id.

@@ -8,10 +8,24 @@ compact [rows, C] logits (-inf past the count) or, with ``SCATTER``, stores each
 slot's logit straight at its token id in a [rows, V] output pre-filled with -inf
 (``head_logits``: the head with no post-ops, one pass and no compact round trip).
 
+For fp32 heads with a few rows (<= 4, drafting one token) ``tl.dot`` would pad the rows to 16
+and run IEEE-exact FMAs on 15 rows of zeros; there the kernel multiplies and sums in registers
+instead (``USE_DOT=False``, ``BLOCK_M`` = the row count rounded up to a power of two).
+
+Offsets are int64 wherever an index is multiplied by a stride: rows x V, C x H or H x V can pass
+2^31 elements (8,192 rows at V = 262,144), and an int32 product would wrap and store out of
+bounds without an error.
+
+Tile settings come from :data:`HEAD_CONFIGS` (``NANOSPEC_HEAD_CONFIG`` picks one per call;
+``benchmarks/gpu_bench.py`` sweeps them). There is no run-time autotuning: it would sync with the
+host and cannot run inside a CUDA graph.
+
 ``_scatter_kernel`` places compact logits at their token ids. Active ids are unique, so the
 stores never collide and the result is deterministic.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -19,29 +33,47 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import reference
-from .triton_util import FLOAT_DTYPES, INTERPRET
+from .triton_util import FLOAT_DTYPES, INTERPRET, device_guard
 
 _BLOCK_M = 16  # rows per tile (padded): tl.dot needs >= 16
-_BLOCK_C = 32  # cache rows per tile: C / 32 programs keep the SMs streaming for C ~ 3k
-_BLOCK_K = 128
 _SCATTER_BLOCK = 1024
-# Tile and launch settings of the head kernel; benchmarks/gpu_bench.py --sweep tries others
-# (no autotuning at run time: it would sync with the host and cannot run in a CUDA graph).
-HEAD_CONFIG = dict(BLOCK_C=_BLOCK_C, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3)
+_FMA_MAX_ROWS = 4  # fp32 heads with at most this many rows skip tl.dot
+_FMA_BLOCK_K = 64  # [rows, 64, BLOCK_C] products in registers
+
+#: Tile and launch settings of the head kernel. At Llama-3-8B shape (C = 3,072, H = 4,096, bf16)
+#: ``default`` launches 96 programs per row block on a 132-SM H100/H200, ~1.5 MB in flight;
+#: ``c16_k256_s4`` launches 192 with twice the bytes per k-step and a deeper pipeline, and
+#: ``c16_k128_s4`` / ``c64_w8`` are the two directions around it. None has been timed on a GPU yet
+#: (``bash benchmarks/gpu_check.sh`` sweeps them all).
+HEAD_CONFIGS: dict[str, dict] = {
+    "default": dict(BLOCK_C=32, BLOCK_K=128, num_warps=4, num_stages=3),
+    "c16_k256_s4": dict(BLOCK_C=16, BLOCK_K=256, num_warps=4, num_stages=4),
+    "c16_k128_s4": dict(BLOCK_C=16, BLOCK_K=128, num_warps=4, num_stages=4),
+    "c64_w8": dict(BLOCK_C=64, BLOCK_K=128, num_warps=8, num_stages=3),
+}
+
+
+def head_config() -> dict:
+    """The tile settings for this call: ``HEAD_CONFIGS[$NANOSPEC_HEAD_CONFIG]`` (default: ``default``)."""
+    name = os.environ.get("NANOSPEC_HEAD_CONFIG", "").strip() or "default"
+    if name not in HEAD_CONFIGS:
+        raise ValueError(f"NANOSPEC_HEAD_CONFIG={name!r} is not one of {', '.join(HEAD_CONFIGS)}")
+    return HEAD_CONFIGS[name]
 
 
 @triton.jit
 def _head_kernel(
     x_ptr, w_ptr, b_ptr, cursor_ptr, ids_ptr, out_ptr,
     M, C, H, V, stride_xm, stride_wc, stride_om,
-    HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
     count = tl.minimum(tl.load(cursor_ptr), C)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # int64: offs * stride can pass 2^31 (rows x V, C x H)
+    offs_c = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = offs_c < count
     row_ok = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
@@ -54,7 +86,9 @@ def _head_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE:
+        if not USE_DOT:
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -73,7 +107,7 @@ def _head_kernel(
 
 @triton.jit
 def _scatter_kernel(src_ptr, ids_ptr, cursor_ptr, out_ptr, C, V, stride_sm, stride_om, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * V can pass 2^31
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     count = tl.minimum(tl.load(cursor_ptr), C)
     live = offs < count
@@ -102,16 +136,24 @@ def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatte
     m, hidden = x2.shape
     capacity = cache_w.shape[0]
     has_bias = cache_b is not None
-    cfg = HEAD_CONFIG
-    grid = (triton.cdiv(capacity, cfg["BLOCK_C"]), triton.cdiv(m, _BLOCK_M))
+    cfg = head_config()
+    use_dot, block_m, block_k = _tiles(x.dtype, m, cfg)
+    grid = (triton.cdiv(capacity, cfg["BLOCK_C"]), triton.cdiv(m, block_m))
     wrap_triton(_head_kernel)[grid](
         x2, cache_w, cache_b if has_bias else cache_w, cursor, ids, out2,
         m, capacity, hidden, vocab_size, x2.stride(0), cache_w.stride(0), out2.stride(0),
         HAS_BIAS=has_bias, SCATTER=scatter, UPCAST=INTERPRET,
-        IEEE=INTERPRET or x.dtype == torch.float32,
-        BLOCK_M=_BLOCK_M, BLOCK_C=cfg["BLOCK_C"], BLOCK_K=cfg["BLOCK_K"],
+        IEEE=INTERPRET or x.dtype == torch.float32, USE_DOT=use_dot,
+        BLOCK_M=block_m, BLOCK_C=cfg["BLOCK_C"], BLOCK_K=block_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _tiles(dtype: torch.dtype, rows: int, cfg: dict) -> tuple[bool, int, int]:
+    """(USE_DOT, BLOCK_M, BLOCK_K): tl.dot with 16-row tiles, or register FMAs for a few fp32 rows."""
+    if dtype == torch.float32 and rows <= _FMA_MAX_ROWS:
+        return False, triton.next_power_of_2(max(rows, 1)), _FMA_BLOCK_K
+    return True, _BLOCK_M, cfg["BLOCK_K"]
 
 
 def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
@@ -120,7 +162,8 @@ def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor
         return reference.compact_logits(x, cache_w, cache_b, cursor)
     capacity = cache_w.shape[0]
     out = torch.empty((*x.shape[:-1], capacity), dtype=x.dtype, device=x.device)
-    _launch_head(x, cache_w, cache_b, cursor, cursor, out.view(-1, capacity), 0, scatter=False)
+    with device_guard(x):
+        _launch_head(x, cache_w, cache_b, cursor, cursor, out.view(-1, capacity), 0, scatter=False)
     return out
 
 
@@ -131,7 +174,8 @@ def head_logits(
     if not _supported(x, cache_w, cache_b):
         return reference.head_logits(x, cache_w, cache_b, ids, cursor, vocab_size)
     out = torch.full((*x.shape[:-1], vocab_size), float("-inf"), dtype=x.dtype, device=x.device)
-    _launch_head(x, cache_w, cache_b, cursor, ids, out.view(-1, vocab_size), vocab_size, scatter=True)
+    with device_guard(x):
+        _launch_head(x, cache_w, cache_b, cursor, ids, out.view(-1, vocab_size), vocab_size, scatter=True)
     return out
 
 
@@ -142,7 +186,8 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
     src = _rows(compact)
     m = src.shape[0]
     grid = (m, triton.cdiv(capacity, _SCATTER_BLOCK))
-    wrap_triton(_scatter_kernel)[grid](
-        src, ids, cursor, out.view(-1, vocab_size), capacity, vocab_size, src.stride(0), vocab_size, BLOCK=_SCATTER_BLOCK,
-    )
+    with device_guard(compact):
+        wrap_triton(_scatter_kernel)[grid](
+            src, ids, cursor, out.view(-1, vocab_size), capacity, vocab_size, src.stride(0), vocab_size, BLOCK=_SCATTER_BLOCK,
+        )
     return out

@@ -1,6 +1,9 @@
 """Triton ``observe``: device-side de-duplication, slot allocation and row copy.
 
-Two launches, no host sync, shapes fixed by the input:
+Two launches, no host sync, and a launch grid that depends only on a bucket of the input
+length (the next power of two >= 16): ids past the real length read as -1 (ignored), and the
+length itself is not a specialisation key (``do_not_specialize``), so a changing number of
+observed ids reuses the same compiled kernels and the same grid:
 
 1. ``_observe_alloc_kernel`` (one program). It first *claims* each new token in the
    membership map itself: an inactive token's ``slot_of`` entry (-1) is lowered with
@@ -10,9 +13,12 @@ Two launches, no host sync, shapes fixed by the input:
    sum), and gives the r-th winner insertion number ``cursor + r``: exactly the reference's
    order of first occurrence, so the final state is deterministic and equals the reference.
    It evicts what the slot held, writes ids / slot_of, and stores each position's slot (or -1)
-   in a scratch array; finally it advances the cursor.
-2. ``_observe_copy_kernel`` (one program per position) copies the head row and bias entry of
-   every inserted token into its cache slot, in parallel.
+   in a scratch array; finally it advances the cursor. The pass that counts the winners first
+   (needed only when a call can bring more new ids than the ring holds) is skipped otherwise,
+   so the usual call makes two passes over the ids, not three.
+2. ``_observe_copy_kernel`` copies the head row and bias entry of every inserted token into its
+   cache slot on a 2-D grid (position x chunk of H), so a 4,096-wide row is copied by many
+   programs at once instead of one program looping over it.
 
 Every slot is claimed at most once per call (the reference drops the earliest ring insertions
 of an overflowing call), so no store races with another. Loads of ``slot_of`` after the
@@ -26,10 +32,17 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
-from .triton_util import INTERPRET
+from .schema import check_num_pinned
+from .triton_util import contiguous_rows, device_guard
 
-_BLOCK = 1024
-_BLOCK_H = 1024
+_BLOCK = 1024  # ids per step of the allocation program (the interpreter runs the same size)
+_BLOCK_H = 256  # row elements per copy program
+_MIN_IDS = 16  # the grid covers max(16, next power of two >= n) positions
+
+
+def padded_length(n: int) -> int:
+    """Positions the launch grid covers for ``n`` ids: one grid (and no recompile) per bucket."""
+    return max(_MIN_IDS, triton.next_power_of_2(max(n, 1)))
 
 
 @triton.jit
@@ -44,7 +57,7 @@ def _claimed(tok_ptr, slot_of_ptr, offs, n, V):
     return x, xs, ok & (cur == code)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _observe_alloc_kernel(
     tok_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
 ):
@@ -61,17 +74,17 @@ def _observe_alloc_kernel(
         tl.atomic_min(slot_of_ptr + xs, code, mask=ok & (cur < 0))
     tl.debug_barrier()
 
-    # Phase 2a: how many winners (needed before allocating: an overflowing call drops its
-    # earliest ring insertions).
-    n_new = tl.zeros((), dtype=tl.int64)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
-        n_new += tl.sum(first.to(tl.int64), axis=0)
-
+    # Phase 2a: how many winners, needed before allocating only when the call may overflow the
+    # ring (an overflowing call drops its earliest ring insertions). With n <= ring nothing is
+    # ever dropped, and the pass is skipped (the usual case: a few ids per draft step).
     cursor0 = tl.load(cursor_ptr)
     ring = C - P
     n_pinned_new = tl.maximum(P - cursor0, 0)
+    n_new = tl.zeros((), dtype=tl.int64)
+    for start in range(0, tl.where(n > ring, n, 0), BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
+        n_new += tl.sum(first.to(tl.int64), axis=0)
     n_dropped = tl.maximum(n_new - n_pinned_new - ring, 0)
 
     # Phase 2b: allocate in order of first occurrence. A winner's entry is written only by
@@ -96,28 +109,31 @@ def _observe_alloc_kernel(
         tl.store(dest_ptr + offs, tl.where(keep, slot, -1), mask=inb)
         done += tl.sum(f, axis=0)
 
-    tl.store(cursor_ptr, cursor0 + n_new)
+    tl.store(cursor_ptr, cursor0 + done)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _observe_copy_kernel(
-    tok_ptr, dest_ptr, w_ptr, b_ptr, cw_ptr, cb_ptr, H, stride_wv, stride_wh, stride_b, stride_cw,
+    tok_ptr, dest_ptr, n, w_ptr, b_ptr, cw_ptr, cb_ptr, H, stride_wv, stride_b, stride_cw,
     HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # Program (i, j) copies elements [j * BLOCK_H, (j + 1) * BLOCK_H) of position i's row;
+    # positions past n (the grid's padding) and positions that inserted nothing do nothing.
     i = tl.program_id(0)
-    slot = tl.load(dest_ptr + i)
+    j = tl.program_id(1)
+    inb = i < n
+    slot = tl.load(dest_ptr + i, mask=inb, other=-1)
     keep = slot >= 0
-    x = tl.where(keep, tl.load(tok_ptr + i).to(tl.int64), 0)
+    x = tl.load(tok_ptr + i, mask=keep, other=0).to(tl.int64)
     slot = tl.where(keep, slot, 0)
-    h_end = tl.where(keep, H, 0)  # skipped positions read nothing
-    for h in range(0, h_end, BLOCK_H):
-        offs = h + tl.arange(0, BLOCK_H)
-        m = offs < H
-        row = tl.load(w_ptr + x * stride_wv + offs * stride_wh, mask=m)
-        tl.store(cw_ptr + slot * stride_cw + offs, row.to(cw_ptr.dtype.element_ty), mask=m)
+    offs = j.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < tl.where(keep, H, 0)  # nothing to copy: an empty mask
+    row = tl.load(w_ptr + x * stride_wv + offs, mask=m)
+    tl.store(cw_ptr + slot * stride_cw + offs, row.to(cw_ptr.dtype.element_ty), mask=m)
     if HAS_BIAS:
-        b = tl.load(b_ptr + x * stride_b, mask=keep)
-        tl.store(cb_ptr + slot, b.to(cb_ptr.dtype.element_ty), mask=keep)
+        first = keep & (j == 0)
+        b = tl.load(b_ptr + x * stride_b, mask=first)
+        tl.store(cb_ptr + slot, b.to(cb_ptr.dtype.element_ty), mask=first)
 
 
 def observe(
@@ -132,21 +148,25 @@ def observe(
     num_pinned: int,
 ) -> None:
     """Same contract as :func:`nanospec_fx.kernels.reference.observe`."""
+    capacity, vocab = ids.numel(), slot_of.numel()
+    check_num_pinned(num_pinned, capacity)
     tok = token_ids.reshape(-1).to(ids.device)
     if tok.dtype not in (torch.int32, torch.int64):
         tok = tok.to(torch.int64)
     tok = tok.contiguous()
     n = tok.numel()
-    capacity, vocab = ids.numel(), slot_of.numel()
-    dest = torch.empty(n, dtype=torch.int64, device=ids.device)
+    rows = padded_length(n)
+    dest = torch.empty(rows, dtype=torch.int64, device=ids.device)
+    weight = contiguous_rows(weight)  # a transposed/tied head: copied once, not read strided per call
     hidden = weight.shape[1]
-    block = _BLOCK if not INTERPRET else 64
-    wrap_triton(_observe_alloc_kernel)[(1,)](
-        tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=block,
-    )
+    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
     has_bias = bias is not None
     b = bias if has_bias else cache_b
-    wrap_triton(_observe_copy_kernel)[(n,)](
-        tok, dest, weight, b, cache_w, cache_b, hidden, weight.stride(0), weight.stride(1), b.stride(0), cache_w.stride(0),
-        HAS_BIAS=has_bias, BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(hidden)),
-    )
+    with device_guard(ids):
+        wrap_triton(_observe_alloc_kernel)[(1,)](
+            tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=_BLOCK,
+        )
+        wrap_triton(_observe_copy_kernel)[(rows, triton.cdiv(hidden, block_h))](
+            tok, dest, n, weight, b, cache_w, cache_b, hidden, weight.stride(0), b.stride(0), cache_w.stride(0),
+            HAS_BIAS=has_bias, BLOCK_H=block_h,
+        )

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import reference
-from .triton_util import FLOAT_DTYPES
+from .triton_util import FLOAT_DTYPES, device_guard
 
 _MAX_BLOCK = 8192  # beyond this a row no longer fits a program's registers: use the reference
 
@@ -25,7 +25,7 @@ def _topk_kernel(
     src_ptr, ids_ptr, cursor_ptr, val_ptr, tok_ptr, C, K, stride_s,
     LARGEST: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride: int64 like every other kernel
     count = tl.minimum(tl.load(cursor_ptr), C)
     offs = tl.arange(0, BLOCK)
     live = offs < count
@@ -59,6 +59,11 @@ def _topk_kernel(
         key = tl.where(key == best, dead, key)
 
 
+def topk_num_warps(block: int) -> int:
+    """Warps per top-k program for a row of ``block`` slots (compile_check builds the same)."""
+    return 8 if block >= 4096 else 4
+
+
 def compact_topk(
     compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +80,11 @@ def compact_topk(
     rows = src.shape[0]
     values = torch.empty((*compact.shape[:-1], k), dtype=compact.dtype, device=compact.device)
     tokens = torch.empty((*compact.shape[:-1], k), dtype=torch.int64, device=compact.device)
-    wrap_triton(_topk_kernel)[(rows,)](
-        src, ids, cursor, values, tokens, capacity, k, src.stride(0),
-        LARGEST=largest, BLOCK=block, num_warps=8 if block >= 4096 else 4,
-    )
+    with device_guard(compact):
+        wrap_triton(_topk_kernel)[(rows,)](
+            src, ids, cursor, values, tokens, capacity, k, src.stride(0),
+            LARGEST=largest, BLOCK=block, num_warps=topk_num_warps(block),
+        )
     return values, tokens
 
 

@@ -49,3 +49,43 @@ def direct_launch():
     except ImportError:  # pragma: no cover - older torch
         return contextlib.nullcontext()
     return set_wrap_triton_enabled(False)
+
+
+def device_guard(tensor: torch.Tensor):
+    """Context that makes ``tensor``'s CUDA device current for the launches inside it.
+
+    Triton launches on the *current* device, not on the device of its arguments: a drafter on
+    ``cuda:1`` launched from ``cuda:0`` would crash or touch the wrong memory. No-op off CUDA.
+    """
+    device = tensor.device
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+# (data_ptr, shape, strides, dtype, device) -> (weak ref to the storage, version, contiguous copy)
+_ROW_COPIES: dict[tuple, tuple] = {}
+
+
+def contiguous_rows(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [V, H] with unit stride along H, copied at most once per weight (and version).
+
+    ``observe`` copies whole rows of the head; from a transposed or tied weight ([H, V] storage)
+    each element of a row sits in its own memory segment, so the copy would be uncoalesced on
+    every call. The contiguous copy is made on first use and kept while the weight's storage lives
+    and is not modified in place (keyed by storage, not by tensor object: a graph may hand over a
+    fresh ``.t()`` view each call). It costs one more head in memory; a contiguous head avoids it.
+    """
+    if weight.stride(-1) == 1:
+        return weight
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    for k in [k for k, v in _ROW_COPIES.items() if v[0].expired()]:
+        del _ROW_COPIES[k]  # the weight is gone: drop its copy
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
+    hit = _ROW_COPIES.get(key)
+    if hit is not None and hit[1] == weight._version:
+        return hit[2]
+    copy = weight.contiguous()
+    _ROW_COPIES[key] = (StorageWeakRef(weight.untyped_storage()), weight._version, copy)
+    return copy

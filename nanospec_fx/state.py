@@ -7,7 +7,6 @@ their addresses never change (CUDA graphs keep working) and no step needs the ho
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import warnings
 from typing import Iterable, Iterator
@@ -16,10 +15,9 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.kernels import ops
-from nanospec_fx.passes.rewrite_head import StateNodes
+# The state tensors a compiled graph receives, in order (declared once, with the op schemas).
+from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
 
-# The state tensors a compiled graph receives, in order: the fields of the pass's StateNodes.
-STATE_TENSORS = tuple(f.name for f in dataclasses.fields(StateNodes))
 DEFAULT_CAPACITY = 3072
 
 

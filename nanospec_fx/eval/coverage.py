@@ -44,19 +44,33 @@ class Request:
         return self.prompt + self.continuation
 
 
-class ActiveSet:
-    """Plain-Python active set with ActiveVocab's slot policy (``capacity=None``: unbounded)."""
+EVICTIONS = ("fifo", "lru")
 
-    def __init__(self, capacity: int | None = None, num_pinned: int = 0):
+
+class ActiveSet:
+    """Plain-Python active set with ActiveVocab's slot policy (``capacity=None``: unbounded).
+
+    ``eviction="fifo"`` (ActiveVocab's): the ring evicts the oldest *first insertion*; observing
+    an active token again changes nothing. ``"lru"``: observing it again makes it the newest
+    (kept only to measure the alternative, see docs/kernels.md "Eviction order").
+    """
+
+    def __init__(self, capacity: int | None = None, num_pinned: int = 0, eviction: str = "fifo"):
         if capacity is not None and not 0 <= num_pinned < capacity:
             raise ValueError(f"num_pinned must be in [0, capacity), got {num_pinned} for capacity {capacity}")
-        self.capacity, self.num_pinned = capacity, num_pinned
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        self.capacity, self.num_pinned, self.eviction = capacity, num_pinned, eviction
         self.pinned: set[int] = set()
         self.ring: OrderedDict[int, None] = OrderedDict()
 
     def add(self, ids: Iterable[int]) -> None:
         for t in ids:
-            if t in self.pinned or t in self.ring:
+            if t in self.pinned:
+                continue
+            if t in self.ring:
+                if self.eviction == "lru":
+                    self.ring.move_to_end(t)
                 continue
             if len(self.pinned) < self.num_pinned:
                 self.pinned.add(t)
@@ -91,6 +105,7 @@ class Policy:
     capacity: int | None = None
     vocab_size: int | None = None
     param: int | None = None
+    eviction: str = "fifo"
 
 
 def full(vocab_size: int) -> Policy:
@@ -102,11 +117,15 @@ def static(ids: Sequence[int], n: int) -> Policy:
     return Policy(f"static-{n}", "static", static=tuple(ids[:n]), param=n)
 
 
-def context(capacity: int | None = 3072, topk: int = 0) -> Policy:
-    """NanoSpec: prompt + committed tokens (+ the target's top-k at verified positions)."""
-    family = f"context+top{topk}" if topk else "context"
+def context(capacity: int | None = 3072, topk: int = 0, eviction: str = "fifo") -> Policy:
+    """NanoSpec: prompt + committed tokens (+ the target's top-k at verified positions).
+
+    ``eviction="lru"`` (a measured alternative, not what ActiveVocab does) gets its own family.
+    """
+    family = (f"context+top{topk}" if topk else "context") + ("-lru" if eviction == "lru" else "")
     cap = capacity if capacity else "inf"
-    return Policy(f"{family}@{cap}", family, context=True, topk=topk, capacity=capacity or None, param=capacity or None)
+    return Policy(f"{family}@{cap}", family, context=True, topk=topk, capacity=capacity or None, param=capacity or None,
+                  eviction=eviction)
 
 
 def hybrid(ids: Sequence[int], core: int, capacity: int | None = 3072, topk: int = 0) -> Policy:
@@ -143,7 +162,7 @@ def simulate(req: Request, policy: Policy, verify_every: int = 1) -> Trace:
         raise ValueError(f"policy {policy.name} needs the target's predictions; the request has none")
     pred = req.predicted
     k = policy.topk
-    active = ActiveSet(policy.capacity, num_pinned=len(policy.static))
+    active = ActiveSet(policy.capacity, num_pinned=len(policy.static), eviction=policy.eviction)
     active.add(policy.static)
     ids, n_prompt = req.ids, len(req.prompt)
     for j in range(n_prompt):  # prefill: the prompt, and the target's top-k at every prompt position

@@ -34,12 +34,13 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               help="Hybrid: static core sizes (comma-separated), each with --capacity slots in all.")
 @click.option("--capacity", default=3072, show_default=True, help="Capacity of the headline context/hybrid policies.")
 @click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
+@click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")
 @click.option("--max-new", default=128, show_default=True, help="Score the first N continuation tokens.")
 @out_option("coverage")
 @threads_option
 def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, static_sizes, capacities, cores, capacity,
-             verify_every, max_prompt, max_new, out, name, threads):
+             verify_every, compare_lru, max_prompt, max_new, out, name, threads):
     """Coverage of the next token by the active vocabulary, per task category and policy."""
     from rich.progress import track
 
@@ -94,6 +95,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     policies += [C.context(c) for c in caps]
     if k:
         policies += [C.context(c, topk=k) for c in caps]
+    if compare_lru:
+        policies += [C.context(c, topk=t, eviction="lru") for t in sorted({0, k}) for c in caps]
     if static_corpus:
         policies += [C.hybrid(table, c, capacity, topk=k) for c in ints(cores) if c < capacity]
     results = C.evaluate(requests, policies, verify_every)
