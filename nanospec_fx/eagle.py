@@ -17,6 +17,11 @@ verified. :func:`speculative_generate` is the whole greedy loop: verify every ro
 with the target over the full vocabulary, accept the longest prefix matching the target's greedy
 choice plus the target's own next token. It recomputes the target over the whole sequence each
 round (no target cache): simple and obviously lossless, meant for tiny targets and tests.
+
+:func:`speculative_sample` is the sampling loop (temperature/top-k/top-p): drafts are drawn from
+the drafter's pruned distribution and verified by speculative sampling, recursive rejection
+sampling for trees (nanospec_fx/sampling.py, docs/sampling.md); the output follows the target's
+sampling distribution exactly.
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ compiles the drafter with nanospec, runs it and the eager drafter on the same in
 ``AssertionError`` naming the output, the number of mismatches and the largest error if the
 compiled drafter breaks the contract. :func:`active_sets` and :func:`token_ids` are hypothesis
 strategies for property tests (hypothesis is only imported when they are called).
+
+For speculative *sampling*, :func:`assert_same_distribution` compares generated token sequences
+with the target's exact distribution (:func:`sequence_distribution`) or with samples of the target
+alone, by a chi-square test at a fixed significance (docs/sampling.md).
 """
 from __future__ import annotations
 

@@ -141,3 +141,4 @@ def test_broken_samplers_fail_the_statistical_test(setup, broken):
     samples, _ = generate(forward, drafter_fn, module, sampler, 150, 1)
     result = chi_square_test(samples[:, 1:], exact.sum(0))
     assert result.rejected, str(result)
+    print(f"{broken.__name__}: {result}")

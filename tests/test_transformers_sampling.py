@@ -108,6 +108,7 @@ def test_assisted_sampling_with_verification_against_the_unpruned_q_fails_the_te
     monkeypatch.setattr(generation_utils, "_speculative_sampling", unpruned_q)
     result = chi_square_test(sample(target, drafter, state, 150), exact)
     assert result.rejected, str(result)
+    print(f"unpruned q: {result}")
 
 
 def test_top_k_and_top_p_with_a_small_active_set_give_no_nan_and_valid_tokens(pair, monkeypatch):
