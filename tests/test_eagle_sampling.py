@@ -78,11 +78,11 @@ def test_sampling_from_the_pruned_drafter_keeps_the_target_distribution(setup, t
         assert (draft.probs[draft.source, draft.tokens][exists] > 0).all(), "a candidate q cannot draw"
         drafted.append(int(exists.sum()))
 
-    samples, stats = generate(forward, compiled, module, SAMPLER, 200, top_k, on_draft=only_active)
+    samples, stats = generate(forward, compiled, module, SAMPLER, 150, top_k, on_draft=only_active)
     result = assert_same_distribution(samples[:, 1:], exact.sum(0))  # the speculative tokens (2 and 3)
     accepted = [a for s in stats for a in s.accepted]
-    assert sum(accepted) > 80, "drafts were seldom accepted: the accept path went untested"
-    assert accepted.count(0) > 20, "few rejections at the first draft: the residual path went untested"
+    assert sum(accepted) > 60, "drafts were seldom accepted: the accept path went untested"
+    assert accepted.count(0) > 15, "few rejections at the first draft: the residual path went untested"
     assert max(drafted) == 2 * top_k if top_k == 1 else max(drafted) > top_k  # a tree verifies several candidates
     print(f"top_k={top_k}: {result}; tau = {sum(a + 1 for a in accepted) / len(accepted):.2f}")
 

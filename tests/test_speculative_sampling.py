@@ -66,9 +66,10 @@ def one_position_samples(sampler, candidates: int, n: int, seed: int = 0) -> tor
 @pytest.mark.parametrize("candidates", [1, 3, 6], ids=["chain", "3-candidates", "all-active-and-more"])
 def test_verification_with_a_pruned_draft_keeps_the_target_distribution(candidates):
     p = distributions()[0]
-    samples = one_position_samples(SpeculativeSampler(), candidates, 3000)
+    samples = one_position_samples(SpeculativeSampler(), candidates, 2000)
     result = assert_same_distribution(samples, p)
-    assert result.num_samples == 3000 and result.dof >= 6
+    print(f"{candidates} candidate(s): {result}")
+    assert result.num_samples == 2000 and result.dof >= 6
     outside = ~torch.isin(samples, ACTIVE)
     assert outside.float().mean() == pytest.approx(float(p[~torch.isin(torch.arange(V), ACTIVE)].sum()), abs=0.03), (
         "tokens outside the active set come only from the residual, at the target's rate"
@@ -78,8 +79,9 @@ def test_verification_with_a_pruned_draft_keeps_the_target_distribution(candidat
 @pytest.mark.parametrize("broken", [UnprunedQ, ActiveResidual], ids=["q-from-unpruned-logits", "residual-on-active-set"])
 def test_the_chi_square_test_catches_broken_samplers(broken):
     p = distributions()[0]
-    result = chi_square_test(one_position_samples(broken(), 1, 3000), p)
+    result = chi_square_test(one_position_samples(broken(), 1, 2000), p)
     assert result.rejected and result.p_value < 1e-6, str(result)
+    print(f"{broken.__name__}: {result}")
 
 
 def test_no_nan_when_q_equals_p_one_token_is_active_or_the_target_excludes_the_draft():

@@ -87,11 +87,11 @@ def test_assisted_sampling_uses_the_pruned_q_and_keeps_the_target_distribution(p
     target, drafter, state, exact = pair
     spy = Spy(state)
     monkeypatch.setattr(generation_utils, "_speculative_sampling", spy)
-    samples = sample(target, drafter, state, 300)
+    samples = sample(target, drafter, state, 200)
     result = chi_square_test(samples, exact)
     assert not result.rejected, str(result)
-    assert len(spy.calls) >= 300, "every request verified a draft with speculative sampling"
-    assert spy.calls.count(0) > 20 and sum(spy.calls) > 50, "both the reject and the accept paths ran"
+    assert len(spy.calls) >= 200, "every request verified a draft with speculative sampling"
+    assert spy.calls.count(0) > 20 and sum(spy.calls) > 30, "both the reject and the accept paths ran"
     print(result, f"; drafts accepted per round: {sum(spy.calls) / len(spy.calls):.2f}")
 
 
