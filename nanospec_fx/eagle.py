@@ -530,9 +530,8 @@ def speculative_sample(
         if on_draft is not None:
             on_draft(draft)
         children, tokens = draft.children(), draft.tokens.tolist()
-        leaves = [node for node in range(len(tokens)) if node in children.get(draft.parents[node].item(), [])
-                  and node not in children]
-        paths = [_path_to(draft, leaf) for leaf in leaves] or [[]]
+        existing = sorted(node for kids in children.values() for node in kids)
+        paths = [_path_to(draft, node) for node in existing if node not in children] or [[]]  # to every leaf
         longest = max(len(path) for path in paths)
         batch = torch.tensor([seq + [tokens[c] for c in path] + [0] * (longest - len(path)) for path in paths],
                              device=prompt.device)

@@ -185,3 +185,57 @@ def test_bad_inputs_raise():
         chi_square_test(torch.tensor([[0, 1]]), torch.full((4,), 0.25))
     with pytest.raises(ValueError, match="exactly one"):
         assert_same_distribution(torch.tensor([0]))
+
+
+# ----------------------------------------------------------------------------- a two-level tree
+def test_tree_walk_with_recursive_rejection_keeps_the_two_token_distribution():
+    """verify_sampled on hand-built two-level trees (2 children per node, drawn without replacement
+    from pruned q's): the first two tokens follow p(x1) p(x2 | x1). A round that commits one token
+    is completed by the target's own draw, as the next round would."""
+    from nanospec_fx.eagle import SampledDraft, verify_sampled
+
+    s, g, k = SpeculativeSampler(), torch.Generator().manual_seed(0), 2
+    table = torch.Generator().manual_seed(1)
+    p1 = torch.softmax(torch.randn(V, generator=table), 0)
+    p2 = torch.softmax(torch.randn(V, V, generator=table) * 1.5, -1)  # p(x2 | x1)
+    p3 = torch.full((V,), 1.0 / V)
+
+    def pruned(logits):
+        z = torch.full((V,), float("-inf"))
+        z[ACTIVE] = logits[ACTIVE]
+        return s.probs(z)
+
+    q1 = pruned(torch.randn(V, generator=table))
+    q2 = torch.stack([pruned(torch.randn(V, generator=table)) for _ in range(V)])
+    samples = []
+    for _ in range(2000):
+        first, exists = s.draw(q1, k, g)
+        second, _ = s.draw(q2[first], k, g)  # [k, k]: children of each first-level node
+        tokens = torch.cat([first, second.flatten()])
+        parents = torch.tensor([-1] * k + [i for i in range(k) for _ in range(k)])
+        draft = SampledDraft(tokens, parents, torch.zeros(k + k * k), torch.cat([q1[None], q2[first]]),
+                             torch.tensor([0] * k + [1 + i for i in range(k) for _ in range(k)]))
+        assert exists.all()
+
+        def target_probs(nodes):  # p after the path ending at nodes[-1]
+            if not nodes:
+                return p1
+            return p2[int(tokens[nodes[0]])] if len(nodes) == 1 else p3
+
+        _, committed = verify_sampled(draft, target_probs, s, g)
+        if len(committed) == 1:
+            committed.append(int(s.sample(p2[committed[0]], g)))
+        samples.append(committed[:2])
+    assert_same_distribution(torch.tensor(samples), p1[:, None] * p2)
+
+
+def test_dropping_drawn_candidates_by_score_is_caught():
+    """Why the sampling tree has no EAGLE-2 reranking: draw 2 children, verify only the likelier one."""
+    s, g = SpeculativeSampler(), torch.Generator().manual_seed(0)
+    p, _, q = distributions()
+    out = []
+    for _ in range(2000):
+        tokens, _ = s.draw(q, 2, g)
+        out.append(s.verify(p, q, tokens[q[tokens].argmax()].view(1), g)[1])
+    result = chi_square_test(torch.tensor(out), p)
+    assert result.rejected, str(result)
