@@ -226,7 +226,7 @@ def test_tree_walk_with_recursive_rejection_keeps_the_two_token_distribution():
         if len(committed) == 1:
             committed.append(int(s.sample(p2[committed[0]], g)))
         samples.append(committed[:2])
-    assert_same_distribution(torch.tensor(samples), p1[:, None] * p2)
+    print(f"two-level tree: {assert_same_distribution(torch.tensor(samples), p1[:, None] * p2)}")
 
 
 def test_dropping_drawn_candidates_by_score_is_caught():
@@ -239,3 +239,4 @@ def test_dropping_drawn_candidates_by_score_is_caught():
         out.append(s.verify(p, q, tokens[q[tokens].argmax()].view(1), g)[1])
     result = chi_square_test(torch.tensor(out), p)
     assert result.rejected, str(result)
+    print(f"reranked: {result}")
