@@ -514,6 +514,12 @@ def speculative_sample(
     """
     if not (isinstance(depth, int) and depth >= 1 and isinstance(top_k, int) and top_k >= 1):
         raise ValueError(f"depth and top_k must be ints >= 1, got depth={depth!r}, top_k={top_k!r}")
+    if not isinstance(sampler, SpeculativeSampler):
+        raise TypeError(f"sampler must be a nanospec_fx.sampling.SpeculativeSampler (e.g. SpeculativeSampler("
+                        f"temperature=0.7, top_p=0.9)), got {type(sampler).__name__}")
+    if generator is not None and generator.device.type != prompt.device.type:
+        raise ValueError(f"generator is on {generator.device}, the prompt on {prompt.device}: "
+                         "create it on the models' device, torch.Generator(device=...)")
     p = prompt.shape[-1]
     need = p + max_new_tokens + depth * top_k + 2
     cache = drafter_cache(drafter, -(-need // 64) * 64)
