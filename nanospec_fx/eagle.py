@@ -17,6 +17,11 @@ verified. :func:`speculative_generate` is the whole greedy loop: verify every ro
 with the target over the full vocabulary, accept the longest prefix matching the target's greedy
 choice plus the target's own next token. It recomputes the target over the whole sequence each
 round (no target cache): simple and obviously lossless, meant for tiny targets and tests.
+
+:func:`speculative_sample` is the sampling loop (temperature/top-k/top-p): drafts are drawn from
+the drafter's pruned distribution and verified by speculative sampling, recursive rejection
+sampling for trees (nanospec_fx/sampling.py, docs/sampling.md); the output follows the target's
+sampling distribution exactly.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanospec_fx.sampling import SpeculativeSampler
 from nanospec_fx.state import ActiveVocab, active_vocab
 
 
@@ -385,3 +391,177 @@ def greedy_generate(target: TargetForward, prompt: torch.Tensor, max_new_tokens:
         next_id = target(ids)[0][:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=-1)
     return ids
+
+
+# ----------------------------------------------------------------------------- sampling
+# Speculative *sampling*: drafts are drawn from the drafter's (pruned) distribution q and verified
+# against the target's p with the rules of nanospec_fx.sampling, so the output follows the target's
+# sampling distribution exactly. A tree is verified by recursive rejection sampling: each node's
+# children are drawn without replacement from its q and ALL of them are verified, in draw order
+# (dropping some by score, as EAGLE-2's greedy reranking does, would bias the output).
+@dataclass
+class SampledDraft:
+    """A sampled draft round, on the device.
+
+    ``tokens``, ``parents`` and ``scores`` (cumulative log q; -inf: the candidate does not exist)
+    as in :class:`DraftTree`; ``probs [R, V]`` are the draft distributions the candidates were drawn
+    from (row 0: the root's; then one row per expanded node) and ``source[i]`` is candidate ``i``'s
+    row. Siblings are stored in draw order.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    probs: torch.Tensor
+    source: torch.Tensor
+
+    def children(self) -> dict[int, list[int]]:
+        """Existing candidates by parent (-1: the root), each list in draw order."""
+        exists = torch.isfinite(self.scores).tolist()
+        out: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents.tolist()):
+            if exists[node]:
+                out.setdefault(parent, []).append(node)
+        return out
+
+
+def draft_sampled(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, top_k: int,
+                  sampler: "SpeculativeSampler", generator: torch.Generator | None = None) -> SampledDraft:
+    """Sample a draft of ``depth`` levels: ``top_k = 1`` is a chain, ``top_k > 1`` EAGLE-2's tree.
+
+    Every expanded node draws ``top_k`` children without replacement from ``q = sampler.draft_probs
+    (its logits)`` (with nanospec, 0 outside the active set, so only active tokens are drawn). The
+    ``top_k`` children with the best cumulative log q form the next level's frontier; the choice is
+    made before their own children are drawn, so it does not bias verification. Cache slots and
+    masks are as in :func:`draft_tree` (``depth - 1`` drafter calls of ``top_k`` rows).
+    """
+    device, k = cache.k.device, top_k
+    q = sampler.draft_probs(root_logits.float())
+    tokens, exists = sampler.draw(q, k, generator)
+    scores = torch.where(exists, q[tokens].log(), float("-inf"))
+    fallback = tokens[0]  # drawn: active; stands in for candidates that do not exist
+    tokens = torch.where(exists, tokens, fallback)
+    all_tokens, all_parents, all_scores = [tokens], [torch.full((k,), -1, device=device)], [scores]
+    all_probs, all_source = [q[None]], [torch.zeros(k, dtype=torch.long, device=device)]
+    frontier = torch.arange(k, device=device)
+    hidden = _fresh(root_hidden.expand(k, -1))
+    mask = (torch.arange(cache.max_len, device=device) < start).expand(k, -1).clone()
+    rows, offset = torch.arange(k, device=device), k
+    for d in range(1, depth):
+        slots = start + (d - 1) * k + rows
+        mask[rows, slots] = True
+        positions = torch.full((1, k), start + d - 1, device=device)
+        logits, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v)
+        q = sampler.draft_probs(logits[0].float())  # [k, V]: one draft distribution per frontier node
+        child_tokens, child_exists = sampler.draw(q, k, generator)
+        child_scores = torch.where(child_exists, q.gather(-1, child_tokens).log(), float("-inf"))
+        child_tokens = torch.where(child_exists, child_tokens, fallback)
+        cumulative = (scores[:, None] + child_scores).flatten()  # -inf under a missing parent
+        all_tokens.append(child_tokens.flatten())
+        all_parents.append(frontier.repeat_interleave(k))
+        all_scores.append(cumulative)
+        all_probs.append(q)
+        all_source.append((1 + (d - 1) * k + rows).repeat_interleave(k))
+        scores, best = cumulative.topk(k)
+        parent_row = best // k
+        tokens, hidden, mask = child_tokens.flatten()[best], h[0][parent_row], mask[parent_row]
+        frontier, offset = offset + best, offset + k * k
+    return SampledDraft(torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores),
+                        torch.cat(all_probs), torch.cat(all_source))
+
+
+def verify_sampled(draft: SampledDraft, target_probs: Callable[[list[int]], torch.Tensor],
+                   sampler: "SpeculativeSampler", generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Walk the draft from the root: at each node, recursive rejection over its children.
+
+    ``target_probs(nodes)`` gives p ``[V]`` after the path ending at ``nodes[-1]`` (``[]``: the
+    root). Returns ``(accepted candidate nodes, committed tokens)``: the accepted drafts plus one
+    token drawn by the target (from a residual, or from p where the accepted path ends).
+    """
+    children, tokens = draft.children(), draft.tokens.tolist()
+    path: list[int] = []
+    while True:
+        p = target_probs(path)
+        kids = children.get(path[-1] if path else -1, [])
+        q = draft.probs[int(draft.source[kids[0]])] if kids else p
+        index, token = sampler.verify(p, q, torch.tensor([tokens[c] for c in kids], dtype=torch.long), generator)
+        if index < 0:
+            return path, [tokens[c] for c in path] + [token]
+        path.append(kids[index])
+
+
+@torch.inference_mode()
+def speculative_sample(
+    target: TargetForward,
+    drafter: Callable,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampler: "SpeculativeSampler",
+    generator: torch.Generator | None = None,
+    depth: int = 4,
+    top_k: int = 1,
+    target_topk: int = 3,
+    on_draft: Callable[[SampledDraft], None] | None = None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Speculative sampling of ``prompt [1, P]``: the output follows the target's sampling distribution.
+
+    ``sampler`` (a :class:`~nanospec_fx.sampling.SpeculativeSampler`) sets temperature, top-k and
+    top-p for the target and the drafter; every random draw uses ``generator``, so a seeded
+    generator reproduces the output. ``top_k = 1`` drafts a chain of ``depth`` tokens, ``top_k > 1``
+    a tree verified by recursive rejection sampling (all ``top_k + (depth - 1) top_k^2`` candidates;
+    there is no ``num_nodes`` reranking, which would bias sampling). Target calls, the active
+    vocabulary and ``stats`` are as in :func:`speculative_generate`.
+    """
+    if not (isinstance(depth, int) and depth >= 1 and isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"depth and top_k must be ints >= 1, got depth={depth!r}, top_k={top_k!r}")
+    if not isinstance(sampler, SpeculativeSampler):
+        raise TypeError(f"sampler must be a nanospec_fx.sampling.SpeculativeSampler (e.g. SpeculativeSampler("
+                        f"temperature=0.7, top_p=0.9)), got {type(sampler).__name__}")
+    if generator is not None and generator.device.type != prompt.device.type:
+        raise ValueError(f"generator is on {generator.device}, the prompt on {prompt.device}: "
+                         "create it on the models' device, torch.Generator(device=...)")
+    p = prompt.shape[-1]
+    need = p + max_new_tokens + depth * top_k + 2
+    cache = drafter_cache(drafter, -(-need // 64) * 64)
+    logits, features = target(prompt)
+    seq = prompt[0].tolist() + [int(sampler.sample(sampler.probs(logits[0, -1]), generator))]
+    root_logits, root_hidden = feed(drafter, cache, torch.tensor(seq[1:], device=prompt.device), features[0], 0)
+    state = _state(drafter)
+    if state is not None:
+        state.observe(prompt, validate=False)
+        _observe_topk(state, logits[0], target_topk)
+    n, stats = p, GenerationStats()
+    while len(seq) - p < max_new_tokens:
+        draft = draft_sampled(drafter, cache, root_logits, root_hidden, n, depth, top_k, sampler, generator)
+        if on_draft is not None:
+            on_draft(draft)
+        children, tokens = draft.children(), draft.tokens.tolist()
+        existing = sorted(node for kids in children.values() for node in kids)
+        paths = [_path_to(draft, node) for node in existing if node not in children] or [[]]  # to every leaf
+        longest = max(len(path) for path in paths)
+        batch = torch.tensor([seq + [tokens[c] for c in path] + [0] * (longest - len(path)) for path in paths],
+                             device=prompt.device)
+        logits, features = target(batch)
+        row_of = {tuple(path[:j]): i for i, path in enumerate(paths) for j in range(len(path) + 1)}
+        accepted, committed = verify_sampled(
+            draft, lambda nodes: sampler.probs(logits[row_of[tuple(nodes)], n + len(nodes)]), sampler, generator)
+        row = row_of[tuple(accepted)]
+        seq += committed
+        m = len(accepted)
+        new = torch.tensor(seq[n + 1:], device=prompt.device)
+        root_logits, root_hidden = feed(drafter, cache, new, features[row, n:n + m + 1], n)
+        if state is not None:
+            _observe_topk(state, logits[row, n:n + m + 1], target_topk)
+        n += m + 1
+        stats.rounds += 1
+        stats.accepted.append(m)
+        stats.drafted += sum(len(path) for path in paths)
+    return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
+
+
+def _path_to(draft: SampledDraft, node: int) -> list[int]:
+    parents, path = draft.parents.tolist(), []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
