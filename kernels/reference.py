@@ -154,6 +154,22 @@ def head_logits(
     return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)
 
 
+def padding_ids(ids: torch.Tensor, cursor: torch.Tensor, k: int) -> torch.Tensor:
+    """The k smallest token ids that are not active, ascending, int64 [k] (entries past the
+    number of inactive ids below k are unspecified and never used).
+
+    Top-k pads with them when fewer than k tokens are active. At most ``count`` active ids
+    precede them, so the ``k - count`` that are needed all lie in ``[0, k)``: valid token ids
+    whenever ``k <= V``. For ``largest`` they are exactly what a stable sort of the scattered
+    logits (-inf at inactive tokens) puts after the active tokens.
+    """
+    valid = active_mask(cursor, ids.numel())
+    # hit[t] for t in [0, k): t is active. Ids >= k (and free slots) all land in a dump entry.
+    where = torch.where(valid & (ids < k), ids, torch.full_like(ids, k))
+    hit = torch.zeros(k + 1, dtype=torch.int8, device=ids.device).index_fill_(0, where, 1)[:k]
+    return torch.argsort(hit, stable=True)  # inactive ids first, ascending
+
+
 def compact_topk(
     compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +179,13 @@ def compact_topk(
     (see the tie rule above): descending with NaN first if ``largest``, else ascending with NaN
     last; ties by smaller token id. Slots past the count are ignored whatever ``compact`` holds
     there (post-ops may have turned their -inf into finite values). When fewer than k tokens
-    are active, the missing entries are (-inf, -1) if ``largest`` else (+inf, -1).
+    are active (k may exceed the capacity), the missing entries hold the smallest inactive token
+    ids in ascending order (:func:`padding_ids`) with value -inf if ``largest`` else +inf: valid
+    ids, so a drafter may embed them. Needs ``0 <= k <= V``.
     """
     capacity = ids.numel()
-    if not 0 <= k <= capacity:
-        raise ValueError(f"k={k} must be in [0, capacity={capacity}]")
+    if k < 0:
+        raise ValueError(f"k={k} must be >= 0")
     valid = active_mask(cursor, capacity)
     # Slots in token-id order, inactive last; a stable sort by value then breaks ties by id.
     key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
@@ -175,11 +193,18 @@ def compact_topk(
     filler = float("-inf") if largest else float("nan")  # sorts after every active value
     vals = compact.masked_fill(~valid, filler).index_select(-1, perm)
     sorted_vals, order = torch.sort(vals, dim=-1, descending=largest, stable=True)
-    slot = perm[order[..., :k]]
-    found = valid[slot]
+    kept = min(k, capacity)
+    slot = perm[order[..., :kept]]
     pad = float("-inf") if largest else float("inf")
+    if k > kept:  # more than the capacity: the rest is always padding
+        shape = (*compact.shape[:-1], k - kept)
+        slot = torch.cat([slot, torch.zeros(shape, dtype=slot.dtype, device=slot.device)], -1)
+        sorted_vals = torch.cat([sorted_vals[..., :kept], sorted_vals.new_full(shape, pad)], -1)
+    position = torch.arange(k, device=ids.device)
+    found = position < torch.clamp(cursor, max=capacity)  # the first min(count, k) entries are real
     values = sorted_vals[..., :k].masked_fill(~found, pad)
-    tokens = torch.where(found, ids[slot], torch.full_like(slot, -1))
+    fill = padding_ids(ids, cursor, k)[torch.clamp(position - torch.clamp(cursor, max=capacity), min=0)]
+    tokens = torch.where(found, ids[slot], fill)
     return values, tokens
 
 
@@ -187,6 +212,7 @@ def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
     """Token id of the largest active compact logit, [...] int64 (NaN counts as largest).
 
     Ties go to the smaller token id, as ``torch.argmax`` on the scattered logits returns the first
-    maximum; -1 when no token is active.
+    maximum; 0 (the smallest inactive id, as :func:`compact_topk` pads) when no token is active,
+    which is also what ``torch.argmax`` returns for all -inf logits.
     """
     return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)
