@@ -16,6 +16,7 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,8 +25,12 @@ import torch.nn as nn
 
 from nanospec_fx.options import NanoSpecOptions, mode_config
 from nanospec_fx.passes import (
-    HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers, rewrite_head,
+    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers,
+    rewrite_head, snapshot_state_reads,
 )
+from nanospec_fx.passes import effects, patterns
+from nanospec_fx.passes.find_head import token_tables
+from nanospec_fx.passes.rewrite_head import set_example_value
 from nanospec_fx.integrations import head_parameters
 from nanospec_fx.state import ActiveVocab, registered_state, registered_states, state_for
 
@@ -55,10 +60,13 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     config = opts.state_config()  # validates policy options before anything else
     heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
+        region_inputs = _region_inputs(gm, example_inputs)
+        if region_inputs:
+            return _compile_after_break(gm, example_inputs, region_inputs, opts, config_patches)
         warn_once(
-            "nanospec: no LM head found in this graph (a linear/matmul whose vocabulary-sized output "
-            "reaches the output); it runs unchanged. If the head is there, pass options={'vocab_size': V} "
-            "or {'head': '<weight name>'}, and check the drafter has no graph break before it."
+            "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
+            "reaches the output, with the vocabulary of the token embedding); this graph runs unchanged. If the "
+            "head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
         )
         return _compile(gm, example_inputs, opts, config_patches)
     real = _real_tensors(gm, example_inputs)
@@ -78,42 +86,103 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if not rewritable:
         return _compile(gm, example_inputs, opts, config_patches)
 
+    while True:
+        try:
+            return _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches)
+        except DenseFallback as reason:
+            head = reason.args[1]
+            warn_once(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
+            rewritable = [r for r in rewritable if r[0] is not head]
+            if not rewritable:
+                return _compile(gm, example_inputs, opts, config_patches)
+
+
+def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches) -> Callable:
     builder = _GraphBuilder(gm)
-    bindings = []
+    bindings, reports = [], []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, **config)
-        head = builder.remap(head)
-        into = builder.add_state(state, head.weight, next((b for b in head.biases if b is not None), None))
-        report = rewrite_head(builder.graph, head, into.state, state.capacity)
+        state = state_for(weight, bias, name=head.name, **config)
+        mapped = builder.remap(head)
+        into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
+        try:
+            report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
+        except DenseFallback as reason:
+            raise DenseFallback(str(reason), head) from None
         observe = opts.observe_inputs and state.observes
         report.observers = insert_input_observers(builder.graph, into) if observe else 0
+        snapshot_state_reads(builder.graph, into.state)
+        if observe and not report.observers and token_tables(builder.gm):
+            warn_once(
+                f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "
+                f"(V={head.vocab_size} rows or more), so nothing joins the active set here: tokens outside it get -inf. Feed the set "
+                "with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options observe_topk/vocab)."
+            )
+        reports.append((state, report))
+        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
+                                        into.state.ids))
+    compiled = builder.compile(example_inputs, bindings, opts, config_patches)
+    for state, report in reports:
         state.rewrites.append(report)
-        bindings.append(_DrafterBinding(state, builder.user_input_position(head.weight), builder.user_input_position(into.bias)))
-    return builder.compile(example_inputs, bindings, opts, config_patches)
+    return compiled
 
 
-class _DrafterBinding:
+class _Binding:
+    """What every call checks on the host before it runs the compiled graph (no device sync):
+
+    * the head weight or bias was written in place since its rows were cached (``load_state_dict``,
+      an optimizer step, ``w.mul_()``: their version counters moved) -> re-copy the active rows;
+    * the state was rebuilt in place by a compile with other options (``state_for``) -> use its new
+      tensors if they have the layout this graph was compiled for, else a clear error.
+    The state records the binding (weakly): while it lives, another compile may not change the
+    state's options, so no wrapper is ever left on a state that ``observe()`` no longer reaches.
+    """
+
+    state: ActiveVocab
+
+    def track(self, state: ActiveVocab) -> None:
+        self.state, self.generation, self.layout = state, state.generation, state.layout()
+        state.bind(self)
+
+    def sync(self) -> bool:
+        """Returns whether the state's tensors changed (the call's extra inputs must be rebuilt)."""
+        changed = self.generation != self.state.generation
+        if changed:
+            if self.state.layout() != self.layout:
+                raise RuntimeError(
+                    f"nanospec: the active vocabulary this compiled graph reads was rebuilt with another capacity, "
+                    f"dtype or layout ({self.state!r}); give every compile of this head the same vocabulary options "
+                    "(or use nanospec_fx.speculative_pair), or call torch._dynamo.reset() and compile again"
+                )
+            self.generation = self.state.generation
+        self.state.refresh_if_stale()
+        return changed
+
+
+class _DrafterBinding(_Binding):
     """Extra inputs for one rewritten head: its ActiveVocab's tensors.
 
     If the head weight was replaced by another tensor since compiling (Dynamo does not guard on
     parameter identity, e.g. a second instance of the same class), the new weight's state is used.
     """
 
-    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None):
-        self.state, self.weight_pos, self.bias_pos = state, weight_pos, bias_pos
+    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None):
+        self.weight_pos, self.bias_pos = weight_pos, bias_pos
+        self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
+        self.track(state)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
 
     def update(self, args: tuple) -> bool:
         if self.weight_pos is None or args[self.weight_pos] is self.state.weight:
-            return False
+            return self.sync()
         old = self.state
         bias = args[self.bias_pos] if self.bias_pos is not None else old.bias
-        self.state = state_for(args[self.weight_pos], bias, old.capacity, old.num_pinned, seed_ids=old.seed_ids,
-                               observes=old.observes, policy=old.policy, token_to_row=old.token_to_row)
+        self.track(state_for(args[self.weight_pos], bias, old.capacity, old.num_pinned, seed_ids=old.seed_ids,
+                             observes=old.observes, policy=old.policy, token_to_row=old.token_to_row))
         if not self.state.rewrites:
             self.state.rewrites = list(old.rewrites)
+        self.sync()
         return True
 
 
@@ -145,27 +214,18 @@ def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: Nan
     return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
 
 
-class _TargetBinding:
+class _TargetBinding(_Binding):
     """Extra inputs of a target observer: the drafter's head weight, bias and ActiveVocab tensors."""
 
     def __init__(self, state: ActiveVocab):
-        self.state = state
+        self.track(state)
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.state
         return [s.weight] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
 
     def update(self, args: tuple) -> bool:
-        current = registered_state(self.state.weight)
-        if current is None or current is self.state:
-            return False
-        if [t.shape for t in _state_inputs(current)] != [t.shape for t in _state_inputs(self.state)] or (current.bias is None) != (self.state.bias is None):
-            raise RuntimeError(
-                "nanospec: the drafter's active vocabulary was rebuilt with another capacity or layout after the target "
-                "observer was compiled; give both the same vocabulary options (or use nanospec_fx.speculative_pair)"
-            )
-        self.state = current
-        return True
+        return self.sync()
 
 
 def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
@@ -213,6 +273,8 @@ class _GraphBuilder:
         self.graph = graph
         self.user_placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.extra = 0
+        values = [patterns.example_value(n) for n in graph.nodes]
+        self.fake_mode = next((v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor)), None)
 
     def remap(self, head: HeadMatch) -> HeadMatch:
         m = self.node_map
@@ -242,6 +304,8 @@ class _GraphBuilder:
         names = [] if weight is not None else ["weight"] + (["bias"] if state.bias is not None else [])
         names += ["ids", "slot_of", "cursor", "cache_w", "cache_b"] + (["token_to_row"] if state.token_to_row is not None else [])
         nodes = self.add_inputs(names)
+        tensors = ([] if weight is not None else [state.weight] + ([state.bias] if state.bias is not None else []))
+        self.set_input_values(nodes, tensors + _state_inputs(state))
         if weight is None:
             weight, nodes = nodes[0], nodes[1:]
             if state.bias is not None:
@@ -249,28 +313,145 @@ class _GraphBuilder:
         return ObserveInto(weight, bias, StateNodes(*nodes[:5]), state.num_pinned, state.vocab_size,
                            nodes[5] if len(nodes) > 5 else None)
 
+    def set_input_values(self, nodes: list[fx.Node], tensors: list[torch.Tensor]) -> None:
+        """FakeTensor metadata for added inputs, so every node computed from them has some too."""
+        if self.fake_mode is None:
+            return
+        for node, t in zip(nodes, tensors):
+            node.meta["example_value"] = node.meta["val"] = self.fake_mode.from_tensor(t, static_shapes=True)
+
     def compile(self, example_inputs: list, bindings: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
         graph = self.graph
-        # Placeholders, the (mutating) observe ops and in-place methods (`z.div_(t)`) must stay.
-        graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or (n.op == "call_method" and n.target.endswith("_")))
+        # Placeholders and every op with a side effect (observe, `z.div_(t)`, `torch.clamp_(x)`, `out=`) stay.
+        effects.dead_code_eliminate(graph)
         graph.lint()
         self.gm.recompile()
         extra = [t for b in bindings for t in b.tensors()]
         compiled = _compile(self.gm, list(example_inputs) + extra, opts, config_patches)
-        return _StatefulCall(compiled, bindings)
+        return _StatefulCall(compiled, bindings, _region_outputs(graph, bindings))
 
 
 class _StatefulCall:
     """Calls the compiled graph with the bindings' tensors appended to the user's inputs."""
 
-    def __init__(self, compiled: Callable, bindings: list):
+    def __init__(self, compiled: Callable, bindings: list, region_outputs: list | None = None):
         self.compiled, self.bindings = compiled, bindings
         self.extra = [t for b in bindings for t in b.tensors()]
+        self.region_outputs = region_outputs or []  # (output position, binding)
 
     def __call__(self, *args: Any) -> Any:
         if any([b.update(args) for b in self.bindings]):
             self.extra = [t for b in self.bindings for t in b.tensors()]
-        return self.compiled(*args, *self.extra)
+        out = self.compiled(*args, *self.extra)
+        if self.region_outputs and isinstance(out, (tuple, list)):
+            for pos, binding in self.region_outputs:
+                _tag_region_tensor(out[pos], binding.state)
+        return out
+
+
+# ----------------------------------------------------------------------------- graph breaks
+# The [..., V] logits a rewritten head returns (-inf at inactive tokens), by tensor identity, so a
+# graph compiled after a graph break can recognise them among its inputs and keep them masked.
+_REGION_TENSORS: dict[int, tuple[weakref.ref, ActiveVocab]] = {}
+
+
+def _tag_region_tensor(t: Any, state: ActiveVocab) -> None:
+    if isinstance(t, torch.Tensor):
+        key = id(t)
+        _REGION_TENSORS[key] = (weakref.ref(t, lambda _, key=key: _REGION_TENSORS.pop(key, None)), state)
+
+
+def region_state(t: Any) -> ActiveVocab | None:
+    """The ActiveVocab whose rewritten head produced ``t`` (a graph output), or None."""
+    entry = _REGION_TENSORS.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _region_outputs(graph: fx.Graph, bindings: list) -> list:
+    """Graph output positions holding materialised head logits, with their binding."""
+    by_ids = {}
+    for b in bindings:
+        if isinstance(b, _DrafterBinding):
+            by_ids[b.ids_node] = b
+    if not by_ids:
+        return []
+    made = {torch.ops.nanospec.scatter_logits.default: 1, torch.ops.nanospec.head_logits.default: 3}
+    output = next(n for n in graph.nodes if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        return []
+    found = []
+    for pos, v in enumerate(values):
+        if isinstance(v, fx.Node) and v.op == "call_function" and v.target in made:
+            ids = v.args[made[v.target]]
+            binding = by_ids.get(ids)
+            if binding is not None:
+                found.append((pos, binding))
+    return found
+
+
+def _region_inputs(gm: fx.GraphModule, example_inputs: list) -> dict[fx.Node, ActiveVocab]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = {}
+    for node, value in zip(placeholders, example_inputs):
+        state = region_state(value)
+        if state is not None and value.dim() and value.shape[-1] == state.vocab_size:
+            found[node] = state
+    return found
+
+
+def _compile_after_break(gm, example_inputs, region_inputs: dict, opts, config_patches) -> Callable:
+    """A graph whose inputs include a rewritten head's logits (a graph break after the head).
+
+    Post-ops here would turn the inactive tokens' -inf into finite values (a soft-cap gives
+    -cap); every elementwise op on those logits is followed by a re-mask, so inactive tokens stay
+    exactly -inf after them, as if the post-ops had run before the break.
+    """
+    builder = _GraphBuilder(gm)
+    bindings, masked = [], 0
+    for node, state in region_inputs.items():
+        into = builder.add_state(state, None, None)
+        binding = _TargetBinding(state)
+        masked += _remask_post_ops(builder.graph, builder.node_map[node], into.state, state)
+        bindings.append(binding)
+    if not masked:
+        return _compile(gm, example_inputs, opts, config_patches)
+    return builder.compile(example_inputs, bindings, opts, config_patches)
+
+
+def _remask_post_ops(graph: fx.Graph, logits: fx.Node, s: StateNodes, state: ActiveVocab) -> int:
+    vocab = state.vocab_size
+    carriers, stack, post_ops = {logits}, [logits], []
+    while stack:
+        cur = stack.pop()
+        for user in list(cur.users):
+            if user in carriers:
+                continue
+            if patterns.elementwise_operands_ok(user, cur, vocab, carriers):
+                post_ops.append(user)
+            elif not patterns.view_keeps_vocab(user, cur, vocab):
+                continue
+            carriers.add(user)
+            stack.append(user)
+    if not post_ops:
+        return 0
+    first = min(post_ops, key=list(graph.nodes).index)
+    with graph.inserting_before(first):
+        zeros = graph.call_method("new_zeros", (s.ids, (state.capacity,)), {"dtype": torch.float32})
+        row = graph.call_function(torch.ops.nanospec.scatter_logits.default, (zeros, s.ids, s.cursor, vocab))
+        inactive = graph.call_function(torch.isneginf, (row,))
+    for n in (zeros, row, inactive):
+        set_example_value(n)
+    for op in post_ops:
+        written = effects.mutated_inputs(op)
+        with graph.inserting_after(op):
+            if written:
+                graph.call_method("masked_fill_", (written[0], inactive, float("-inf")))
+                continue
+            remasked = graph.call_method("masked_fill", (op, inactive, float("-inf")))
+        op.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
+        set_example_value(remasked)
+    return len(post_ops)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
