@@ -311,7 +311,7 @@ def _flatten(items, out: list) -> None:
 def _int64_tensor(values: list) -> torch.Tensor:
     try:
         return torch.tensor(values, dtype=torch.int64)
-    except (RuntimeError, OverflowError):
+    except (RuntimeError, OverflowError, ValueError):
         raise ValueError("a token id does not fit in int64, so it is outside the vocabulary") from None
 
 
