@@ -149,10 +149,12 @@ class ActiveVocab:
     def refresh(self) -> None:
         """Re-copy the head rows of the active tokens from the head's current weights.
 
-        Compiled calls do it by themselves when the weight or bias was written in place since
-        (``load_state_dict``, an optimizer step, ``w.mul_()``: their version counters moved); call it
-        after writes that bypass the version counter (``w.data[...] = ...``). No host sync: all C
-        slots are re-copied (free slots copy row 0 and stay masked).
+        Compiled calls (and :meth:`observe`) do it by themselves when the weight or bias was
+        written since (``load_state_dict``, an optimizer step, ``w.mul_()``, ``p.data = t``: see
+        :meth:`refresh_if_stale`). Call it yourself after writes that bypass the version counter
+        (through ``w.data``: ``w.data.mul_(2)``), or for a weight created under ``inference_mode``
+        (an inference tensor has no version counter). No host sync: all C slots are re-copied
+        (free slots copy row 0 and stay masked).
         """
         with torch.no_grad(), torch.inference_mode(False):
             rows = torch.clamp(self.ids, min=0)
@@ -171,9 +173,11 @@ class ActiveVocab:
         return True
 
     def _weight_versions(self) -> tuple | None:
-        """Version counters of the weight and bias (None for inference tensors, which have none)."""
+        """What changes when the weight or bias is written: their version counters (in-place writes,
+        ``load_state_dict``, optimizer steps) and data pointers (``p.data = t``). None for inference
+        tensors, which have no version counter."""
         try:
-            return (self.weight._version, self.bias._version if self.bias is not None else None)
+            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
         except RuntimeError:
             return None
 

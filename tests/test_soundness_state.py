@@ -404,3 +404,12 @@ def test_observe_on_a_drafter_that_was_never_called():
     assert nanospec_fx.active_vocab(plain, head="lm_head").weight is plain.lm_head.weight
     with pytest.raises(LookupError, match="attach"):
         nanospec_fx.active_vocab(Drafter("linear"))
+
+
+def test_replacing_the_weight_data_is_picked_up():
+    model = Drafter("linear").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[3, 5, 9]])
+    check_against_oracle(model, compiled, ids)
+    model.lm_head.weight.data = torch.randn(V, H)  # same Parameter object, new storage, same version
+    check_against_oracle(model, compiled, ids)
