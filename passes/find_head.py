@@ -100,6 +100,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 or patterns.view_keeps_vocab(user, cur, vocab_size)
                 or patterns.is_call(user, LOGIT_CARRIERS, {"softmax", "log_softmax"})
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
+                or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
             ):
                 if user not in carriers:
                     carriers.add(user)

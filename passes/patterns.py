@@ -241,6 +241,15 @@ def view_keeps_vocab(node: fx.Node, logits: fx.Node, vocab_size: int) -> bool:
     return False
 
 
+def is_basic_indexing(node: fx.Node, logits: fx.Node) -> bool:
+    """``logits[...]`` with ints, slices, ``...`` and ``None`` only (a view, any axis)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args[0] is logits):
+        return False
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(i is Ellipsis or i is None or isinstance(i, (int, slice)) or
+               (isinstance(i, fx.Node) and tensor_shape(i) is None) for i in idx)
+
+
 def reads_row_size(node: fx.Node, logits: fx.Node) -> bool:
     """``logits.size(d)`` / ``sym_size(logits, d)`` for a non-vocabulary dim d (same in compact space)."""
     shape = tensor_shape(logits)

@@ -186,17 +186,17 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
         set_example_value(n)
         report.post_ops.append(describe(n))
         return
+    if not writes and len(compact_inputs) == 1:
+        handled = _compact_consumer(region, n, a, erased)
+        if handled:
+            report.consumers.extend(handled)
+            return
     if not writes and len(compact_inputs) == 1 and patterns.match_log_softmax(n, a):
         _mask_unfilled(region, n, a)  # slots past the count may be finite after post-ops
         region.members[n] = _Member(n)
         set_example_value(n)
         report.post_ops.append(describe(n))
         return
-    if not writes and len(compact_inputs) == 1:
-        handled = _compact_consumer(region, n, a, erased)
-        if handled:
-            report.consumers.extend(handled)
-            return
     if writes or effects.may_alias_input(n):
         _materialise(region, n, compact_inputs, report)
         return
@@ -210,6 +210,7 @@ def _materialise(region: _Region, n: fx.Node, compact_inputs: list, report: Rewr
     for c in compact_inputs:
         n.replace_input_with(c, region.dense(c, n))
     report.materialised.append(f"{describe(n)} ({where(n)})")
+    report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
 
 
 def _is_noop_cast(n: fx.Node, a: fx.Node) -> bool:

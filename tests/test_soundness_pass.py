@@ -393,3 +393,64 @@ def test_autocast_dtype_matches_eager():
     assert out.dtype == expected.dtype == torch.bfloat16
     active = _mask(model)
     torch.testing.assert_close(out[..., active], expected[..., active], rtol=2e-2, atol=5e-2)
+
+
+class ScoreEmbedScore(Base):
+    """A two-step drafter in one graph: the tokens it embeds between the two heads are new, so
+    the observe between them evicts slots that the first head's logits are still mapped with."""
+
+    def forward(self, ids, _mask=None):
+        h = self.hidden(ids)
+        z1 = self.lm_head(h)
+        nxt = (z1.argmax(-1) + 1) % V
+        z2 = self.lm_head(torch.tanh(self.body(self.embed(nxt))))
+        return z1 * 1.0, z2
+
+
+def test_logits_scored_before_an_observe_keep_their_slot_table():
+    model = ScoreEmbedScore().eval()
+    compiled = compile_nanospec(model, capacity=6)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    state = None
+    with torch.no_grad():
+        for _ in range(3):
+            before = None if state is None else state.token_ids().clone()
+            z1, z2 = compiled(ids)
+            state = nanospec_fx.active_vocab(model)
+            dense = model.lm_head(model.hidden(ids))
+            finite = ~torch.isneginf(z1)
+            # every finite entry is the dense logit of that very token (never another token's)
+            torch.testing.assert_close(z1[finite], dense[finite])
+            assert finite.any()
+            ids = torch.tensor([[6, 7, 8, 9, 10]]) if before is None else ids
+
+
+class PaddedVocabSlice(Base):
+    """A head padded to 48 outputs for a 40-token vocabulary; the drafter slices the real ones."""
+
+    def __init__(self):
+        super().__init__(vocab=48)
+
+    def forward(self, ids, _mask=None):
+        z = _masked(self.lm_head(self.hidden(ids)) / 0.8, _mask)
+        return z[..., :40].topk(2, dim=-1)
+
+
+def test_vocabulary_slice_of_a_padded_head_is_exact():
+    model = PaddedVocabSlice().eval()
+    out, expected, caught = _run(model, _ids())
+    torch.testing.assert_close(out, expected)
+    (report,) = nanospec_fx.active_vocab(model).rewrites
+    assert "truediv" in report.post_ops and not caught
+
+
+def test_medusa_head_chosen_by_name_is_rewritten_and_the_stack_reads_it_materialised():
+    model = Medusa().eval()
+    compiled = compile_nanospec(model, capacity=16, head="heads.1")
+    ids = _ids()
+    with torch.no_grad():
+        out = compiled(ids)
+        h = model.hidden(ids)
+        active = _mask(model)
+        expected = torch.stack([model.heads[0](h), model.heads[1](h).masked_fill(~active, NEG), model.heads[2](h)])
+    torch.testing.assert_close(out, expected)
