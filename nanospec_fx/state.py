@@ -433,7 +433,7 @@ def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
     return {names[0]: state for state, names in state_names(module).items()}
 
 
-def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
+def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
     """The ActiveVocab of ``module``'s head (``module`` may be the compiled or the original one).
 
     ``head`` picks one when there are several: any name of the head's weight (for a tied head the
@@ -441,10 +441,17 @@ def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
     Before the first compiled call, a head that can be found without tracing (``head`` names a
     parameter or buffer, or ``get_output_embeddings()``) gets its ActiveVocab now, with the
     default options (a later compile with other options rebuilds it in place, keeping this object).
+    ``module`` may also be the head's weight tensor itself (a head weight passed to ``forward`` as
+    an argument, or a global, is not held by any module).
     """
     module = getattr(module, "_orig_mod", module)
+    if isinstance(module, torch.Tensor):
+        state = registered_state(module)
+        if state is None:
+            raise LookupError("this tensor is not the weight of a head with an active vocabulary (yet)")
+        return state
     if not isinstance(module, nn.Module):
-        raise TypeError(f"active_vocab expects an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"active_vocab expects an nn.Module or a head weight tensor, got {type(module).__name__}")
     found = state_names(module)
     if head is not None:
         hits = [s for s, names in found.items() if any(n == head or n.endswith("." + head) for n in names)]
