@@ -63,6 +63,9 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         region_inputs = _region_inputs(gm, example_inputs)
         if region_inputs:
             return _compile_after_break(gm, example_inputs, region_inputs, opts, config_patches)
+        fed = _token_id_inputs(gm) if opts.observe_inputs else []
+        if fed:  # the embedding half of a drafter split by a graph break: feed the head compiled after it
+            return _ObservingCall(_compile(gm, example_inputs, opts, config_patches), fed)
         warn_once(
             "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
             "reaches the output, with the vocabulary of the token embedding); this graph runs unchanged. If the "
@@ -111,6 +114,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         observe = opts.observe_inputs and state.observes
         report.observers = insert_input_observers(builder.graph, into) if observe else 0
         snapshot_state_reads(builder.graph, into.state)
+        if observe and not report.observers and not token_tables(builder.gm):
+            _adopt_split_embedding(state)
         if observe and not report.observers and token_tables(builder.gm):
             warn_once(
                 f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "
@@ -139,8 +144,18 @@ class _Binding:
 
     state: ActiveVocab
 
+    layout: list | None = None  # of the state tensors this graph was compiled for
+
     def track(self, state: ActiveVocab) -> None:
-        self.state, self.generation, self.layout = state, state.generation, state.layout()
+        """Read ``state`` from now on (another instance's head: the compiled graph is shared)."""
+        if self.layout is None:
+            self.layout = state.layout()
+        elif state.layout() != self.layout:
+            raise RuntimeError(
+                f"nanospec: this compiled graph was made for an active vocabulary of another capacity or layout than "
+                f"{state!r}; compile every instance of this head with the same vocabulary options"
+            )
+        self.state, self.generation = state, state.generation
         state.bind(self)
 
     def sync(self) -> bool:
@@ -350,6 +365,54 @@ class _StatefulCall:
 
 
 # ----------------------------------------------------------------------------- graph breaks
+# A graph break between the token embedding and the head splits the drafter in two graphs: the
+# first embeds the ids (no head), the second has the head (no embedding). The first one's token-id
+# inputs are observed, from its wrapper, into the head state of the second (a state whose graph has
+# no embedding of its own), so the fed tokens are active before the head runs. The very first call
+# runs the first graph before the second is compiled: its ids wait in _PENDING_IDS until then.
+_HEADS_WITHOUT_EMBEDDING: list[weakref.ref] = []
+_PENDING_IDS: dict[int, torch.Tensor] = {}  # table rows -> ids embedded before any head existed
+
+
+def _token_id_inputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """``(input position, table rows)`` of the token ids this graph embeds, when they are graph inputs."""
+    from nanospec_fx.passes.observe_inputs import embedding_lookups
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [(placeholders.index(ids), rows) for _, ids, _, rows in embedding_lookups(gm.graph) if ids in placeholders]
+
+
+def _states_for_rows(rows: int) -> list[ActiveVocab]:
+    states = [s for s in (r() for r in _HEADS_WITHOUT_EMBEDDING) if s is not None and s.vocab_size <= rows]
+    exact = [s for s in states if s.vocab_size == rows]
+    return exact or states
+
+
+def _adopt_split_embedding(state: ActiveVocab) -> None:
+    if not any(r() is state for r in _HEADS_WITHOUT_EMBEDDING):
+        _HEADS_WITHOUT_EMBEDDING.append(weakref.ref(state))
+    for rows, ids in list(_PENDING_IDS.items()):
+        if state in _states_for_rows(rows):
+            state.observe(ids, validate=False)
+            del _PENDING_IDS[rows]
+
+
+class _ObservingCall:
+    """A graph that embeds token ids but holds no head: observe them into the head's state."""
+
+    def __init__(self, compiled: Callable, fed: list[tuple[int, int]]):
+        self.compiled, self.fed = compiled, fed
+
+    def __call__(self, *args: Any) -> Any:
+        for pos, rows in self.fed:
+            states = _states_for_rows(rows)
+            if len(states) == 1:
+                states[0].observe(args[pos], validate=False)
+            elif not states:
+                _PENDING_IDS[rows] = args[pos]
+        return self.compiled(*args)
+
+
 # The [..., V] logits a rewritten head returns (-inf at inactive tokens), by tensor identity, so a
 # graph compiled after a graph break can recognise them among its inputs and keep them masked.
 _REGION_TENSORS: dict[int, tuple[weakref.ref, ActiveVocab]] = {}

@@ -282,11 +282,15 @@ def as_token_ids(token_ids: Any) -> torch.Tensor:
     float id is a bug upstream, not something to truncate, and a bool list is a mask, not ids.
     """
     if isinstance(token_ids, torch.Tensor):
+        if token_ids.numel() == 0 and not token_ids.is_complex():
+            return torch.zeros(0, dtype=torch.int64)  # torch.tensor([]) is float32: no id in it, nothing to refuse
         if token_ids.dtype not in _INT_DTYPES:
             raise TypeError(f"{_ACCEPTED}; got a tensor of dtype {token_ids.dtype}")
         return token_ids.to(torch.int64)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(token_ids, (np.ndarray, np.generic)):
+        if token_ids.size == 0 and token_ids.dtype.kind in "iufb":
+            return torch.zeros(0, dtype=torch.int64)
         if token_ids.dtype.kind not in "iu":
             raise TypeError(f"{_ACCEPTED}; got a numpy {type(token_ids).__name__} of dtype {token_ids.dtype}")
         return torch.from_numpy(np.asarray(token_ids, dtype=np.int64).copy())

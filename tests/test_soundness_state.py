@@ -226,6 +226,8 @@ ACCEPTED = [
     (np.array([9], dtype=np.uint8), [9]),
     ([torch.tensor([1, 2]), 3], [1, 2, 3]),
     ([], []),
+    (torch.tensor([]), []),  # an empty list made into a tensor is float32: nothing to refuse
+    (np.array([]), []),
 ] + [(torch.tensor([3, 4], dtype=d), [3, 4]) for d in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)]
 
 
