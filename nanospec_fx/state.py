@@ -425,7 +425,9 @@ def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
                     names.append(n)
     for state, names in found.items():
         for report in state.rewrites:
-            path = getattr(report, "module_path", None)
+            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
+            if head in names:  # the name the pass reported first (explain shows it)
+                names.insert(0, names.pop(names.index(head)))
             if path and path not in names:
                 names.append(path)
     return found
