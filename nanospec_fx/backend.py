@@ -64,14 +64,16 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         if region_inputs:
             return _compile_after_break(gm, example_inputs, region_inputs, opts, config_patches)
         fed = _token_id_inputs(gm) if opts.observe_inputs else []
-        if fed:  # the embedding half of a drafter split by a graph break: feed the head compiled after it
-            return _ObservingCall(_compile(gm, example_inputs, opts, config_patches), fed)
         warn_once(
             "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
-            "reaches the output, with the vocabulary of the token embedding); this graph runs unchanged. If the "
-            "head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
+            "reaches the output, with the vocabulary of the token embedding); this graph runs unchanged"
+            + ("; the token ids it embeds are observed into a head found in a later graph (after a graph break), if "
+               "there is one" if fed else "")
+            + ". If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
         )
-        return _compile(gm, example_inputs, opts, config_patches)
+        compiled = _compile(gm, example_inputs, opts, config_patches)
+        # The embedding half of a drafter split by a graph break: feed the head compiled after it.
+        return _ObservingCall(compiled, fed) if fed else compiled
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
@@ -115,7 +117,13 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         report.observers = insert_input_observers(builder.graph, into) if observe else 0
         snapshot_state_reads(builder.graph, into.state)
         if observe and not report.observers and not token_tables(builder.gm):
-            _adopt_split_embedding(state)
+            if not _adopt_split_embedding(state) and _resumes_after_graph_break(gm):
+                raise DenseFallback(
+                    "it is in a graph that resumes after a graph break, and the token ids the drafter embeds before it "
+                    "were run outside any graph nanospec sees (a graph break inside the embedding's function), so they "
+                    "cannot join the active set. Remove the graph break between the token embedding and the head "
+                    "(torch._dynamo.graph_break(), print, .item(), ...), or compile with options={'observe_inputs': False} "
+                    "and feed the set with nanospec_fx.active_vocab(model).observe(ids)", head)
         if observe and not report.observers and token_tables(builder.gm):
             warn_once(
                 f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "
@@ -388,13 +396,24 @@ def _states_for_rows(rows: int) -> list[ActiveVocab]:
     return exact or states
 
 
-def _adopt_split_embedding(state: ActiveVocab) -> None:
+def _adopt_split_embedding(state: ActiveVocab) -> bool:
+    """Let graphs that only embed ids feed ``state``; True when one already did (ids were pending)."""
     if not any(r() is state for r in _HEADS_WITHOUT_EMBEDDING):
         _HEADS_WITHOUT_EMBEDDING.append(weakref.ref(state))
+    adopted = False
     for rows, ids in list(_PENDING_IDS.items()):
         if state in _states_for_rows(rows):
             state.observe(ids, validate=False)
             del _PENDING_IDS[rows]
+            adopted = True
+    return adopted
+
+
+def _resumes_after_graph_break(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo traced ``gm`` from a resume function (its inputs include stack values)."""
+    from nanospec_fx.passes.find_head import parameter_name_raw
+
+    return any(parameter_name_raw(n).startswith("L['___stack") for n in gm.graph.nodes if n.op == "placeholder")
 
 
 class _ObservingCall:

@@ -78,6 +78,7 @@ def parameter_name_raw(node: fx.Node) -> str:
     return n() if callable(n) else str(n)
 
 
+PADDING_SHARE = 8  # a padded token table has at most 1/8 more rows than the head has outputs
 LOGIT_CARRIERS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
 
 
@@ -126,9 +127,10 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
       none raises HeadSelectionError listing the candidates.
     * otherwise, among projections whose output reaches the graph output: a weight shared with
       the token embedding; else the projections as wide as a token embedding has rows (``vocab_size``
-      narrows this to that width); else, for a padded embedding table, the one projection
-      narrower than it whose logits are returned; with no token embedding in the graph, the one
-      projection whose logits (not only a selection of them) reach the output.
+      narrows this to that width); else, for a padded embedding table (at most 1/8 of its rows
+      padding), the one projection at most that much narrower whose logits are returned; with no
+      token embedding in the graph, the one projection whose logits (not only a selection of
+      them) reach the output.
     * several candidates left: HeadSelectionError naming them. None: an empty list.
     """
     groups = _projection_groups(gm, example_inputs)
@@ -153,7 +155,8 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         exact = [g for g in reaching if g.vocab_size in tables.values()]
         if exact:
             return _unique(exact)
-        padded = [g for g in reaching if reaching[g] == "logits" and g.vocab_size < max(tables.values())]
+        padded = [g for g in reaching if reaching[g] == "logits" and any(
+            r - r // PADDING_SHARE <= g.vocab_size < r for r in tables.values())]
         return _unique(padded)
     return _unique([g for g in reaching if reaching[g] == "logits"])
 

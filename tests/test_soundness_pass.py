@@ -311,7 +311,7 @@ def test_one_call_sees_one_state_when_the_head_runs_before_the_embedding():
 class PaddedEmbedding(Base):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(V + 24, H)  # padded to a multiple of 64
+        self.embed = nn.Embedding(V + 4, H)  # padded to a multiple of 4
 
     def forward(self, ids, _mask=None):
         return _masked(self.lm_head(self.hidden(ids)), _mask)
@@ -319,7 +319,7 @@ class PaddedEmbedding(Base):
 
 def test_padded_embedding_observes_the_ids_in_the_vocabulary():
     model = PaddedEmbedding().eval()
-    ids = torch.tensor([[1, 2, 3, 50]])  # 50 >= V: not a token of the head
+    ids = torch.tensor([[1, 2, 3, 42]])  # 42 >= V: not a token of the head
     out, expected, _ = _run(model, ids)
     torch.testing.assert_close(out, expected)
     assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [1, 2, 3]
@@ -454,3 +454,42 @@ def test_medusa_head_chosen_by_name_is_rewritten_and_the_stack_reads_it_material
         active = _mask(model)
         expected = torch.stack([model.heads[0](h), model.heads[1](h).masked_fill(~active, NEG), model.heads[2](h)])
     torch.testing.assert_close(out, expected)
+
+
+class BreakBetweenEmbeddingAndHead(Base):
+    def forward(self, ids, _mask=None):
+        h = self.hidden(ids)
+        torch._dynamo.graph_break()
+        return _masked(self.lm_head(h), _mask)
+
+
+def test_ids_embedded_before_a_graph_break_are_observed_into_the_head_after_it():
+    model = BreakBetweenEmbeddingAndHead().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="observed into a head found in a later graph"):
+        for ids in (_ids(), torch.tensor([[20, 21, 22]])):
+            out = compiled(ids)
+            state = nanospec_fx.active_vocab(model)
+            assert state.contains(ids).all()
+            torch.testing.assert_close(out, model(ids, _mask=_mask(model)))
+
+
+class BreakInsideTheEmbeddingFunction(Base):
+    def embed_ids(self, ids):
+        h = self.embed(ids)
+        for layer in (self.body,):
+            h = torch.tanh(layer(h))
+            torch._dynamo.graph_break()  # in a loop: Dynamo runs this whole function outside any graph
+        return h
+
+    def forward(self, ids, _mask=None):
+        return _masked(self.lm_head(self.embed_ids(ids)), _mask)
+
+
+def test_ids_that_cannot_be_observed_leave_the_head_dense_with_a_warning():
+    model = BreakInsideTheEmbeddingFunction().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = _ids()
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense.*graph break"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
