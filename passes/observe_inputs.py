@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from . import patterns
+from . import effects, patterns
 from .rewrite_head import StateNodes, set_example_value
 
 
@@ -120,14 +120,21 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     return len(lookups)
 
 
-def _earliest_after(graph: fx.Graph, ids: fx.Node, fallback: fx.Node) -> fx.Node:
-    """The first node after ``ids`` and after every placeholder (where a use of ``ids`` can go)."""
+def _earliest_after(graph: fx.Graph, ids: fx.Node, lookup: fx.Node) -> fx.Node:
+    """The first node after ``ids`` and after every placeholder (where a use of ``ids`` can go);
+    ``lookup`` itself when something writes the ids in between (``ids.clamp_(...)``)."""
     nodes = list(graph.nodes)
     start = max(nodes.index(ids), max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1))
+    aliases = {ids}
+    for n in nodes[nodes.index(ids) + 1:nodes.index(lookup)]:
+        if any(w in aliases for w in effects.mutated_inputs(n)):
+            return lookup
+        if effects.may_alias_input(n) and any(a in aliases for a in n.all_input_nodes):
+            aliases.add(n)
     for n in nodes[start + 1:]:
         if n.op != "placeholder":
             return n
-    return fallback
+    return lookup
 
 
 def snapshot_state_reads(graph: fx.Graph, state: StateNodes) -> int:

@@ -493,3 +493,17 @@ def test_ids_that_cannot_be_observed_leave_the_head_dense_with_a_warning():
     with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense.*graph break"):
         out = compiled(ids)
     torch.testing.assert_close(out, model(ids))
+
+
+class ClampsItsIds(Base):
+    def forward(self, ids, _mask=None):
+        ids = ids.clone()
+        ids.clamp_(0, 4)  # the drafter embeds the clamped ids: those are what must be observed
+        return _masked(self.lm_head(self.hidden(ids)), _mask)
+
+
+def test_observe_reads_the_ids_as_the_embedding_does():
+    model = ClampsItsIds().eval()
+    out, expected, _ = _run(model, torch.tensor([[1, 9, 30]]))
+    torch.testing.assert_close(out, expected)
+    assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [1, 4]
