@@ -434,3 +434,17 @@ def test_a_head_weight_passed_as_an_argument_is_reachable_from_the_tensor():
     with torch.no_grad():
         assert compiled(torch.tensor([[4]]), weight)[0, 0, 9].isfinite()
     assert out[0, 0, 4].isfinite()
+
+
+def test_a_state_created_under_inference_mode_can_be_updated_outside_it():
+    model = Drafter("linear").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    with torch.inference_mode():
+        compiled(torch.tensor([[3]]))
+    state = nanospec_fx.active_vocab(model)
+    assert not state.cache_w.is_inference()
+    state.observe([7])  # outside inference_mode: in-place writes to inference tensors would raise
+    with torch.no_grad():
+        assert compiled(torch.tensor([[3]]))[0, 0, 7].isfinite()
+    state.reset()
+    assert len(state) == 0
