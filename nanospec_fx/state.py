@@ -10,9 +10,8 @@ import contextlib
 import gc
 import sys
 import threading
-import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
