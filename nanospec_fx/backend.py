@@ -58,15 +58,20 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     config = opts.state_config()  # validates policy options before anything else
-    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
+    region_inputs = _region_inputs(gm, example_inputs)
+    split_rows = {rows for _, rows in _UNLINKED[0].fed} if _just_ran_unlinked() else set()
+    known = {s.vocab_size for s in region_inputs.values()} | (split_rows if _resumes_after_graph_break(gm) else set())
+    notes: list[str] = []
+    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head, known_vocab=known,
+                       resumed=_resumes_after_graph_break(gm), notes=notes)
     if not heads:
-        region_inputs = _region_inputs(gm, example_inputs)
         if region_inputs:
             return _compile_after_break(gm, example_inputs, region_inputs, opts, config_patches)
         fed = _token_id_inputs(gm) if opts.observe_inputs else []
         warn_once(
             "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
-            "reaches the output, with the vocabulary of the token embedding); this graph runs unchanged"
+            "reaches the output, with the vocabulary of the token embedding"
+            + (f"; {'; '.join(notes)}" if notes else "") + "); this graph runs unchanged"
             + ("; the token ids it embeds are observed into a head found in a later graph (after a graph break), if "
                "there is one" if fed else "")
             + ". If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
@@ -104,7 +109,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
 
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches) -> Callable:
     builder = _GraphBuilder(gm)
-    bindings, reports = [], []
+    bindings, reports, links = [], [], []
     for head, weight, bias in rewritable:
         state = state_for(weight, bias, name=head.name, **config)
         mapped = builder.remap(head)
@@ -117,7 +122,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         report.observers = insert_input_observers(builder.graph, into) if observe else 0
         snapshot_state_reads(builder.graph, into.state)
         if observe and not report.observers and not token_tables(builder.gm):
-            if not _adopt_split_embedding(state) and _resumes_after_graph_break(gm):
+            links.append(state)
+            if not _just_ran_unlinked() and _resumes_after_graph_break(gm):
                 raise DenseFallback(
                     "it is in a graph that resumes after a graph break, and the token ids the drafter embeds before it "
                     "were run outside any graph nanospec sees (a graph break inside the embedding's function), so they "
@@ -133,7 +139,16 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         reports.append((state, report))
         bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
                                         into.state.ids))
+    crossing = _break_after_logits(builder.graph, bindings)
+    if crossing is not None:
+        binding, where_ = crossing
+        head = next(h for (h, _, _), b in zip(rewritable, bindings) if b is binding)
+        raise DenseFallback(
+            f"its logits are live across a graph break inside a nested function ({where_}), and Dynamo may run the "
+            "code after that break outside any graph, where post-ops would give inactive tokens finite values. Remove "
+            "that graph break (or move it to the function that calls the head)", head)
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
+    compiled.links = links
     for state, report in reports:
         state.rewrites.append(report)
     return compiled
@@ -361,8 +376,12 @@ class _StatefulCall:
         self.compiled, self.bindings = compiled, bindings
         self.extra = [t for b in bindings for t in b.tensors()]
         self.region_outputs = region_outputs or []  # (output position, binding)
+        self.links: list[ActiveVocab] = []  # heads that observe the ids of an embedding-only graph before them
 
     def __call__(self, *args: Any) -> Any:
+        for state in self.links:
+            _link_split_embedding(state)
+        _CALLS[0] += 1
         if any([b.update(args) for b in self.bindings]):
             self.extra = [t for b in self.bindings for t in b.tensors()]
         out = self.compiled(*args, *self.extra)
@@ -374,12 +393,16 @@ class _StatefulCall:
 
 # ----------------------------------------------------------------------------- graph breaks
 # A graph break between the token embedding and the head splits the drafter in two graphs: the
-# first embeds the ids (no head), the second has the head (no embedding). The first one's token-id
-# inputs are observed, from its wrapper, into the head state of the second (a state whose graph has
-# no embedding of its own), so the fed tokens are active before the head runs. The very first call
-# runs the first graph before the second is compiled: its ids wait in _PENDING_IDS until then.
-_HEADS_WITHOUT_EMBEDDING: list[weakref.ref] = []
-_PENDING_IDS: dict[int, torch.Tensor] = {}  # table rows -> ids embedded before any head existed
+# first embeds the ids (no head), the second has the head (no embedding). The first graph's wrapper
+# keeps the ids it was called with until the next head graph without an embedding runs (Dynamo runs
+# the two back to back); that head graph then links to it, observes them before reading the state,
+# and from then on the first graph observes into that head's state directly.
+_UNLINKED: list = []  # the embedding-only graph that ran last and is not linked to a head yet (0 or 1)
+_CALLS = [0]  # calls of nanospec-compiled graphs so far: "ran just before" means the previous call
+
+
+def _just_ran_unlinked() -> bool:
+    return bool(_UNLINKED) and _UNLINKED[0].seq == _CALLS[0]
 
 
 def _token_id_inputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
@@ -390,30 +413,18 @@ def _token_id_inputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
     return [(placeholders.index(ids), rows) for _, ids, _, rows in embedding_lookups(gm.graph) if ids in placeholders]
 
 
-def _states_for_rows(rows: int) -> list[ActiveVocab]:
-    states = [s for s in (r() for r in _HEADS_WITHOUT_EMBEDDING) if s is not None and s.vocab_size <= rows]
-    exact = [s for s in states if s.vocab_size == rows]
-    return exact or states
+def _fits(state: ActiveVocab, rows: int) -> bool:
+    return state.vocab_size <= rows
 
 
-def _adopt_split_embedding(state: ActiveVocab) -> bool:
-    """Let graphs that only embed ids feed ``state``; True when one already did (ids were pending)."""
-    if not any(r() is state for r in _HEADS_WITHOUT_EMBEDDING):
-        _HEADS_WITHOUT_EMBEDDING.append(weakref.ref(state))
-    adopted = False
-    for rows, ids in list(_PENDING_IDS.items()):
-        if state in _states_for_rows(rows):
+def _link_split_embedding(state: ActiveVocab) -> None:
+    """Called by a head graph without an embedding before it runs: adopt the embedding graph that just ran."""
+    if _just_ran_unlinked() and all(_fits(state, rows) for _, rows in _UNLINKED[0].fed):
+        embedding = _UNLINKED.pop()
+        embedding.state = state
+        for ids in embedding.pending:
             state.observe(ids, validate=False)
-            del _PENDING_IDS[rows]
-            adopted = True
-    return adopted
-
-
-def _resumes_after_graph_break(gm: fx.GraphModule) -> bool:
-    """Whether Dynamo traced ``gm`` from a resume function (its inputs include stack values)."""
-    from nanospec_fx.passes.find_head import parameter_name_raw
-
-    return any(parameter_name_raw(n).startswith("L['___stack") for n in gm.graph.nodes if n.op == "placeholder")
+        embedding.pending = []
 
 
 class _ObservingCall:
@@ -421,15 +432,34 @@ class _ObservingCall:
 
     def __init__(self, compiled: Callable, fed: list[tuple[int, int]]):
         self.compiled, self.fed = compiled, fed
+        self.state: ActiveVocab | None = None
+        self.pending: list[torch.Tensor] = []
+        self.seq = -1
 
     def __call__(self, *args: Any) -> Any:
-        for pos, rows in self.fed:
-            states = _states_for_rows(rows)
-            if len(states) == 1:
-                states[0].observe(args[pos], validate=False)
-            elif not states:
-                _PENDING_IDS[rows] = args[pos]
+        ids = [args[pos] for pos, _ in self.fed]
+        if self.state is not None:
+            for t in ids:
+                self.state.observe(t, validate=False)
+        _CALLS[0] += 1
+        if self.state is None:
+            self.pending, self.seq = ids, _CALLS[0]
+            _UNLINKED[:] = [self]
         return self.compiled(*args)
+
+
+def _resumes_after_graph_break(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo traced ``gm`` from a resume function (the rest of a frame after a graph break)."""
+    from nanospec_fx.passes.find_head import parameter_name_raw
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        if InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in_"):
+            return True
+    except Exception:  # noqa: BLE001 - not called by Dynamo
+        pass
+    return any(parameter_name_raw(n).startswith("L['___stack") for n in gm.graph.nodes if n.op == "placeholder")
 
 
 # The [..., V] logits a rewritten head returns (-inf at inactive tokens), by tensor identity, so a
@@ -447,6 +477,31 @@ def region_state(t: Any) -> ActiveVocab | None:
     """The ActiveVocab whose rewritten head produced ``t`` (a graph output), or None."""
     entry = _REGION_TENSORS.get(id(t))
     return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _break_after_logits(graph: fx.Graph, bindings: list) -> tuple | None:
+    """``(binding, where)`` when this graph ends at a graph break inside a nested call and returns
+    a head's logits (or a view of them) to the code after it; else None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+    except Exception:  # noqa: BLE001 - not called by Dynamo (a test calling the backend directly)
+        return None
+    if reason is None or not getattr(reason, "graph_break", False) or len(reason.user_stack or ()) < 2:
+        return None
+    by_ids = {b.ids_node: b for b in bindings if isinstance(b, _DrafterBinding)}
+    made = {torch.ops.nanospec.scatter_logits.default: 1, torch.ops.nanospec.head_logits.default: 3}
+    output = next(n for n in graph.nodes if n.op == "output")
+    for value in output.all_input_nodes:
+        cur = value
+        while cur.op in ("call_function", "call_method") and cur.target not in made and effects.may_alias_input(cur) \
+                and cur.all_input_nodes:
+            cur = cur.all_input_nodes[0]
+        if cur.op == "call_function" and cur.target in made and cur.args[made[cur.target]] in by_ids:
+            frame = reason.user_stack[-1]
+            return by_ids[cur.args[made[cur.target]]], f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return None
 
 
 def _region_outputs(graph: fx.Graph, bindings: list) -> list:

@@ -120,7 +120,9 @@ def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return {table: rows for _, _, table, rows in embedding_lookups(gm.graph)}
 
 
-def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None) -> list[HeadMatch]:
+def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
+               known_vocab: set[int] | frozenset = frozenset(), resumed: bool = False,
+               notes: list[str] | None = None) -> list[HeadMatch]:
     """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
 
     * ``head`` (a weight name or module path) picks that projection; a name that matches
@@ -129,8 +131,12 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
       the token embedding; else the projections as wide as a token embedding has rows (``vocab_size``
       narrows this to that width); else, for a padded embedding table (at most 1/8 of its rows
       padding), the one projection at most that much narrower whose logits are returned; with no
-      token embedding in the graph, the one projection whose logits (not only a selection of
-      them) reach the output.
+      token embedding in the graph: the vocabularies in ``known_vocab`` (of rewritten heads whose
+      logits are inputs here, of token tables embedded in a graph before a graph break) play the
+      embedding's part; with none, in a graph that does not resume after a graph break, the one
+      projection wider than its input whose logits (not only a selection of them) reach the
+      output (a router or a hidden-state projection is narrower or is not alone); several such:
+      none, with a note saying why.
     * several candidates left: HeadSelectionError naming them. None: an empty list.
     """
     groups = _projection_groups(gm, example_inputs)
@@ -151,14 +157,25 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     tied = [g for g in reaching if g.weight in tables]
     if tied:
         return _unique(tied)
-    if tables:
-        exact = [g for g in reaching if g.vocab_size in tables.values()]
+    vocabularies = set(tables.values()) or set(known_vocab)
+    if vocabularies:
+        exact = [g for g in reaching if g.vocab_size in vocabularies]
         if exact:
             return _unique(exact)
         padded = [g for g in reaching if reaching[g] == "logits" and any(
-            r - r // PADDING_SHARE <= g.vocab_size < r for r in tables.values())]
+            r - r // PADDING_SHARE <= g.vocab_size < r for r in vocabularies)]
         return _unique(padded)
-    return _unique([g for g in reaching if reaching[g] == "logits"])
+    if resumed:  # the rest of a frame after a graph break: nothing here says what the vocabulary is
+        if notes is not None and reaching:
+            notes.append("this graph resumes after a graph break and embeds no token ids, so nothing says which "
+                         f"projection is the head ({_describe(list(reaching))})")
+        return []
+    candidates = [g for g in reaching if reaching[g] == "logits" and g.vocab_size > g.hidden_size]
+    if len(candidates) > 1:
+        if notes is not None:
+            notes.append(f"several projections could be the head and no token embedding says which ({_describe(candidates)})")
+        return []
+    return candidates
 
 
 def _unique(heads: list[HeadMatch]) -> list[HeadMatch]:
