@@ -95,7 +95,12 @@ def _observe(
     cache_b: torch.Tensor,
     num_pinned: int,
 ) -> None:
-    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place)."""
+    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place).
+
+    Active ids of this call that its new ids would evict are first made new again
+    (:func:`reference.renew_fed_ids`), so a call never evicts a token it feeds while they fit.
+    """
+    reference.renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 

@@ -126,6 +126,44 @@ def observe(
     cursor.add_(n_new)
 
 
+def renew_fed_ids(token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int) -> None:
+    """Free the slots of the already-active ids of this call that its new ids would evict, so that
+    :func:`observe` inserts them again, at the newest end of the ring.
+
+    Without it a token fed again keeps its age, and the same call's new tokens can evict it: a
+    call would lose a token it feeds although all its tokens fit. With it, a call whose distinct
+    ids fit in the ring leaves every one of them active (a larger call keeps the rule of
+    :func:`observe`: the last ones stay). Runs before either observe implementation, so they
+    stay identical; fixed shapes, no host sync.
+
+    A ring position ``q`` (insertion ``cursor + q``) is endangered when it holds an id of this call
+    and fewer than ``n_new`` unprotected positions precede it: exactly the protected positions
+    among the ``n_new + |endangered|`` that the insertions will claim.
+    """
+    capacity, vocab = ids.numel(), slot_of.numel()
+    ring = capacity - num_pinned
+    x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
+    if x.numel() == 0 or ring <= 0:
+        return
+    in_range = (x >= 0) & (x < vocab)
+    x = torch.where(in_range, x, torch.zeros_like(x))
+    slot = slot_of[x].to(torch.int64)
+    first = _first_occurrence(torch.where(in_range, x, torch.full_like(x, -1)))
+    n_new = (in_range & first & (slot < 0)).sum()
+    # protected[s]: slot s holds an id of this call (a dump entry takes everything else)
+    held = torch.where(in_range & (slot >= 0), slot, torch.full_like(slot, capacity))
+    protected = torch.zeros(capacity + 1, dtype=torch.bool, device=ids.device)
+    protected.index_put_((held,), torch.ones_like(held, dtype=torch.bool))
+    position = slot_for_insertion(cursor + torch.arange(ring, device=ids.device), capacity, num_pinned)
+    guarded = protected[position] & (ids[position] >= 0)
+    free = (~guarded).to(torch.int64)
+    endangered = guarded & (torch.cumsum(free, 0) - free < n_new)
+    endangered = endangered & (n_new + endangered.sum() <= ring)
+    victims = torch.where(endangered, ids[position], torch.zeros_like(position))
+    _masked_set(slot_of, victims, torch.full_like(victims, -1, dtype=slot_of.dtype), endangered)
+    _masked_set(ids, position, torch.full_like(position, -1), endangered)
+
+
 def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
     """Bool [C]: which slots hold an active token."""
     return torch.arange(capacity, device=cursor.device) < cursor

@@ -448,3 +448,55 @@ def test_a_state_created_under_inference_mode_can_be_updated_outside_it():
         assert compiled(torch.tensor([[3]]))[0, 0, 7].isfinite()
     state.reset()
     assert len(state) == 0
+
+
+# ----------------------------------------------------------------------------- fed tokens stay active
+def test_a_token_fed_again_is_not_evicted_by_the_same_calls_new_tokens():
+    state = ActiveVocab(torch.randn(V, H), capacity=8)
+    state.observe(list(range(8)))  # full ring; 0 is the oldest insertion
+    state.observe([0, 20, 21, 22, 23, 24, 25, 26])  # 7 new ids: without renewal they evict 0..6
+    assert state.contains([0, 20, 21, 22, 23, 24, 25, 26]).all()
+    assert state.contains([7]).tolist() == [False]  # the oldest one not fed again made room
+
+
+def test_a_compiled_drafter_keeps_every_id_it_was_fed_when_they_fit():
+    """The pass fuzzer's case: call 0 feeds 12 ids, 3 more are observed by hand; call 1 feeds 12 ids again,
+    one of them from call 0; all 12 must be active after call 1 (capacity 16)."""
+    model = Drafter("linear").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    first = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    second = torch.tensor([[1, 30, 31, 32, 33, 34], [35, 36, 37, 38, 39, 29]])
+    with torch.no_grad():
+        compiled(first)
+        nanospec_fx.active_vocab(model).observe([13, 14, 15])
+        out = compiled(second)
+    assert nanospec_fx.active_vocab(model).contains(second).all()
+    check_against_oracle(model, compiled, second)
+    assert out.shape == (2, 6, V)
+
+
+@pytest.mark.parametrize("kernels,trials", [("reference", 60), ("triton", 12)])
+def test_every_fed_id_is_active_after_its_call_whenever_they_fit(kernels, trials, monkeypatch):
+    """Random call sequences (out-of-range ids, duplicates, pinned slots): the state stays consistent and a
+    call whose distinct ids fit in the ring leaves all of them active; both kernel sets agree."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    import random
+
+    monkeypatch.setenv("NANOSPEC_KERNELS", kernels)
+    rnd = random.Random(0)
+    for _ in range(trials):
+        vocab, capacity, pinned = rnd.choice([20, 40]), rnd.choice([4, 6, 8]), rnd.choice([0, 0, 1, 2])
+        w = torch.randn(vocab, 3)
+        state = ActiveVocab(w, capacity=capacity, num_pinned=pinned)
+        for _ in range(6):
+            ids = [rnd.randrange(-2, vocab + 2) for _ in range(rnd.randint(0, capacity + 3))]
+            state.observe(ids, validate=False)
+            n = len(state)
+            active_ids = state.ids[:n]
+            assert (active_ids >= 0).all() and int((state.slot_of >= 0).sum()) == n
+            assert torch.equal(state.slot_of[active_ids].long(), torch.arange(n))
+            torch.testing.assert_close(state.cache_w[:n], w[active_ids])
+            fed = sorted({i for i in ids if 0 <= i < vocab})
+            if fed and len(fed) <= capacity - pinned:
+                assert state.contains(fed).all(), (ids, state.token_ids())
