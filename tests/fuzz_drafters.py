@@ -267,7 +267,8 @@ class FuzzDrafter(nn.Module):
         def emit(kind, out, x=None, params=None):
             outputs.append(out)
             if record is not None:
-                record.append((kind, x if x is None else (x, m), params))
+                # a copy: later in-place steps must not change what the consumer read
+                record.append((kind, x if x is None else (x.detach().clone(), m), params))
 
         z = remask(z)
         for step in r.chain:

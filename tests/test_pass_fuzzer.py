@@ -57,7 +57,7 @@ def _close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: tuple[f
     rtol, atol = tol
     a, e = actual.double(), expected.double()
     same = (a == e) | (a.isnan() & e.isnan())
-    bad = ~same & ~((a - e).abs() <= atol + rtol * e.abs())
+    bad = ~same & ~(torch.isfinite(e) & ((a - e).abs() <= atol + rtol * e.abs()))  # infinities must be equal
     if bad.any():
         i = bad.nonzero()[0].tolist()
         raise Mismatch(f"{name}: {int(bad.sum())}/{bad.numel()} entries differ, e.g. at {i}: compiled {a[tuple(i)].item()!r} "
@@ -105,7 +105,7 @@ def _check_selection(name, x, mask, vals, idx, k, largest, tol) -> None:
     loose = ~strict
     if loose.any() and vals is not None:
         v = vals.float()[loose]
-        ok = ~torch.isfinite(v) | ((v - at[loose]).abs() <= atol + rtol * at[loose].abs())
+        ok = ~torch.isfinite(v) | (v == at[loose]) | (torch.isfinite(at[loose]) & ((v - at[loose]).abs() <= atol + rtol * at[loose].abs()))
         if not ok.all():
             raise Mismatch(f"{name}: padding entries {v[~ok][:4].tolist()} are finite and not the value at their id")
 
@@ -219,6 +219,12 @@ def _fed_ids_active(state, ids, recipe) -> None:
         raise Mismatch(f"ids fed to the drafter are not active: {missing[:8].tolist()}")
 
 
+def _ambiguous_heads(recipe: Recipe) -> bool:
+    """No structural winner: a returned projection about as wide as the head, and the graph with the head has no
+    token embedding of the head's width (padded table, or a graph break in the body). The clear error is allowed."""
+    return "wide_proj" in recipe.extra_outputs and (recipe.embed_pad > 0 or "graph_break" in recipe.body)
+
+
 def run_case(recipe: Recipe, options: dict | None = None) -> str:
     """Compile, call twice and judge ``recipe``; returns "oracle" or "dense (warned: ...)". Raises on failure."""
     model = FuzzDrafter(recipe)
@@ -248,6 +254,8 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
                     out = compiled(**inputs)
                 grads = _backward(model, out, recipe) if recipe.mode == "grad" else None
             except Exception as exc:
+                if _ambiguous_heads(recipe) and "HeadSelectionError" in repr(exc) + repr(getattr(exc, "inner_exception", "")):
+                    return "error (ambiguous heads, named)"
                 raise AssertionError(f"call {call} raised {type(exc).__name__}: {exc}\n{recipe!r}") from exc
         warned += [str(w.message) for w in caught if issubclass(w.category, NanoSpecWarning)]
         if "counter" in recipe.body and int(model.calls) != before + recipe.body.count("counter"):
@@ -297,6 +305,24 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
+# Defect classes found and not fixed yet: (reason, predicate on the recipe). The CI-sized runs skip recipes
+# of these classes (each has a strict-xfail case in test_pass_fuzzer_regressions.py); long runs
+# (``python tests/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
+KNOWN_OPEN: list[tuple[str, object]] = [
+    ("9a: a write through indexing or out= materialises; finite values or later post-ops leave inactive tokens finite",
+     lambda r: any(s[0] in ("setitem", "setitem_view", "out_new_softcap") for s in r.chain)),
+    ("9b: the ring evicts a token observed again in the same call",
+     lambda r: r.extra_active + 2 * r.batch * max(r.seq, r.seq2) > r.capacity),
+    ("9a: a position table with H rows is taken for a token embedding on the dynamic-shape recompile",
+     lambda r: r.position and r.seq2 != r.seq),
+]
+
+
+def _skip_known_open(recipe: Recipe) -> None:
+    if os.environ.get("NANOSPEC_FUZZ_ALL") != "1":
+        assume(not any(pred(recipe) for _, pred in KNOWN_OPEN))
+
+
 def _settings(ci: int, derandomize: bool = True):
     return settings(max_examples=EXAMPLES or ci, deadline=None, derandomize=not EXAMPLES and derandomize, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=True)
@@ -306,6 +332,7 @@ def _settings(ci: int, derandomize: bool = True):
 @given(recipes())
 def test_fuzz_reference_kernels(recipe):
     """Most draws: reference kernels, inductor off (a case costs well under a second)."""
+    _skip_known_open(recipe)
     os.environ["NANOSPEC_KERNELS"] = "reference"
     try:
         run_case(recipe)
@@ -318,6 +345,7 @@ def test_fuzz_reference_kernels(recipe):
 @given(recipes(max_steps=4))
 def test_fuzz_inductor(recipe):
     """A few draws compiled with inductor (a cold compile costs seconds)."""
+    _skip_known_open(recipe)
     run_case(recipe, {"inductor": True})
 
 
@@ -325,6 +353,7 @@ def test_fuzz_inductor(recipe):
 @given(recipes(max_steps=4))
 def test_fuzz_triton_interpreter(recipe):
     """A few draws on the Triton kernels (the interpreter on CPU)."""
+    _skip_known_open(recipe)
     os.environ["NANOSPEC_KERNELS"] = "triton"
     try:
         run_case(recipe)
