@@ -83,6 +83,21 @@ class _Region:
         self.members: dict[fx.Node, _Member] = {}
         self.original_args: dict[fx.Node, tuple] = {}  # views retargeted to C: their [..., V] arguments
         self.materialised: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # root -> {member: dense node}
+        self.dense_masks: dict[fx.Node, fx.Node] = {}  # materialised region value -> its inactive-token mask
+        self.capacity = 0
+        self._inactive: fx.Node | None = None
+
+    def inactive(self, before: fx.Node) -> fx.Node:
+        """Bool [V]: True at inactive tokens (built once, before the first materialisation)."""
+        if self._inactive is None:
+            g, st = self.graph, self.state
+            with g.inserting_before(before):
+                zeros = g.call_method("new_zeros", (st.ids, (self.capacity,)), {"dtype": torch.float32})
+                row = g.call_function(torch.ops.nanospec.scatter_logits.default, (zeros, st.ids, st.cursor, self.vocab))
+                self._inactive = g.call_function(torch.isneginf, (row,))
+            for n in (zeros, row, self._inactive):
+                set_example_value(n)
+        return self._inactive
 
     def scatter(self, value: fx.Node, before: fx.Node) -> fx.Node:
         with self.graph.inserting_before(before):
@@ -98,6 +113,7 @@ class _Region:
         if member in done:
             return done[member]
         if info.parent is None:
+            self.inactive(before)
             node = self.scatter(member, before)
         elif info.identity:
             node = self.dense(info.parent, before)
@@ -108,6 +124,7 @@ class _Region:
             with self.graph.inserting_before(before):
                 node = self.graph.create_node(member.op, member.target, args, kwargs)
             set_example_value(node)
+        self.dense_masks[node] = self.inactive(before) if info.parent is None else self.dense_masks[self.dense(info.parent, before)]
         done[member] = node
         return node
 
@@ -141,6 +158,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, rep
     graph.erase_node(proj)
 
     region = _Region(graph, state, vocab, safe_ids)
+    region.capacity = capacity
     region.members[compact] = _Member(compact)
     nodes = list(graph.nodes)
     erased: set[fx.Node] = set()
@@ -151,9 +169,12 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, rep
             if a in region.members and region.members[a].root in region.materialised:
                 n.replace_input_with(a, region.dense(a, n))
         compact_inputs = [a for a in n.all_input_nodes if a in region.members]
-        if not compact_inputs:
+        if compact_inputs:
+            _visit(region, n, compact_inputs, capacity, report, erased)
             continue
-        _visit(region, n, compact_inputs, capacity, report, erased)
+        dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
+        if dense_inputs:
+            _visit_dense(region, n, dense_inputs)
     scatters = [u for u in compact.users if u.target is torch.ops.nanospec.scatter_logits.default]
     if len(compact.users) == 1 and scatters:
         _fuse_plain_head(graph, compact, scatters[0], vocab)
@@ -205,10 +226,75 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
     report.exits.append(describe(n))
 
 
+def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
+    """A use of a materialised region value: the region's meaning continues on the [..., V] tensor.
+
+    Inactive tokens are -inf after every elementwise step and every write, as on the compact
+    path: an elementwise op is followed by a re-mask (in place for an in-place op), a write
+    into a region value re-masks what it wrote; views (a vocabulary slice too) carry the mask.
+    """
+    graph = region.graph
+    a = dense_inputs[0]
+    mask = region.dense_masks[a]
+    width = patterns.tensor_shape(mask)[-1]
+    writes = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
+    other_writes = [w for w in effects.mutated_inputs(n) if w not in region.dense_masks]
+    if not other_writes and patterns.elementwise_operands_ok(n, dense_inputs, width, set(region.dense_masks)):
+        if writes:
+            _remask_after(region, n, writes)
+            if effects.may_alias_input(n):
+                region.dense_masks[n] = region.dense_masks[writes[0]]
+            return
+        with graph.inserting_after(n):
+            remasked = graph.call_method("masked_fill", (n, mask, float("-inf")))
+        n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
+        set_example_value(remasked)
+        region.dense_masks[remasked] = mask
+        return
+    if not writes and len(dense_inputs) == 1 and patterns.view_keeps_vocab(n, a, width):
+        region.dense_masks[n] = mask
+        return
+    cut = _vocabulary_slice(n, a, width)
+    if not writes and cut is not None:
+        with graph.inserting_before(n):
+            sliced = graph.call_function(operator.getitem, (mask, slice(None, cut)))
+        set_example_value(sliced)
+        region.dense_masks[n] = sliced
+        return
+    if writes:
+        _remask_after(region, n, writes)
+
+
+def _remask_after(region: _Region, n: fx.Node, written: list) -> None:
+    anchor = n
+    for w in written:
+        with region.graph.inserting_after(anchor):
+            anchor = region.graph.call_method("masked_fill_", (w, region.dense_masks[w], float("-inf")))
+        set_example_value(anchor)
+
+
+def _vocabulary_slice(n: fx.Node, logits: fx.Node, width: int) -> int | None:
+    """V' when ``n`` is ``logits[..., :V']`` (rows untouched or basic-indexed), else None."""
+    if not patterns.is_basic_indexing(n, logits):
+        return None
+    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    shape = patterns.tensor_shape(logits)
+    last = idx[-1]
+    if not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1) or not isinstance(last.stop, int):
+        return None
+    if Ellipsis not in idx and len(idx) != len(shape):
+        return None
+    stop = last.stop if last.stop >= 0 else width + last.stop
+    return stop if 0 < stop <= width else None
+
+
 def _materialise(region: _Region, n: fx.Node, compact_inputs: list, report: RewriteReport) -> None:
     """``n`` writes or aliases compact values: their classes become [..., V] tensors from here on."""
     for c in compact_inputs:
         n.replace_input_with(c, region.dense(c, n))
+    written = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
+    if written:
+        _remask_after(region, n, written)
     report.materialised.append(f"{describe(n)} ({where(n)})")
     report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
 

@@ -1,7 +1,8 @@
 """Soundness of the head rewrite (issue 9): every use of the logits is exact, materialised or dense+warned.
 
 Each test is one defect class: the compiled drafter is compared with the oracle "eager dense
-drafter with inactive logits set to -inf right after the head" (``_mask``), or it must warn.
+drafter with inactive logits set to -inf after the head's last elementwise step" (``_mask``;
+writes into the logits count as such steps), or it must warn.
 """
 from __future__ import annotations
 
@@ -83,10 +84,10 @@ class ClampInPlaceAndAugmented(Base):
 
 class CopyThroughView(Base):
     def forward(self, ids, _mask=None):
-        z = _masked(self.lm_head(self.hidden(ids)), _mask)
+        z = self.lm_head(self.hidden(ids))
         last = z[:, -1]
-        last.copy_(torch.zeros_like(last))  # a dense write into the logits through a view
-        return z
+        last.copy_(torch.zeros_like(last))  # a dense write into the logits through a view: a post-op too
+        return _masked(z, _mask)
 
 
 class IndexPutThenReadBase(Base):
@@ -507,3 +508,23 @@ def test_observe_reads_the_ids_as_the_embedding_does():
     out, expected, _ = _run(model, torch.tensor([[1, 9, 30]]))
     torch.testing.assert_close(out, expected)
     assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [1, 4]
+
+
+class WriteThenPostOps(Base):
+    """A finite write into the logits, then more post-ops and a vocabulary slice."""
+
+    def __init__(self):
+        super().__init__(vocab=44)
+
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.hidden(ids))
+        z[..., self.banned] = 3.0
+        z = _masked(2.0 * torch.tanh(z / 2.0), _mask)
+        y = z[..., :40]
+        return _masked(y * 1.5, None if _mask is None else _mask[:40])
+
+
+def test_inactive_tokens_stay_minus_inf_after_writes_and_later_post_ops():
+    model = WriteThenPostOps().eval()
+    out, expected, _ = _run(model, _ids())
+    torch.testing.assert_close(out, expected)
