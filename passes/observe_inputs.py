@@ -68,7 +68,11 @@ def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[tuple[fx.Node, fx
 
 
 def _depends_on_user_input(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from a graph input that is not a parameter or buffer."""
+    """Whether ``node``'s *values* are computed from a graph input that is not a parameter or buffer.
+
+    Only tensor data counts: a size read from an input (``torch.arange(ids.shape[-1])`` with
+    dynamic shapes) is a number, so positions never look like token ids.
+    """
     seen, stack = set(), [node]
     while stack:
         cur = stack.pop()
@@ -76,11 +80,21 @@ def _depends_on_user_input(node: fx.Node) -> bool:
             continue
         seen.add(cur)
         if cur.op == "placeholder":
-            if not isinstance(patterns.example_value(cur), torch.nn.Parameter):
+            value = patterns.example_value(cur)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and "_buffers[" not in _source(cur):
                 return True
             continue
+        if cur is not node and not isinstance(patterns.example_value(cur), torch.Tensor):
+            continue  # a number (a shape, a size): not data of the input
         stack.extend(cur.all_input_nodes)
     return False
+
+
+def _source(node: fx.Node) -> str:
+    from .find_head import parameter_name_raw
+
+    return parameter_name_raw(node)
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:

@@ -528,3 +528,24 @@ def test_inactive_tokens_stay_minus_inf_after_writes_and_later_post_ops():
     model = WriteThenPostOps().eval()
     out, expected, _ = _run(model, _ids())
     torch.testing.assert_close(out, expected)
+
+
+class PositionTableOfWidthH(Base):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(H, H)  # H rows, like the hidden width
+
+    def forward(self, ids, _mask=None):
+        h = self.hidden(ids) + self.pos(torch.arange(ids.shape[-1]))
+        return _masked(self.lm_head(h), _mask), h
+
+
+def test_positions_from_a_dynamic_length_are_not_token_ids():
+    model = PositionTableOfWidthH().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    with torch.no_grad():
+        for ids in (torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6, 7, 1]])):  # the second call recompiles dynamic
+            (z, h) = compiled(ids)
+            torch.testing.assert_close(z, model(ids, _mask=_mask(model))[0])
+    state = nanospec_fx.active_vocab(model)
+    assert state.rewrites[-1].observers == 1 and state.contains(torch.tensor([4, 5, 6, 7])).all()
