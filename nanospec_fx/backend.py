@@ -168,11 +168,12 @@ class _Binding:
     state: ActiveVocab
 
     layout: list | None = None  # of the state tensors this graph was compiled for
+    config: dict | None = None  # and the vocabulary options it was compiled with
 
     def track(self, state: ActiveVocab) -> None:
         """Read ``state`` from now on (another instance's head: the compiled graph is shared)."""
         if self.layout is None:
-            self.layout = state.layout()
+            self.layout, self.config = state.layout(), state.config()
         elif state.layout() != self.layout:
             raise RuntimeError(
                 f"nanospec: this compiled graph was made for an active vocabulary of another capacity or layout than "
@@ -185,6 +186,9 @@ class _Binding:
         """Returns whether the state's tensors changed (the call's extra inputs must be rebuilt)."""
         changed = self.generation != self.state.generation
         if changed:
+            if self.state.layout() != self.layout and self.config is not None and not self.state.fits(self.state.weight):
+                # The weight changed dtype/device back to this graph's (Dynamo guards chose it): rebuild for it.
+                state_for(self.state.weight, self.state.bias, **self.config)
             if self.state.layout() != self.layout:
                 raise RuntimeError(
                     f"nanospec: the active vocabulary this compiled graph reads was rebuilt with another capacity, "

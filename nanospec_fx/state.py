@@ -247,6 +247,11 @@ class ActiveVocab:
             out.append("draft_to_target/target_vocab_size")
         return out
 
+    def config(self) -> dict:
+        """The vocabulary options this state was built with (keyword arguments of :func:`state_for`)."""
+        return dict(capacity=self.capacity, num_pinned=self.num_pinned, seed_ids=self.seed_ids, observes=self.observes,
+                    policy=self.policy, token_to_row=self.token_to_row)
+
     def bind(self, user: object) -> None:
         """Record a compiled wrapper that reads this state's tensors (held weakly)."""
         self._users.add(user)

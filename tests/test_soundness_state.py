@@ -500,3 +500,19 @@ def test_every_fed_id_is_active_after_its_call_whenever_they_fit(kernels, trials
             fed = sorted({i for i in ids if 0 <= i < vocab})
             if fed and len(fed) <= capacity - pinned:
                 assert state.contains(fed).all(), (ids, state.token_ids())
+
+
+def test_switching_the_head_dtype_back_and_forth_rebuilds_the_state_in_place():
+    model = Drafter("linear").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[3, 5]])
+    check_against_oracle(model, compiled, ids)
+    state = nanospec_fx.active_vocab(model)
+    for dtype in (torch.bfloat16, torch.float32):  # a recompile for bf16, then the fp32 graph again
+        model.to(dtype)
+        with torch.no_grad():
+            out = compiled(ids)
+            want = model(ids, _mask=active(model))
+        assert out.dtype == dtype and nanospec_fx.active_vocab(model) is state and state.cache_w.dtype == dtype
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=5e-2)
+        assert state.contains([3, 5]).all()
