@@ -30,7 +30,7 @@ import warnings  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 
 import nanospec_fx  # noqa: E402
 from fuzz_drafters import FuzzDrafter, Recipe, compute_dtype, make_inputs, recipes  # noqa: E402
@@ -179,20 +179,25 @@ def _eager(model, inputs, recipe, mask=None):
     return out, record
 
 
-def _float_outputs(out):
-    outs = out if isinstance(out, tuple) else (out,)
+def _float_outputs(out, kinds):
+    """The float outputs a loss may use: values, and the values of max / top-k largest (the same under both
+    semantics; the k smallest *active* values of top-k(largest=False) differ from eager's -inf by design)."""
+    outs = (out,) if len(kinds) == 1 or not isinstance(out, tuple) else out
     flat = []
-    for o in outs:
-        flat.extend(o if isinstance(o, tuple) else (o,))
+    for o, (kind, _, params) in zip(outs, kinds):
+        if kind == "values":
+            flat.append(o)
+        elif kind == "max" or (kind == "topk" and params[1]):
+            flat.append(o[0])
     return [o for o in flat if o.is_floating_point() and o.requires_grad]
 
 
-def _backward(model, out, recipe) -> dict:
+def _backward(model, out, recipe, kinds) -> dict:
     """Gradients of a fixed weighted sum of the finite float outputs w.r.t. the trainable parameters."""
     model.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(recipe.seed)
     loss = 0.0
-    for o in _float_outputs(out):
+    for o in _float_outputs(out, kinds):
         w = torch.rand(o.shape, generator=g)
         loss = loss + (torch.where(torch.isfinite(o), o, torch.zeros_like(o)).float() * w).sum()
     if isinstance(loss, float):
@@ -232,9 +237,9 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
     calls = [make_inputs(recipe, 0), make_inputs(recipe, 1)]
     # The drafter must be a valid program in eager (forward and, in grad mode, backward).
     try:
-        out, _ = _eager(model, calls[0], recipe)
+        out, kinds = _eager(model, calls[0], recipe)
         if recipe.mode == "grad":
-            _backward(model, out, recipe)
+            _backward(model, out, recipe, kinds)
     except Exception as exc:  # a recipe the generator should not have produced
         assume(False)
         raise AssertionError(exc)  # unreachable
@@ -252,7 +257,7 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
                 with _context(recipe):
                     torch.manual_seed(recipe.seed)
                     out = compiled(**inputs)
-                grads = _backward(model, out, recipe) if recipe.mode == "grad" else None
+                grads = _backward(model, out, recipe, kinds) if recipe.mode == "grad" else None
             except Exception as exc:
                 if _ambiguous_heads(recipe) and "HeadSelectionError" in repr(exc) + repr(getattr(exc, "inner_exception", "")):
                     return "error (ambiguous heads, named)"
@@ -275,7 +280,7 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
                 expected, record = _eager(model, inputs, recipe, mask)
                 _compare(out, expected, record, tol, f"call {call} vs oracle")
                 if grads is not None:
-                    ref = _backward(model, expected, recipe)
+                    ref = _backward(model, expected, recipe, kinds)
                     for n in ref:
                         _close(f"call {call} grad {n}", grads.get(n, torch.zeros_like(ref[n])), ref[n], (1e-4, 1e-4))
             except Mismatch as exc:
@@ -284,7 +289,7 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
             expected, record = _eager(model, inputs, recipe, torch.ones(recipe.head_rows, dtype=torch.bool))
             _compare(out, expected, record, tol, f"call {call} vs dense")
             if grads is not None:
-                ref = _backward(model, expected, recipe)
+                ref = _backward(model, expected, recipe, kinds)
                 for n in ref:
                     _close(f"call {call} grad {n}", grads.get(n, torch.zeros_like(ref[n])), ref[n], (1e-4, 1e-4))
         except Mismatch as exc:
@@ -335,7 +340,7 @@ def test_fuzz_reference_kernels(recipe):
     _skip_known_open(recipe)
     os.environ["NANOSPEC_KERNELS"] = "reference"
     try:
-        run_case(recipe)
+        event(run_case(recipe).split(" (")[0])  # oracle / dense / error: see --hypothesis-show-statistics
     finally:
         os.environ.pop("NANOSPEC_KERNELS", None)
 
@@ -346,7 +351,7 @@ def test_fuzz_reference_kernels(recipe):
 def test_fuzz_inductor(recipe):
     """A few draws compiled with inductor (a cold compile costs seconds)."""
     _skip_known_open(recipe)
-    run_case(recipe, {"inductor": True})
+    event(run_case(recipe, {"inductor": True}).split(" (")[0])
 
 
 @_settings(ci=4)
@@ -356,7 +361,7 @@ def test_fuzz_triton_interpreter(recipe):
     _skip_known_open(recipe)
     os.environ["NANOSPEC_KERNELS"] = "triton"
     try:
-        run_case(recipe)
+        event(run_case(recipe).split(" (")[0])
     finally:
         os.environ.pop("NANOSPEC_KERNELS", None)
 
@@ -404,7 +409,8 @@ def shrink(recipe: Recipe, options: dict | None = None) -> Recipe:
 
 # ----------------------------------------------------------------------------- long runs
 def main(argv: list[str]) -> None:
-    """``python tests/test_pass_fuzzer.py N [seed]``: N random cases without shrinking; prints each failure."""
+    """``python tests/test_pass_fuzzer.py N [seed [reference|triton|inductor]]``: N random cases without shrinking;
+    prints each failure with its recipe and a summary (cases that matched the oracle, ran dense with a warning, failed)."""
     import collections
     import sys
     import time
@@ -414,12 +420,15 @@ def main(argv: list[str]) -> None:
     n = int(argv[0]) if argv else 100
     stats, failures, t0 = collections.Counter(), [], time.time()
 
+    flavour = argv[2] if len(argv) > 2 else "reference"
+    options = {"inductor": True} if flavour == "inductor" else None
+
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(recipes())
+    @given(recipes(max_steps=6 if flavour == "reference" else 4))
     def one(recipe):
-        os.environ["NANOSPEC_KERNELS"] = "reference"
+        os.environ["NANOSPEC_KERNELS"] = "triton" if flavour == "triton" else "reference"
         try:
-            stats[run_case(recipe).split(" ")[0]] += 1
+            stats[run_case(recipe, options).split(" ")[0]] += 1
         except AssertionError as exc:
             stats["FAIL"] += 1
             failures.append(str(exc))
