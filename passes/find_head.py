@@ -103,9 +103,11 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
                 or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
             ):
-                if user not in carriers:
-                    carriers.add(user)
-                    stack.append(user)
+                out = user.kwargs.get("out")  # ``torch.tanh(z, out=buf)``: buf carries the logits on
+                for node in (user, out) if isinstance(out, fx.Node) else (user,):
+                    if node not in carriers:
+                        carriers.add(node)
+                        stack.append(node)
             elif cur in derived or patterns.is_call(user, patterns.CONSUMER_FUNCTIONS, patterns.CONSUMER_METHODS):
                 if user not in derived:
                     derived.add(user)

@@ -218,12 +218,27 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
         set_example_value(n)
         report.post_ops.append(describe(n))
         return
-    if writes or effects.may_alias_input(n):
+    if writes or effects.may_alias_input(n) and not _elementwise_into(n):
         _materialise(region, n, compact_inputs, report)
         return
     for c in compact_inputs:  # a plain reader: the value as of this point
         n.replace_input_with(c, region.scatter(c, n))
     report.exits.append(describe(n))
+    if _elementwise_into(n):  # ``torch.tanh(z, out=buf)``: buf now holds region values
+        _region_written_out(region, n, region.inactive(n))
+
+
+def _elementwise_into(n: fx.Node) -> bool:
+    """An elementwise post-op writing its result into ``out=`` (another tensor)."""
+    return isinstance(n.kwargs.get("out"), fx.Node) and patterns.is_call(
+        n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS)
+
+
+def _region_written_out(region: _Region, n: fx.Node, mask: fx.Node) -> None:
+    out = n.kwargs["out"]
+    region.dense_masks[out] = mask
+    _remask_after(region, n, [out])
+    region.dense_masks[n] = mask
 
 
 def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
@@ -250,6 +265,9 @@ def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
         n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
         set_example_value(remasked)
         region.dense_masks[remasked] = mask
+        return
+    if _elementwise_into(n) and n.kwargs["out"] not in dense_inputs:
+        _region_written_out(region, n, mask)
         return
     if not writes and len(dense_inputs) == 1 and patterns.view_keeps_vocab(n, a, width):
         region.dense_masks[n] = mask

@@ -549,3 +549,17 @@ def test_positions_from_a_dynamic_length_are_not_token_ids():
             torch.testing.assert_close(z, model(ids, _mask=_mask(model))[0])
     state = nanospec_fx.active_vocab(model)
     assert state.rewrites[-1].observers == 1 and state.contains(torch.tensor([4, 5, 6, 7])).all()
+
+
+class OutIntoNewBuffer(Base):
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.hidden(ids))
+        buf = torch.empty_like(z)
+        torch.tanh(z / 2.0, out=buf)  # an elementwise post-op written with out=
+        return _masked(buf * 2.0, _mask)
+
+
+def test_out_write_of_a_post_op_keeps_inactive_tokens_minus_inf():
+    model = OutIntoNewBuffer().eval()
+    out, expected, _ = _run(model, _ids())
+    torch.testing.assert_close(out, expected)
