@@ -36,7 +36,10 @@ value is exactly one of
    ``index_put_``, ``copy_``, ``out=z``) or may alias it (an unknown op, ``narrow``, ...)
    materialises the value's whole alias class there: its root is scattered once, the views in
    between are replayed on that tensor, and every later use of every alias reads it, so the
-   write lands where every later reader looks;
+   write lands where every later reader looks. The region's meaning continues on that tensor:
+   a write, and every later elementwise step, is followed by a re-mask of the inactive tokens
+   to ``-inf`` (views and vocabulary slices carry the mask), exactly as if they had run on the
+   compact logits;
 3. **a reason to stay dense** - where neither applies, the head is left dense with one
    ``NanoSpecWarning`` naming the op and its place (``rewrite_head.DenseFallback``).
 

@@ -310,9 +310,9 @@ def _materialise(region: _Region, n: fx.Node, compact_inputs: list, report: Rewr
     """``n`` writes or aliases compact values: their classes become [..., V] tensors from here on."""
     for c in compact_inputs:
         n.replace_input_with(c, region.dense(c, n))
-    written = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
-    if written:
-        _remask_after(region, n, written)
+    # From here the use is one of a [..., V] region value: views and slices carry the mask,
+    # writes and elementwise steps are re-masked.
+    _visit_dense(region, n, [a for a in n.all_input_nodes if a in region.dense_masks])
     report.materialised.append(f"{describe(n)} ({where(n)})")
     report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
 

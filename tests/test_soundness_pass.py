@@ -563,3 +563,18 @@ def test_out_write_of_a_post_op_keeps_inactive_tokens_minus_inf():
     model = OutIntoNewBuffer().eval()
     out, expected, _ = _run(model, _ids())
     torch.testing.assert_close(out, expected)
+
+
+class SliceThenSoftcap(Base):
+    def __init__(self):
+        super().__init__(vocab=44)
+
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.hidden(ids))[..., :40]
+        return _masked(2.0 * torch.tanh(z / 2.0), None if _mask is None else _mask[:40])
+
+
+def test_post_ops_after_a_vocabulary_slice_keep_inactive_tokens_minus_inf():
+    model = SliceThenSoftcap().eval()
+    out, expected, _ = _run(model, _ids())
+    torch.testing.assert_close(out, expected)
