@@ -16,8 +16,12 @@ How they are registered:
 ``NANOSPEC_TRITON_OP=0`` forces the opaque registration; ``=force`` the triton_op one even
 without CUDA (CPU tensors then take the reference branch, inlined by the compiler).
 
-The ops' signatures and the state's order are declared once, in :mod:`kernels.schema`; each op
-is registered with that schema string (and a test checks every implementation against it).
+The ops' signatures and the state's order are declared once, in :mod:`nanospec_fx.kernels.schema`;
+each op is registered with that schema string (and a test checks every implementation against it).
+
+Under ``torch.autocast`` the head ops (compact_logits, head_logits) cast like ``F.linear``; the
+differentiable ops have a backward with respect to their logits/hidden input (not the cached
+weights), so a frozen head trains the body (see the end of this file).
 """
 from __future__ import annotations
 
@@ -92,8 +96,13 @@ def _observe(
     cache_b: torch.Tensor,
     num_pinned: int,
 ) -> None:
-    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place)."""
+    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place).
+
+    Active ids of this call that its new ids would evict are first made new again
+    (:func:`reference.renew_fed_ids`), so a call never evicts a token it feeds while they fit.
+    """
     check_num_pinned(num_pinned, ids.numel())
+    reference.renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 
@@ -159,6 +168,109 @@ scatter_logits = _register("scatter_logits", _scatter_logits, _scatter_logits_fa
 head_logits = _register("head_logits", _head_logits, _head_logits_fake)
 compact_topk = _register("compact_topk", _compact_topk, _compact_topk_fake)
 compact_argmax = _register("compact_argmax", _compact_argmax, _compact_argmax_fake)
+
+
+# ----------------------------------------------------------------------------- autocast
+# Under torch.autocast, eager ``F.linear`` computes in the autocast dtype and returns it. The
+# head ops are the drafter's linear, so they follow the same rule: floating inputs other than
+# float64 are cast to the current autocast dtype (read per call, as autocast itself does), and
+# the op runs with autocast off. Without this, the body of an opaque op would inherit autocast
+# in eager runs but not in compiled ones, and the Triton kernels never would.
+_AUTOCAST_LIB = torch.library.Library("nanospec", "IMPL")
+
+
+def _register_autocast(name: str, device_type: str) -> None:
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    overload = getattr(torch.ops.nanospec, name).default
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(_keyset, *args):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [
+            a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64 else a
+            for a in args
+        ]
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return overload(*cast)
+
+    _AUTOCAST_LIB.impl(name, kernel, key, with_keyset=True)
+
+
+for _name in ("compact_logits", "head_logits"):
+    for _device in ("cpu", "cuda"):
+        if torch.amp.is_autocast_available(_device):
+            _register_autocast(_name, _device)
+
+
+# ----------------------------------------------------------------------------- autograd
+# Gradients flow into the head's input x (how EAGLE drafters are trained: body trainable, head
+# frozen). The weights are the state's cached rows, never trainable: their gradient is None.
+# Inactive tokens and free slots are constants (-inf), so they pass no gradient. The formulas
+# are plain torch, so they trace into AOT autograd's backward graph.
+def _active(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
+    return torch.arange(capacity, device=cursor.device) < cursor
+
+
+def _grad_x(grad_compact: torch.Tensor, cache_w: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    g = torch.where(_active(cursor, cache_w.shape[0]), grad_compact, torch.zeros((), dtype=grad_compact.dtype, device=grad_compact.device))
+    return g @ cache_w.to(g.dtype)
+
+
+def _gather_slots(grad_full: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """[..., V] gradient -> [..., C] at the active slots' token ids, 0 at free slots."""
+    g = grad_full.index_select(-1, torch.clamp(ids, min=0))
+    return torch.where(_active(cursor, ids.numel()), g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _compact_logits_setup(ctx, inputs, output):
+    x, cache_w, cache_b, cursor = inputs
+    ctx.save_for_backward(cache_w, cursor)
+
+
+def _compact_logits_backward(ctx, grad):
+    cache_w, cursor = ctx.saved_tensors
+    return _grad_x(grad, cache_w, cursor), None, None, None
+
+
+def _head_logits_setup(ctx, inputs, output):
+    x, cache_w, cache_b, ids, cursor, vocab_size = inputs
+    ctx.save_for_backward(cache_w, ids, cursor)
+
+
+def _head_logits_backward(ctx, grad):
+    cache_w, ids, cursor = ctx.saved_tensors
+    return _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor), None, None, None, None, None
+
+
+def _scatter_logits_setup(ctx, inputs, output):
+    compact, ids, cursor, vocab_size = inputs
+    ctx.save_for_backward(ids, cursor)
+
+
+def _scatter_logits_backward(ctx, grad):
+    ids, cursor = ctx.saved_tensors
+    return _gather_slots(grad, ids, cursor), None, None, None
+
+
+def _compact_topk_setup(ctx, inputs, output):
+    compact, ids, cursor, k, largest = inputs
+    ctx.save_for_backward(ids, cursor, output[1])
+
+
+def _compact_topk_backward(ctx, grad_values, grad_tokens):
+    ids, cursor, tokens = ctx.saved_tensors
+    if grad_values is None:
+        return None, None, None, None, None
+    # The slot of each selected token; padding entries (inactive ids) match no slot.
+    hit = (tokens.unsqueeze(-1) == ids) & _active(cursor, ids.numel())
+    grad = (grad_values.unsqueeze(-1) * hit.to(grad_values.dtype)).sum(-2)
+    return grad, None, None, None, None
+
+
+torch.library.register_autograd("nanospec::compact_logits", _compact_logits_backward, setup_context=_compact_logits_setup)
+torch.library.register_autograd("nanospec::head_logits", _head_logits_backward, setup_context=_head_logits_setup)
+torch.library.register_autograd("nanospec::scatter_logits", _scatter_logits_backward, setup_context=_scatter_logits_setup)
+torch.library.register_autograd("nanospec::compact_topk", _compact_topk_backward, setup_context=_compact_topk_setup)
 
 __all__ = [
     "observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax",

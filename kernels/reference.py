@@ -131,6 +131,44 @@ def observe(
     cursor.add_(n_new)
 
 
+def renew_fed_ids(token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int) -> None:
+    """Free the slots of the already-active ids of this call that its new ids would evict, so that
+    :func:`observe` inserts them again, at the newest end of the ring.
+
+    Without it a token fed again keeps its age, and the same call's new tokens can evict it: a
+    call would lose a token it feeds although all its tokens fit. With it, a call whose distinct
+    ids fit in the ring leaves every one of them active (a larger call keeps the rule of
+    :func:`observe`: the last ones stay). Runs before either observe implementation, so they
+    stay identical; fixed shapes, no host sync.
+
+    A ring position ``q`` (insertion ``cursor + q``) is endangered when it holds an id of this call
+    and fewer than ``n_new`` unprotected positions precede it: exactly the protected positions
+    among the ``n_new + |endangered|`` that the insertions will claim.
+    """
+    capacity, vocab = ids.numel(), slot_of.numel()
+    ring = capacity - num_pinned
+    x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
+    if x.numel() == 0 or ring <= 0:
+        return
+    in_range = (x >= 0) & (x < vocab)
+    x = torch.where(in_range, x, torch.zeros_like(x))
+    slot = slot_of[x].to(torch.int64)
+    first = _first_occurrence(torch.where(in_range, x, torch.full_like(x, -1)))
+    n_new = (in_range & first & (slot < 0)).sum()
+    # protected[s]: slot s holds an id of this call (a dump entry takes everything else)
+    held = torch.where(in_range & (slot >= 0), slot, torch.full_like(slot, capacity))
+    protected = torch.zeros(capacity + 1, dtype=torch.bool, device=ids.device)
+    protected.index_put_((held,), torch.ones_like(held, dtype=torch.bool))
+    position = slot_for_insertion(cursor + torch.arange(ring, device=ids.device), capacity, num_pinned)
+    guarded = protected[position] & (ids[position] >= 0)
+    free = (~guarded).to(torch.int64)
+    endangered = guarded & (torch.cumsum(free, 0) - free < n_new)
+    endangered = endangered & (n_new + endangered.sum() <= ring)
+    victims = torch.where(endangered, ids[position], torch.zeros_like(position))
+    _masked_set(slot_of, victims, torch.full_like(victims, -1, dtype=slot_of.dtype), endangered)
+    _masked_set(ids, position, torch.full_like(position, -1), endangered)
+
+
 def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
     """Bool [C]: which slots hold an active token."""
     return torch.arange(capacity, device=cursor.device) < cursor
@@ -159,6 +197,22 @@ def head_logits(
     return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)
 
 
+def padding_ids(ids: torch.Tensor, cursor: torch.Tensor, k: int) -> torch.Tensor:
+    """The k smallest token ids that are not active, ascending, int64 [k] (entries past the
+    number of inactive ids below k are unspecified and never used).
+
+    Top-k pads with them when fewer than k tokens are active. At most ``count`` active ids
+    precede them, so the ``k - count`` that are needed all lie in ``[0, k)``: valid token ids
+    whenever ``k <= V``. For ``largest`` they are exactly what a stable sort of the scattered
+    logits (-inf at inactive tokens) puts after the active tokens.
+    """
+    valid = active_mask(cursor, ids.numel())
+    # hit[t] for t in [0, k): t is active. Ids >= k (and free slots) all land in a dump entry.
+    where = torch.where(valid & (ids < k), ids, torch.full_like(ids, k))
+    hit = torch.zeros(k + 1, dtype=torch.int8, device=ids.device).index_fill_(0, where, 1)[:k]
+    return torch.argsort(hit, stable=True)  # inactive ids first, ascending
+
+
 def compact_topk(
     compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,11 +222,13 @@ def compact_topk(
     (see the tie rule above): descending with NaN first if ``largest``, else ascending with NaN
     last; ties by smaller token id. Slots past the count are ignored whatever ``compact`` holds
     there (post-ops may have turned their -inf into finite values). When fewer than k tokens
-    are active, the missing entries are (-inf, -1) if ``largest`` else (+inf, -1).
+    are active (k may exceed the capacity), the missing entries hold the smallest inactive token
+    ids in ascending order (:func:`padding_ids`) with value -inf if ``largest`` else +inf: valid
+    ids, so a drafter may embed them. Needs ``0 <= k <= V``.
     """
     capacity = ids.numel()
-    if not 0 <= k <= capacity:
-        raise ValueError(f"k={k} must be in [0, capacity={capacity}]")
+    if k < 0:
+        raise ValueError(f"k={k} must be >= 0")
     valid = active_mask(cursor, capacity)
     # Slots in token-id order, inactive last; a stable sort by value then breaks ties by id.
     key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
@@ -180,11 +236,18 @@ def compact_topk(
     filler = float("-inf") if largest else float("nan")  # sorts after every active value
     vals = compact.masked_fill(~valid, filler).index_select(-1, perm)
     sorted_vals, order = torch.sort(vals, dim=-1, descending=largest, stable=True)
-    slot = perm[order[..., :k]]
-    found = valid[slot]
+    kept = min(k, capacity)
+    slot = perm[order[..., :kept]]
     pad = float("-inf") if largest else float("inf")
+    if k > kept:  # more than the capacity: the rest is always padding
+        shape = (*compact.shape[:-1], k - kept)
+        slot = torch.cat([slot, torch.zeros(shape, dtype=slot.dtype, device=slot.device)], -1)
+        sorted_vals = torch.cat([sorted_vals[..., :kept], sorted_vals.new_full(shape, pad)], -1)
+    position = torch.arange(k, device=ids.device)
+    found = position < torch.clamp(cursor, max=capacity)  # the first min(count, k) entries are real
     values = sorted_vals[..., :k].masked_fill(~found, pad)
-    tokens = torch.where(found, ids[slot], torch.full_like(slot, -1))
+    fill = padding_ids(ids, cursor, k)[torch.clamp(position - torch.clamp(cursor, max=capacity), min=0)]
+    tokens = torch.where(found, ids[slot], fill)
     return values, tokens
 
 
@@ -192,6 +255,7 @@ def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
     """Token id of the largest active compact logit, [...] int64 (NaN counts as largest).
 
     Ties go to the smaller token id, as ``torch.argmax`` on the scattered logits returns the first
-    maximum; -1 when no token is active.
+    maximum; 0 (the smallest inactive id, as :func:`compact_topk` pads) when no token is active,
+    which is also what ``torch.argmax`` returns for all -inf logits.
     """
     return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)

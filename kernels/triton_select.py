@@ -6,6 +6,9 @@ otherwise) in the high half, the complement of the token id in the low half - an
 times the maximum key. One reduction per pick yields both the best value and, among equal
 values, the smaller token id: the tie rule of :mod:`nanospec_fx.kernels.reference`. k is small for
 drafting (<= tens), so k reductions over a few thousand registers beat a sort, in one launch.
+When fewer than k tokens are active, the rest are padded as the reference pads them: the
+smallest inactive token ids, ascending, with value -inf (largest) or +inf (found by a short scan
+that runs only for padded entries).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def _topk_kernel(
     key = (ordered - 0x80000000) * 4294967296 + (0xFFFFFFFF - tok)
     key = tl.where(live, key, dead)
     pad = float("-inf") if LARGEST else float("inf")
+    nxt = (row * 0).to(tl.int64)  # next padding candidate: padding ids are the smallest inactive ids
     for j in range(0, K):
         best = tl.max(key, axis=0)
         found = best != dead
@@ -55,7 +59,13 @@ def _topk_kernel(
         val = best_score if LARGEST else -best_score
         val = tl.where(best_ord == (0xFFFFFFFF if LARGEST else 0), float("nan"), val)
         tl.store(val_ptr + row * K + j, tl.where(found, val, pad).to(val_ptr.dtype.element_ty))
-        tl.store(tok_ptr + row * K + j, tl.where(found, best_tok, -1))
+        # Nothing left: pad with the smallest inactive id >= nxt (found entries all come first).
+        busy = (best == dead) & (tl.sum(tl.where(live & (tok == nxt), 1, 0), axis=0) > 0)
+        while busy:
+            nxt += 1
+            busy = tl.sum(tl.where(live & (tok == nxt), 1, 0), axis=0) > 0
+        tl.store(tok_ptr + row * K + j, tl.where(found, best_tok, nxt))
+        nxt = tl.where(found, nxt, nxt + 1)
         key = tl.where(key == best, dead, key)
 
 
@@ -72,8 +82,8 @@ def compact_topk(
     block = triton.next_power_of_2(capacity)
     if compact.dtype not in FLOAT_DTYPES or block > _MAX_BLOCK:
         return reference.compact_topk(compact, ids, cursor, k, largest)
-    if not 0 <= k <= capacity:
-        raise ValueError(f"k={k} must be in [0, capacity={capacity}]")
+    if k < 0:
+        raise ValueError(f"k={k} must be >= 0")
     src = compact.reshape(-1, capacity)
     if src.stride(-1) != 1:
         src = src.contiguous()

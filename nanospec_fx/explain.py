@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.cost_model import HeadCost
-from nanospec_fx.state import ActiveVocab, registered_states
+from nanospec_fx.state import ActiveVocab, state_names
 
 
 @dataclass
@@ -23,6 +23,7 @@ class HeadExplanation:
     exits: list[str] = field(default_factory=list)
     observers: int = 0
     cost: HeadCost | None = None
+    names: list[str] = field(default_factory=list)  # every name active_vocab(m, head=...) accepts
 
     def predictions(self, rows=(1, 10)) -> dict[int, float]:
         active = max(len(self.state), 1)
@@ -41,6 +42,7 @@ class Explanation:
             s = h.state
             lines += [
                 f"  head {h.name}" + (f" (module {h.module_path})" if h.module_path else "") + f": V={h.vocab_size}, H={h.hidden_size}",
+                f"    names: {', '.join(h.names)}",
                 f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, device={s.ids.device}",
                 f"    graphs compiled: {h.graphs}; input observers: {h.observers}",
                 f"    post-ops on compact logits: {', '.join(h.post_ops) or 'none'}",
@@ -56,11 +58,13 @@ class Explanation:
 
 
 def explain(module: nn.Module) -> Explanation:
-    """Report every rewritten head of ``module`` (compiled or original): the nodes matched, the
-    post-ops and consumers kept in compact space, the active set, and the cost model."""
+    """Report every head of ``module`` (compiled or original) that has an active vocabulary, wherever
+    its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
+    consumers kept in compact space, the active set, and the cost model."""
     module = getattr(module, "_orig_mod", module)
     heads = []
-    for name, state in registered_states(module).items():
+    for state, names in state_names(module).items():
+        name = names[0]
         reports = state.rewrites
         compact_only = bool(reports) and all(not r.exits for r in reports)
         cost = HeadCost(state.rows, state.hidden_size, torch.empty((), dtype=state.cache_w.dtype).element_size(), compact_only)
@@ -76,6 +80,7 @@ def explain(module: nn.Module) -> Explanation:
             exits=_unique(op for r in reports for op in r.exits),
             observers=max((r.observers for r in reports), default=0),
             cost=cost,
+            names=names,
         ))
     return Explanation(heads)
 

@@ -14,19 +14,22 @@ import torch._dynamo
 import torch.nn as nn
 
 from nanospec_fx.options import NanoSpecOptions
-from nanospec_fx.state import ActiveVocab, state_for
+from nanospec_fx.state import ActiveVocab, module_tensors, state_for
 
 
 def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, bias)`` of a model's LM head: the parameter named ``head`` (e.g. ``"lm_head.weight"``,
-    its bias beside it) or, without a name, ``get_output_embeddings()`` (transformers models)."""
+    """``(weight, bias)`` of a model's LM head: the parameter or buffer named ``head`` (``"lm_head.weight"``,
+    or the module ``"lm_head"``; its bias beside it) or, without a name, ``get_output_embeddings()``
+    (transformers models)."""
     module = getattr(module, "_orig_mod", module)
     if head is not None:
-        params = dict(module.named_parameters())
-        if head not in params:
-            raise KeyError(f"{type(module).__name__} has no parameter {head!r}")
-        bias = params.get(head.rsplit(".", 1)[0] + ".bias") if head.endswith(".weight") else None
-        return params[head], bias
+        tensors = dict(module_tensors(module))
+        name = head if head in tensors and tensors[head].dim() == 2 else f"{head}.weight"
+        if name not in tensors:
+            two_d = sorted(n for n, t in tensors.items() if t.dim() == 2)
+            raise KeyError(f"{type(module).__name__} has no 2-D parameter or buffer {head!r}; its 2-D tensors: {two_d}")
+        bias = tensors.get(name.rsplit(".", 1)[0] + ".bias") if name.endswith(".weight") else None
+        return tensors[name], bias
     get_head = getattr(module, "get_output_embeddings", None)
     layer = get_head() if callable(get_head) else None
     if layer is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
@@ -37,8 +40,8 @@ def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.T
 def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> ActiveVocab:
     """Create the drafter's ActiveVocab now, before its first compiled call.
 
-    The head is ``drafter.get_output_embeddings()`` (transformers models) or the parameter named
-    ``head`` (e.g. ``"lm_head.weight"``). ``vocab_options`` are the backend's vocabulary options
+    The head is ``drafter.get_output_embeddings()`` (transformers models) or the parameter or buffer
+    named ``head`` (e.g. ``"lm_head.weight"`` or ``"lm_head"``). ``vocab_options`` are the backend's vocabulary options
     (capacity, policy, frequencies, ...); compile the drafter with the same ones.
     """
     weight, bias = head_parameters(drafter, head)

@@ -7,9 +7,11 @@ their addresses never change (CUDA graphs keep working) and no step needs the ho
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
 import threading
-import warnings
-from typing import Iterable, Iterator
+import weakref
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -68,11 +70,15 @@ class ActiveVocab:
         self.rows, self.hidden_size, self.capacity, self.num_pinned = rows, hidden, capacity, num_pinned
         self.policy, self.observes = policy, observes
         self.rewrites: list = []  # what the pass did for this head (passes.RewriteReport), for explain()
+        self._users: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers reading these tensors
+        self.generation = 0  # bumped when rebuilt in place with new tensors (see state_for)
         self.token_to_row = self.row_to_token = None
         if token_to_row is not None:
             self.token_to_row, self.row_to_token = _check_token_map(token_to_row, rows, dev)
         self.vocab_size = self.token_to_row.numel() if self.token_to_row is not None else rows
-        with torch.no_grad():
+        # Normal tensors even when created under inference_mode, so that observe() and reset()
+        # also work outside it.
+        with torch.no_grad(), torch.inference_mode(False):
             self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
             self.slot_of = torch.full((rows,), -1, dtype=torch.int32, device=dev)
             self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -85,6 +91,7 @@ class ActiveVocab:
                 raise ValueError(f"{seed_ids.numel()} seed tokens do not fit in capacity {capacity}")
             self._check_range(seed_ids.to(dev))
             self.seed_ids = seed_ids.to(dev)
+        self._seen_versions = self._weight_versions()
         self._seed()
 
     # ----------------------------------------------------------------- tensors
@@ -106,17 +113,21 @@ class ActiveVocab:
         return torch.where(ok, rows, torch.full_like(rows, -1))
 
     # ----------------------------------------------------------------- user API
-    def observe(self, token_ids: torch.Tensor | Iterable[int], validate: bool = True) -> None:
+    def observe(self, token_ids: Any, validate: bool = True) -> None:
         """Add token ids (any shape, duplicates allowed) to the active vocabulary.
 
-        With ``validate`` (default) ids outside ``[0, vocab_size)`` raise ``ValueError`` before the
-        state is touched; this reads the ids on the host. ``validate=False`` makes the call
-        sync-free and silently skips out-of-range ids. A frozen (``static``) set ignores the call.
+        Accepted: a Python int, an integer tensor (any integer dtype, any device), a numpy integer
+        array or scalar, or (nested) lists/tuples/ranges of those; anything else (floats, bools,
+        strings, ...) raises ``TypeError``. With ``validate`` (default) ids outside
+        ``[0, vocab_size)`` raise ``ValueError``; this reads the ids on the host. On either error
+        the state is unchanged. ``validate=False`` makes the call sync-free and silently skips
+        out-of-range ids. A frozen (``static``) set ignores the call.
         """
         token_ids = self._as_ids(token_ids)
         if validate:
             self._check_range(token_ids)
         if self.observes:
+            self.refresh_if_stale()
             self._insert(token_ids)
 
     def reset(self) -> None:
@@ -137,22 +148,49 @@ class ActiveVocab:
             self.reset()
 
     def refresh(self) -> None:
-        """Re-copy the head rows of the active tokens, after the head weights changed in place."""
-        with torch.no_grad():
-            n = len(self)
-            rows = self.ids[:n]
-            self.cache_w[:n] = self.weight[rows].to(self.cache_w.dtype)
+        """Re-copy the head rows of the active tokens from the head's current weights.
+
+        Compiled calls (and :meth:`observe`) do it by themselves when the weight or bias was
+        written since (``load_state_dict``, an optimizer step, ``w.mul_()``, ``p.data = t``: see
+        :meth:`refresh_if_stale`). Call it yourself after writes that bypass the version counter
+        (through ``w.data``: ``w.data.mul_(2)``), or for a weight created under ``inference_mode``
+        (an inference tensor has no version counter). No host sync: all C slots are re-copied
+        (free slots copy row 0 and stay masked).
+        """
+        with torch.no_grad(), torch.inference_mode(False):
+            rows = torch.clamp(self.ids, min=0)
+            self.cache_w.copy_(self.weight.detach().index_select(0, rows))
             if self.bias is not None:
-                self.cache_b[:n] = self.bias[rows].to(self.cache_b.dtype)
+                self.cache_b.copy_(self.bias.detach().index_select(0, rows))
+        self._seen_versions = self._weight_versions()
+
+    def refresh_if_stale(self) -> bool:
+        """Refresh when the head weight or bias was written in place since the rows were cached
+        (a host-side check of their version counters: no device sync). Returns whether it did."""
+        versions = self._weight_versions()
+        if versions is None or versions == self._seen_versions:
+            return False
+        self.refresh()
+        return True
+
+    def _weight_versions(self) -> tuple | None:
+        """What changes when the weight or bias is written: their version counters (in-place writes,
+        ``load_state_dict``, optimizer steps) and data pointers (``p.data = t``). None for inference
+        tensors, which have no version counter."""
+        try:
+            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
+        except RuntimeError:
+            return None
 
     def token_ids(self) -> torch.Tensor:
         """The active token ids as a 1-D int64 tensor, in slot order (reads the count on the host)."""
         rows = self.ids[: len(self)]
         return (self.row_to_token[rows] if self.row_to_token is not None else rows).clone()
 
-    def contains(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Bool tensor: which of ``token_ids`` are active (out-of-range ids are not)."""
-        rows = self.rows_of(torch.as_tensor(token_ids, device=self.slot_of.device))
+    def contains(self, token_ids: Any) -> torch.Tensor:
+        """Bool tensor of the ids' shape: which of ``token_ids`` are active (out-of-range ids are not).
+        Accepts what :meth:`observe` accepts (nested lists come back flattened)."""
+        rows = self.rows_of(self._as_ids(token_ids))
         ok = (rows >= 0) & (rows < self.rows)
         return ok & (self.slot_of[torch.where(ok, rows, torch.zeros_like(rows))] >= 0)
 
@@ -166,12 +204,10 @@ class ActiveVocab:
         )
 
     # ----------------------------------------------------------------- internals
-    def _as_ids(self, token_ids) -> torch.Tensor:
-        if not isinstance(token_ids, torch.Tensor):
-            token_ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got {token_ids.dtype}")
-        return token_ids.to(self.ids.device)
+    def _as_ids(self, token_ids: Any) -> torch.Tensor:
+        """``token_ids`` as an int64 tensor on the state's device; TypeError for anything that is
+        not clearly token ids (checked on the host, without reading tensor data)."""
+        return as_token_ids(token_ids).to(self.ids.device)
 
     def _check_range(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel():
@@ -191,13 +227,106 @@ class ActiveVocab:
     def matches(self, weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, *,
                 seed_ids=None, observes: bool = True, policy: str = "context", token_to_row=None) -> bool:
         """Whether this state is what ``ActiveVocab(weight, bias, ...)`` would build, so it can be reused."""
-        return (
-            tuple(weight.shape) == (self.rows, self.hidden_size)
-            and weight.dtype == self.cache_w.dtype and weight.device == self.cache_w.device
-            and bias is self.bias
-            and (min(capacity, self.rows), num_pinned, policy, observes) == (self.capacity, self.num_pinned, self.policy, self.observes)
-            and _same(seed_ids, self.seed_ids) and _same(token_to_row, self.token_to_row)
-        )
+        return self.fits(weight) and bias is self.bias and not self.differences(
+            capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy, token_to_row=token_to_row)
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether the cache still has ``weight``'s shape, dtype and device."""
+        return (tuple(weight.shape) == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
+                and weight.device == self.cache_w.device)
+
+    def differences(self, capacity: int, num_pinned: int = 0, *, seed_ids=None, observes: bool = True,
+                    policy: str = "context", token_to_row=None) -> list[str]:
+        """The vocabulary options that differ from this state's, as ``name: mine -> theirs``."""
+        out = []
+        for name, mine, theirs in (("capacity", self.capacity, min(capacity, self.rows)), ("num_pinned", self.num_pinned, num_pinned),
+                                   ("policy", self.policy, policy), ("observes", self.observes, observes)):
+            if mine != theirs:
+                out.append(f"{name}: {mine!r} -> {theirs!r}")
+        if not _same(seed_ids, self.seed_ids):
+            out.append("the policy's seed tokens (frequencies/static_size/pinned_size)")
+        if not _same(token_to_row, self.token_to_row):
+            out.append("draft_to_target/target_vocab_size")
+        return out
+
+    def config(self) -> dict:
+        """The vocabulary options this state was built with (keyword arguments of :func:`state_for`)."""
+        return dict(capacity=self.capacity, num_pinned=self.num_pinned, seed_ids=self.seed_ids, observes=self.observes,
+                    policy=self.policy, token_to_row=self.token_to_row)
+
+    def bind(self, user: object) -> None:
+        """Record a compiled wrapper that reads this state's tensors (held weakly)."""
+        self._users.add(user)
+
+    def layout(self) -> list:
+        """Shapes and dtypes of the tensors a compiled graph receives from this state."""
+        tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
+        return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
+
+    def _reconfigure(self, weight, bias, **config) -> None:
+        """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
+        handle the user holds stays valid. The new configuration is validated before anything changes."""
+        fresh = ActiveVocab(weight, bias, **config)
+        kept = self.token_ids() if self.observes else None
+        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites}
+        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(keep)
+        if kept is not None and kept.numel():
+            self.observe(kept, validate=False)  # ids the new head cannot produce are skipped
+
+
+_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64} | {
+    getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)}
+_ACCEPTED = ("token ids must be a Python int, an integer tensor, a numpy integer array or scalar, "
+             "or (nested) lists/tuples/ranges of those")
+
+
+def as_token_ids(token_ids: Any) -> torch.Tensor:
+    """Whatever clearly is token ids, as an int64 tensor (nested lists come back flattened).
+
+    Floats, bools, strings and other objects raise ``TypeError`` saying what is accepted: a
+    float id is a bug upstream, not something to truncate, and a bool list is a mask, not ids.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.numel() == 0 and not token_ids.is_complex():
+            return torch.zeros(0, dtype=torch.int64)  # torch.tensor([]) is float32: no id in it, nothing to refuse
+        if token_ids.dtype not in _INT_DTYPES:
+            raise TypeError(f"{_ACCEPTED}; got a tensor of dtype {token_ids.dtype}")
+        return token_ids.to(torch.int64)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(token_ids, (np.ndarray, np.generic)):
+        if token_ids.size == 0 and token_ids.dtype.kind in "iufb":
+            return torch.zeros(0, dtype=torch.int64)
+        if token_ids.dtype.kind not in "iu":
+            raise TypeError(f"{_ACCEPTED}; got a numpy {type(token_ids).__name__} of dtype {token_ids.dtype}")
+        return torch.from_numpy(np.asarray(token_ids, dtype=np.int64).copy())
+    if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+        return _int64_tensor([token_ids])
+    if isinstance(token_ids, (list, tuple, range)):
+        flat: list = []
+        _flatten(token_ids, flat)
+        if all(isinstance(t, int) for t in flat):
+            return _int64_tensor(flat)
+        return torch.cat([as_token_ids(t).reshape(-1) for t in flat]) if flat else torch.zeros(0, dtype=torch.int64)
+    raise TypeError(f"{_ACCEPTED}; got {type(token_ids).__name__}")
+
+
+def _flatten(items, out: list) -> None:
+    np = sys.modules.get("numpy")
+    for t in items:
+        if isinstance(t, (list, tuple, range)):
+            _flatten(t, out)
+        elif isinstance(t, bool) or not (isinstance(t, (int, torch.Tensor)) or (np is not None and isinstance(t, (np.ndarray, np.generic)))):
+            raise TypeError(f"{_ACCEPTED}; got an element of type {type(t).__name__} ({t!r})")
+        else:
+            out.append(t)
+
+
+def _int64_tensor(values: list) -> torch.Tensor:
+    try:
+        return torch.tensor(values, dtype=torch.int64)
+    except (RuntimeError, OverflowError, ValueError):
+        raise ValueError("a token id does not fit in int64, so it is outside the vocabulary") from None
 
 
 def _same(a, b: torch.Tensor | None) -> bool:
@@ -228,53 +357,125 @@ _ATTR = "_nanospec_active_vocab"
 _LOCK = threading.Lock()
 
 
-def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, **config) -> ActiveVocab:
-    """The ActiveVocab of ``weight`` for this configuration: the existing one if it matches,
-    else a new one (with a warning when it replaces a different one)."""
+def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, *,
+              name: str | None = None, **config) -> ActiveVocab:
+    """The ActiveVocab of ``weight`` for this configuration. One state per head weight:
+
+    * the existing one when it matches;
+    * the existing one rebuilt in place (the same object, so handles stay valid, with its active
+      tokens kept) when its options or the weight's dtype/device changed and no compiled wrapper
+      that can still run reads it;
+    * otherwise a ``ValueError``: two compiled wrappers of one head asked for different
+      vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
+    """
     with _LOCK:
         state = registered_state(weight)
-        if state is not None and state.matches(weight, bias, capacity, num_pinned, **config):
+        if state is None:
+            state = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
+            setattr(weight, _ATTR, state)
             return state
-        new = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
-        if state is not None:
-            warnings.warn(
-                f"nanospec: the head weight's dtype, device or bias, or the vocabulary configuration changed "
-                f"({state!r} -> {new!r}); its active vocabulary starts again",
-                stacklevel=3,
+        if state.matches(weight, bias, capacity, num_pinned, **config):
+            return state
+        diffs = state.differences(capacity, num_pinned, **config)
+        if bias is not state.bias:
+            diffs.append("the head's bias tensor")
+        if diffs and _running_users(state, weight):
+            what = f"the head {name}" if name else f"the head weight {tuple(weight.shape)}"
+            raise ValueError(
+                f"nanospec: {what} already has an active vocabulary read by another compiled wrapper, with other "
+                f"vocabulary options ({'; '.join(diffs)}). One ActiveVocab exists per head weight: compile every "
+                "wrapper (and target observer) of this head with the same vocabulary options (capacity, num_pinned, "
+                "policy, frequencies, static_size, pinned_size, draft_to_target), or drop the other wrapper first "
+                "(torch._dynamo.reset())."
             )
-        setattr(weight, _ATTR, new)
-        return new
+        state._reconfigure(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
+        return state
+
+
+def _running_users(state: ActiveVocab, weight: torch.Tensor) -> bool:
+    """Whether a live compiled wrapper reads ``state`` and can still run (its compiled graph was
+    made for the current layout; a wrapper for another dtype is guarded out by Dynamo)."""
+    if not state.fits(weight):
+        return False
+    if not state._users:
+        return False
+    gc.collect()  # wrappers dropped by torch._dynamo.reset() sit in reference cycles
+    return len(state._users) > 0
 
 
 def registered_state(weight: torch.Tensor) -> ActiveVocab | None:
     return getattr(weight, _ATTR, None)
 
 
-def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
-    """The ActiveVocab of every parameter of ``module`` that has one, by parameter name."""
-    found = {}
-    for name, p in module.named_parameters(remove_duplicate=True):
-        state = registered_state(p)
+def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a module holds, under every name: parameters, buffers (tied ones under each
+    of their names) and plain tensor attributes. The pass can rewrite a head held in any of them."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not attr.startswith("_"):
+                yield (f"{prefix}.{attr}" if prefix else attr), value
+
+
+def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
+    """Every ActiveVocab reachable from ``module``, with all the names it can be asked by: each name
+    of its weight tensor (tied heads have several) and that name without ``.weight`` (the module)."""
+    found: dict[ActiveVocab, list[str]] = {}
+    for name, tensor in module_tensors(module):
+        state = registered_state(tensor)
         if state is not None:
-            found[name] = state
+            names = found.setdefault(state, [])
+            for n in (name, name[: -len(".weight")] if name.endswith(".weight") else None):
+                if n and n not in names:
+                    names.append(n)
+    for state, names in found.items():
+        for report in state.rewrites:
+            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
+            if head in names:  # the name the pass reported first (explain shows it)
+                names.insert(0, names.pop(names.index(head)))
+            if path and path not in names:
+                names.append(path)
     return found
 
 
-def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
+def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
+    """The ActiveVocab of every head of ``module`` (parameters, buffers and tensor attributes),
+    once each, under the first name of its weight."""
+    return {names[0]: state for state, names in state_names(module).items()}
+
+
+def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
     """The ActiveVocab of ``module``'s head (``module`` may be the compiled or the original one).
 
-    It exists after the first call of the compiled module. With several heads, pass ``head``:
-    the name of the head's weight parameter (as in ``module.named_parameters()``).
+    ``head`` picks one when there are several: any name of the head's weight (for a tied head the
+    embedding's name works too), its module path, or a dotted suffix of one (``"lm_head"``).
+    Before the first compiled call, a head that can be found without tracing (``head`` names a
+    parameter or buffer, or ``get_output_embeddings()``) gets its ActiveVocab now, with the
+    default options (a later compile with other options rebuilds it in place, keeping this object).
+    ``module`` may also be the head's weight tensor itself (a head weight passed to ``forward`` as
+    an argument, or a global, is not held by any module).
     """
     wrapper = module if hasattr(module, "_orig_mod") else None
     module = getattr(module, "_orig_mod", module)
+    if isinstance(module, torch.Tensor):
+        state = registered_state(module)
+        if state is None:
+            raise LookupError("this tensor is not the weight of a head with an active vocabulary (yet)")
+        return state
     if not isinstance(module, nn.Module):
-        raise TypeError(f"active_vocab expects an nn.Module, got {type(module).__name__}")
-    found = registered_states(module)
+        raise TypeError(f"active_vocab expects an nn.Module or a head weight tensor, got {type(module).__name__}")
+    found = state_names(module)
     if head is not None:
-        if head not in found:
-            raise KeyError(f"no active vocabulary for parameter {head!r}; heads with one: {sorted(found) or 'none'}")
-        return found[head]
+        hits = [s for s, names in found.items() if any(n == head or n.endswith("." + head) for n in names)]
+        if len(hits) == 1:
+            return hits[0]
+        if not hits and not found:
+            created = _create_on_demand(module, head)
+            if created is not None:
+                return created
+        known = sorted(n for names in found.values() for n in names)
+        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}")
     if not found:
         if wrapper is not None:
             raise LookupError(
@@ -283,10 +484,23 @@ def active_vocab(module: nn.Module, head: str | None = None) -> ActiveVocab:
                 "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
                 "To create the set before the first call: nanospec_fx.attach(drafter)"
             )
+        created = _create_on_demand(module, None)
+        if created is not None:
+            return created
         raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: compile it with backend='nanospec' and call "
-            "it once, or create it now with nanospec_fx.attach(module, **options)"
+            f"{type(module).__name__} has no active vocabulary yet: compile it with "
+            "torch.compile(module, backend='nanospec') and call it once, or create it now with "
+            "nanospec_fx.attach(module, head='<weight name>')"
         )
     if len(found) > 1:
-        raise LookupError(f"several heads have an active vocabulary: {sorted(found)}; pass head=<name>")
-    return next(iter(found.values()))
+        raise LookupError(f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
+    return next(iter(found))
+
+
+def _create_on_demand(module: nn.Module, head: str | None) -> ActiveVocab | None:
+    from nanospec_fx.integrations import attach
+
+    try:
+        return attach(module, head=head)
+    except (KeyError, ValueError):
+        return None

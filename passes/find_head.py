@@ -1,9 +1,12 @@
 """Find the drafter's LM head in a Dynamo FX graph: by structure, never by module name.
 
 A head is a projection (see ``patterns.py``) whose weight is a parameter or buffer of shape
-[V, H] and whose [..., V] output reaches the graph output through post-ops, views and
-consumers only. A body layer whose width happens to be V feeds another projection, not the
-output, so it is never a head.
+[V, H], whose [..., V] output reaches the graph output through post-ops, views and
+consumers only, and whose V is the vocabulary: the rows of the token embedding the graph
+looks ids up in (or that embedding's own weight, tied). A body layer whose width happens to
+be V feeds another projection, not the output; a projection of another width (an MoE router,
+a hidden-state projection wider than V) is never the head when a token embedding says what V
+is. See :func:`find_heads` for the whole rule.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ class HeadMatch:
     hidden_size: int
     biases: list[fx.Node | None] = field(default_factory=list)
     module_path: str | None = None
+    reach: str | None = field(default=None, compare=False)  # how its output reaches the graph output
+
+    __hash__ = object.__hash__
 
 
 def parameter_name(node: fx.Node) -> str:
@@ -72,35 +78,123 @@ def parameter_name_raw(node: fx.Node) -> str:
     return n() if callable(n) else str(n)
 
 
-def reaches_output(node: fx.Node, vocab_size: int) -> bool:
-    """Whether the [..., V] value of ``node`` flows to the graph output via vocab-axis ops only."""
+PADDING_SHARE = 8  # a padded token table has at most 1/8 more rows than the head has outputs
+LOGIT_CARRIERS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
+
+
+def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
+    """How the [..., V] value of ``node`` reaches the graph output: ``"logits"`` (through
+    post-ops, views, softmax, stacking), ``"selection"`` (only through top-k/argmax-like
+    consumers and what is computed from them), or None."""
     carriers, derived, stack = {node}, set(), [node]
+    via_selection = False
     while stack:
         cur = stack.pop()
         for user in cur.users:
             if user.op == "output":
-                return True
+                if cur in carriers:
+                    return "logits"
+                via_selection = True
+                continue
             if cur in carriers and (
                 patterns.elementwise_operands_ok(user, cur, vocab_size, carriers)
                 or patterns.view_keeps_vocab(user, cur, vocab_size)
-                or patterns.is_call(user, {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}, {"softmax", "log_softmax"})
+                or patterns.is_call(user, LOGIT_CARRIERS, {"softmax", "log_softmax"})
+                or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
+                or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
             ):
-                if user not in carriers:
-                    carriers.add(user)
-                    stack.append(user)
+                out = user.kwargs.get("out")  # ``torch.tanh(z, out=buf)``: buf carries the logits on
+                for node in (user, out) if isinstance(out, fx.Node) else (user,):
+                    if node not in carriers:
+                        carriers.add(node)
+                        stack.append(node)
             elif cur in derived or patterns.is_call(user, patterns.CONSUMER_FUNCTIONS, patterns.CONSUMER_METHODS):
                 if user not in derived:
                     derived.add(user)
                     stack.append(user)
-    return False
+    return "selection" if via_selection else None
 
 
-def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None) -> list[HeadMatch]:
-    """The LM head(s) of ``gm``, grouped by weight. Raises HeadSelectionError when ambiguous.
+def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Embedding tables the graph looks token ids up in (ids from a user input): node -> rows."""
+    from .observe_inputs import embedding_lookups  # (observe_inputs imports this module)
 
-    ``vocab_size`` keeps only projections of that width; ``head`` keeps only the projection whose
-    weight name or module path equals or ends with it.
+    return {table: rows for _, _, table, rows in embedding_lookups(gm.graph)}
+
+
+def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
+               known_vocab: set[int] | frozenset = frozenset(), resumed: bool = False,
+               notes: list[str] | None = None) -> list[HeadMatch]:
+    """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
+
+    * ``head`` (a weight name or module path) picks that projection; a name that matches
+      none raises HeadSelectionError listing the candidates.
+    * otherwise, among projections whose output reaches the graph output: a weight shared with
+      the token embedding; else the projections as wide as a token embedding has rows (``vocab_size``
+      narrows this to that width); else, for a padded embedding table (at most 1/8 of its rows
+      padding), the one projection at most that much narrower whose logits are returned; with no
+      token embedding in the graph: the vocabularies in ``known_vocab`` (of rewritten heads whose
+      logits are inputs here, of token tables embedded in a graph before a graph break) play the
+      embedding's part; with none, in a graph that does not resume after a graph break, the one
+      projection wider than its input whose logits (not only a selection of them) reach the
+      output (a router or a hidden-state projection is narrower or is not alone); several such:
+      none, with a note saying why.
+    * several candidates left: HeadSelectionError naming them. None: an empty list.
     """
+    groups = _projection_groups(gm, example_inputs)
+    if head is not None:
+        chosen = [g for g in groups if _name_matches(head, g.name, g.module_path)]
+        if vocab_size is not None:
+            chosen = [g for g in chosen if g.vocab_size == vocab_size]
+        if not chosen:
+            raise HeadSelectionError(
+                f"nanospec: options['head']={head!r} matches no projection in this graph. "
+                f"Candidates: {_describe(groups) or 'none (no linear/matmul/einsum with a 2-D parameter weight)'}"
+            )
+        return _unique(chosen)
+    reaching = {g: g.reach for g in groups if g.reach}
+    if vocab_size is not None:
+        return _unique([g for g in reaching if g.vocab_size == vocab_size])
+    tables = token_tables(gm)
+    tied = [g for g in reaching if g.weight in tables]
+    if tied:
+        return _unique(tied)
+    vocabularies = set(tables.values()) or set(known_vocab)
+    if vocabularies:
+        exact = [g for g in reaching if g.vocab_size in vocabularies]
+        if exact:
+            return _unique(exact)
+        padded = [g for g in reaching if reaching[g] == "logits" and any(
+            r - r // PADDING_SHARE <= g.vocab_size < r for r in vocabularies)]
+        return _unique(padded)
+    if resumed:  # the rest of a frame after a graph break: nothing here says what the vocabulary is
+        if notes is not None and reaching:
+            notes.append("this graph resumes after a graph break and embeds no token ids, so nothing says which "
+                         f"projection is the head ({_describe(list(reaching))})")
+        return []
+    candidates = [g for g in reaching if reaching[g] == "logits" and g.vocab_size > g.hidden_size]
+    if len(candidates) > 1:
+        if notes is not None:
+            notes.append(f"several projections could be the head and no token embedding says which ({_describe(candidates)})")
+        return []
+    return candidates
+
+
+def _unique(heads: list[HeadMatch]) -> list[HeadMatch]:
+    if len(heads) > 1:
+        raise HeadSelectionError(
+            f"nanospec found several possible LM heads: {_describe(heads)}. Choose one with "
+            "torch.compile(..., backend='nanospec', options={'head': '<name>'})"
+        )
+    return heads
+
+
+def _describe(heads: list[HeadMatch]) -> str:
+    return ", ".join(f"{h.name} [V={h.vocab_size}, H={h.hidden_size}]" for h in heads)
+
+
+def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMatch]:
+    """Every projection with a static 2-D parameter/buffer weight, grouped by weight."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example_of = {n: ex for n, ex in zip(placeholders, example_inputs)}
     groups: dict[fx.Node, HeadMatch] = {}
@@ -112,29 +206,18 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         w_shape, out_shape = patterns.tensor_shape(w), patterns.tensor_shape(node)
         if w_shape is None or out_shape is None or not all(isinstance(d, int) for d in w_shape):
             continue  # V and H must be static
+        if not _is_weight_like(w, example_of.get(w)):
+            continue
         n_out, hidden = w_shape
-        if vocab_size is not None and n_out != vocab_size:
-            continue
-        if not _is_weight_like(w, example_of.get(w)) or not reaches_output(node, n_out):
-            continue
-        name = parameter_name(w)
-        if head is not None and not _name_matches(head, name, module_path(node)):
-            continue
-        match = groups.setdefault(w, HeadMatch(w, [], name, n_out, hidden, module_path=module_path(node)))
+        match = groups.get(w)
+        if match is None:
+            match = groups[w] = HeadMatch(w, [], parameter_name(w), n_out, hidden, module_path=module_path(node))
         match.nodes.append(node)
         match.biases.append(b)
-    heads = list(groups.values())
-    if len(heads) > 1:
-        widest = max(h.vocab_size for h in heads)
-        if vocab_size is None and sum(h.vocab_size == widest for h in heads) == 1:
-            heads = [h for h in heads if h.vocab_size == widest]
-        else:
-            names = ", ".join(f"{h.name} [V={h.vocab_size}, H={h.hidden_size}]" for h in heads)
-            raise HeadSelectionError(
-                f"nanospec found several possible LM heads: {names}. Choose one with "
-                "torch.compile(..., backend='nanospec', options={'head': '<name>'})"
-            )
-    return heads
+        reach = reaches_output(node, n_out)
+        if reach == "logits" or (reach and not match.reach):
+            match.reach = reach
+    return list(groups.values())
 
 
 def _name_matches(wanted: str, weight_name: str, mod_path: str | None) -> bool:

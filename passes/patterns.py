@@ -14,6 +14,38 @@ parameters are placeholders, an ``nn.Linear`` is ``torch._C._nn.linear(x, w, b)`
   logits, so inactive tokens come out exactly -inf *after* them.
 * **Consumers** read the vocabulary axis (softmax, top-k, argmax, ...). They see the
   full-vocabulary logits with -inf at inactive tokens, so they only pick active tokens.
+
+How the rewrite stays sound
+---------------------------
+The *vocabulary region* is every value computed from the head's ``[..., V]`` output, aliases
+and views included. ``rewrite_head`` walks it in graph order as a dataflow problem (not a list of
+special cases): each value of the region is held either in compact form ``[..., C]`` or as a
+materialised ``[..., V]`` tensor with ``-inf`` at inactive tokens, and every *use* of a compact
+value is exactly one of
+
+1. **an op with exact compact semantics** - an elementwise post-op whose other operands are
+   numbers, tensors with last dim 1, or ``[..., V]`` tensors outside the region (gathered at the
+   active ids); a cast; a view that keeps the vocabulary axis whole; ``log_softmax`` over V (the
+   never-filled slots re-masked); the *in-place* forms of those post-ops (``z /= t``,
+   ``z.masked_fill_(banned, -inf)``, ``torch.clamp_(z, ...)``), which then run in place on the
+   compact tensor, so every compact alias sees the write just as the dense aliases would;
+   ``topk``/``argmax`` (behind ``softmax`` or not), which read slots and map them to token ids;
+2. **a materialisation point** - any other use. A reader that neither writes its input nor may
+   return an alias of it (schemas say which: ``effects.py``) gets its own ``scatter_logits`` right
+   before it, i.e. the value as of that point. A use that writes the value (``z[..., bad] = v``,
+   ``index_put_``, ``copy_``, ``out=z``) or may alias it (an unknown op, ``narrow``, ...)
+   materialises the value's whole alias class there: its root is scattered once, the views in
+   between are replayed on that tensor, and every later use of every alias reads it, so the
+   write lands where every later reader looks. The region's meaning continues on that tensor:
+   a write, and every later elementwise step, is followed by a re-mask of the inactive tokens
+   to ``-inf`` (views and vocabulary slices carry the mask), exactly as if they had run on the
+   compact logits;
+3. **a reason to stay dense** - where neither applies, the head is left dense with one
+   ``NanoSpecWarning`` naming the op and its place (``rewrite_head.DenseFallback``).
+
+Unknown ops are assumed to alias and write nothing the schema does not say; in-place ops with
+no compact form are materialisation points, never dropped. Every dead-code elimination the
+backend runs keeps ops with side effects (``effects.has_side_effect``).
 """
 from __future__ import annotations
 
@@ -29,14 +61,22 @@ EMBEDDING_TARGETS = {torch.nn.functional.embedding}
 
 # Elementwise ops that may follow the head. The logits are one operand; any other operand must
 # be a number or a tensor that does not depend on the logits and whose last dim is 1 or V.
+_POINTWISE = (
+    "add", "sub", "mul", "div", "true_divide", "tanh", "sigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
+    "square", "pow", "clamp", "clip", "clamp_min", "clamp_max", "masked_fill", "nan_to_num", "where",
+    "maximum", "minimum", "reciprocal", "relu", "sign",
+)
+CAST_METHODS = {"float", "half", "bfloat16", "double", "to", "type_as", "contiguous"}
 ELEMENTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv,
-    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.tanh,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    *(getattr(torch, n) for n in _POINTWISE if hasattr(torch, n)),
+    *(getattr(torch, n + "_") for n in _POINTWISE if hasattr(torch, n + "_")),
+    torch.nn.functional.relu,
 }
-ELEMENTWISE_METHODS = {
-    "add", "sub", "mul", "div", "true_divide", "tanh", "add_", "sub_", "mul_", "div_", "tanh_",
-    "float", "half", "bfloat16", "double", "to", "type_as", "contiguous",
-}
+ELEMENTWISE_METHODS = {*_POINTWISE, *(n + "_" for n in _POINTWISE if n != "where"), *CAST_METHODS}
+# Ops that gather several region values along a non-vocabulary axis (Medusa heads, stacked).
+JOIN_FUNCTIONS = {torch.stack, torch.cat, torch.concat}
 
 # Ops that consume the vocabulary axis; what they return reaches the output "through the head".
 CONSUMER_FUNCTIONS = {
@@ -51,6 +91,28 @@ def example_value(node: Any) -> Any:
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
+
+
+def fake_value(node: fx.Node) -> Any:
+    """``node``'s value computed on its inputs' FakeTensors (None when that is not possible)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    args, kwargs = fx.map_arg((node.args, node.kwargs), example_value)
+    mode = None
+    for v in node.all_input_nodes:
+        value = example_value(v)
+        if isinstance(value, torch._subclasses.FakeTensor):
+            mode = value.fake_mode
+            break
+    if mode is None or any(example_value(v) is None for v in node.all_input_nodes):
+        return None
+    try:
+        with mode:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - metadata is best effort; matchers then see no shape
+        return None
 
 
 def tensor_shape(node: Any) -> tuple | None:
@@ -95,26 +157,53 @@ def match_projection(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] |
         w = transposed_weight(node.args[1])
         if w is not None:
             return node.args[0], w, None
+    if node.op == "call_function" and node.target in EINSUM_TARGETS and node.args and isinstance(node.args[0], str):
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+            operands = tuple(operands[0])
+        if len(operands) == 2 and _is_head_equation(node.args[0]):
+            x, w = operands
+            if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
+                return x, w, None
     return None
+
+
+EINSUM_TARGETS = {torch.einsum, torch.functional.einsum}
+
+
+def _is_head_equation(equation: str) -> bool:
+    """``"...h,vh->...v"`` / ``"bth,vh->btv"``: x's last axis contracted with W's second, W's first appended."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1 or eq.count(",") != 1:
+        return False
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    if len(b) != 2 or not a or b[1] != a[-1] or b[0] == b[1] or b[0] in a:
+        return False
+    return out == a[:-1] + b[0]
 
 
 def _last_dim(shape: tuple | None) -> Any:
     return shape[-1] if shape else None
 
 
-def elementwise_operands_ok(node: fx.Node, logits: fx.Node, vocab_size: int, region: set) -> bool:
-    """Whether ``node`` is a post-op of ``logits`` that can run on compact logits.
+def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: int, region: set) -> bool:
+    """Whether ``node`` is a post-op of ``logits`` (one node or several) that can run on compact logits.
 
-    Exactly one operand is in the region (the logits); every other operand is a number or
-    dtype, or a tensor outside the region whose last dim is 1 or V (V-sized ones are gathered).
+    The region operands are the logits (all in one compact space, each with the vocabulary
+    axis last); every other operand is a number or dtype, or a tensor outside the region whose
+    last dim is 1 or V (V-sized ones are gathered).
     """
     if not is_call(node, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS):
         return False
+    inputs = set(logits) if isinstance(logits, (list, tuple, set)) else {logits}
     operands = list(node.args) + list(node.kwargs.values())
-    if sum(1 for a in operands if a is logits) != 1:
+    if not any(isinstance(a, fx.Node) and a in inputs for a in operands):
         return False
     for a in operands:
-        if a is logits or isinstance(a, (int, float, bool, torch.dtype, torch.device, str)) or a is None:
+        if isinstance(a, fx.Node) and a in inputs:
+            continue
+        if isinstance(a, (int, float, bool, torch.dtype, torch.device, str)) or a is None:
             continue
         if not isinstance(a, fx.Node) or a in region:
             return False
@@ -153,6 +242,15 @@ def view_keeps_vocab(node: fx.Node, logits: fx.Node, vocab_size: int) -> bool:
         d = node.args[1]
         return isinstance(d, int) and 0 <= d < ndim - (node.target == "squeeze")
     return False
+
+
+def is_basic_indexing(node: fx.Node, logits: fx.Node) -> bool:
+    """``logits[...]`` with ints, slices, ``...`` and ``None`` only (a view, any axis)."""
+    if not (node.op == "call_function" and node.target is operator.getitem and node.args[0] is logits):
+        return False
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return all(i is Ellipsis or i is None or isinstance(i, (int, slice)) or
+               (isinstance(i, fx.Node) and tensor_shape(i) is None) for i in idx)
 
 
 def reads_row_size(node: fx.Node, logits: fx.Node) -> bool:
@@ -210,6 +308,12 @@ def match_argmax(user: fx.Node, logits: fx.Node) -> bool | None:
     if shape is None or not _is_last_dim(dim, len(shape)) or not isinstance(keepdim, bool):
         return None
     return keepdim
+
+
+def match_log_softmax(user: fx.Node, logits: fx.Node) -> bool:
+    """``user`` is a log_softmax of ``logits`` over the last dim (no dtype change)."""
+    return match_softmax(user, logits) and (user.target in (torch.log_softmax, torch.nn.functional.log_softmax)
+                                            or user.target == "log_softmax")
 
 
 def match_softmax(user: fx.Node, logits: fx.Node) -> bool:

@@ -1,4 +1,4 @@
-"""Rewrite an LM head into nanospec ops: compact logits -> post-ops -> scatter to [..., V].
+"""Rewrite an LM head into nanospec ops: compact logits -> post-ops -> materialise [..., V].
 
 Before::
 
@@ -11,20 +11,31 @@ After::
     out_c = cap * tanh(compact / cap)                                # post-ops on compact logits
     out = nanospec.scatter_logits(out_c, ids, cursor, V)            # -inf for inactive tokens
 
-Post-ops and vocab-preserving views (``patterns.py``) stay in compact space; V-sized operands
-of post-ops (a bias of shape [V]) are gathered at the active ids. Wherever a compact value
-leaves that region (a consumer, the graph output) one scatter brings it back to [..., V], so
-every consumer sees exactly -inf at inactive tokens, after the post-ops.
+The rewrite is a forward dataflow walk over the *vocabulary region* (every value computed from
+the head's output, aliases included), in graph order; ``patterns.py`` states the rule that keeps
+it sound. Each use of a compact value is one of:
+
+* an exact compact op (post-op, cast, vocabulary-preserving view, in-place post-op): it runs on
+  the compact tensor and its result stays in the region;
+* a compact consumer (top-k / argmax, maybe behind softmax): it reads the compact logits and maps
+  slots back to token ids;
+* a materialisation point: a plain reader gets its own ``scatter_logits`` right before it (the
+  value as of that point); a reader that writes the value, or whose result may alias it,
+  materialises the value's whole alias class once, and every later use of any alias reads the
+  materialised tensor (views replayed on it), so no mutation is lost and no reader is stale.
+
+Every node inserted here gets ``example_value``/``val`` metadata (FakeTensors), so matchers that
+run later (and other heads' rewrites) see correct shapes.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from . import patterns
+from . import effects, patterns
 from .find_head import HeadMatch
 
 
@@ -49,141 +60,367 @@ class RewriteReport:
     hidden_size: int
     projections: int
     post_ops: list[str]  # ops run on the compact logits
-    exits: list[str]  # users that read the [..., V] logits (after one scatter)
+    exits: list[str]  # users that read the [..., V] logits (after a scatter)
     consumers: list[str]  # top-k / argmax (/ softmax) run on the compact logits
     observers: int = 0  # observe ops inserted on token-id inputs
+    materialised: list[str] = field(default_factory=list)  # ops that write or alias the logits: [..., V] built there
+
+
+@dataclass
+class _Member:
+    """A compact value: its alias root and how it derives from its parent (None for a root)."""
+
+    root: fx.Node
+    parent: fx.Node | None = None
+    identity: bool = False  # same tensor as the parent (an in-place op's result, a no-op cast)
+
+
+class _Region:
+    """The compact part of one projection's vocabulary region while the walk runs."""
+
+    def __init__(self, graph: fx.Graph, state: StateNodes, vocab: int, safe_ids: fx.Node):
+        self.graph, self.state, self.vocab, self.safe_ids = graph, state, vocab, safe_ids
+        self.members: dict[fx.Node, _Member] = {}
+        self.original_args: dict[fx.Node, tuple] = {}  # views retargeted to C: their [..., V] arguments
+        self.materialised: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # root -> {member: dense node}
+        self.dense_masks: dict[fx.Node, fx.Node] = {}  # materialised region value -> its inactive-token mask
+        self.capacity = 0
+        self._inactive: fx.Node | None = None
+
+    def inactive(self, before: fx.Node) -> fx.Node:
+        """Bool [V]: True at inactive tokens (built once, before the first materialisation)."""
+        if self._inactive is None:
+            g, st = self.graph, self.state
+            with g.inserting_before(before):
+                zeros = g.call_method("new_zeros", (st.ids, (self.capacity,)), {"dtype": torch.float32})
+                row = g.call_function(torch.ops.nanospec.scatter_logits.default, (zeros, st.ids, st.cursor, self.vocab))
+                self._inactive = g.call_function(torch.isneginf, (row,))
+            for n in (zeros, row, self._inactive):
+                set_example_value(n)
+        return self._inactive
+
+    def scatter(self, value: fx.Node, before: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(torch.ops.nanospec.scatter_logits.default,
+                                            (value, self.state.ids, self.state.cursor, self.vocab))
+        set_example_value(node)
+        return node
+
+    def dense(self, member: fx.Node, before: fx.Node) -> fx.Node:
+        """The [..., V] tensor of ``member``'s alias class (materialised once per class)."""
+        info = self.members[member]
+        done = self.materialised.setdefault(info.root, {})
+        if member in done:
+            return done[member]
+        if info.parent is None:
+            self.inactive(before)
+            node = self.scatter(member, before)
+        elif info.identity:
+            node = self.dense(info.parent, before)
+        else:  # replay the view on the dense parent, with its [..., V] arguments
+            parent = self.dense(info.parent, before)
+            args, kwargs = self.original_args.get(member, (member.args, member.kwargs))
+            args, kwargs = fx.map_arg((args, kwargs), lambda a: parent if a is info.parent else a)
+            with self.graph.inserting_before(before):
+                node = self.graph.create_node(member.op, member.target, args, kwargs)
+            set_example_value(node)
+        self.dense_masks[node] = self.inactive(before) if info.parent is None else self.dense_masks[self.dense(info.parent, before)]
+        done[member] = node
+        return node
+
+
+class DenseFallback(Exception):
+    """The head cannot be rewritten soundly here; the message names the op and its place."""
 
 
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
-    ops = torch.ops.nanospec
-    vocab = head.vocab_size
-    post_ops: list[str] = []
-    exits: list[str] = []
-    consumers: list[str] = []
-
+    report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(head.nodes, key=order.__getitem__)
     with graph.inserting_before(first):
         safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
-
+    set_example_value(safe_ids)
     for proj, bias in zip(head.nodes, head.biases):
-        x = patterns.match_projection(proj)[0]
-        with graph.inserting_before(proj):
-            compact = graph.call_function(ops.compact_logits.default, (x, state.cache_w, state.cache_b if bias is not None else None, state.cursor))
-        compact.meta.update({k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
-        proj.replace_all_uses_with(compact)
-        graph.erase_node(proj)
-
-        # Grow the compact region over post-ops and views, in graph order.
-        region = {compact}
-        leaving: list[tuple[fx.Node, fx.Node]] = []  # (compact node, user that needs [..., V])
-        worklist = [compact]
-        while worklist:
-            node = worklist.pop(0)
-            for user in list(node.users):
-                if user in region:
-                    continue
-                if patterns.elementwise_operands_ok(user, node, vocab, region):
-                    _gather_vocab_operands(graph, user, node, vocab, safe_ids)
-                    region.add(user)
-                    worklist.append(user)
-                    post_ops.append(_describe(user))
-                elif patterns.view_keeps_vocab(user, node, vocab):
-                    _retarget_view(user, capacity)
-                    region.add(user)
-                    worklist.append(user)
-                    post_ops.append(_describe(user))
-                elif patterns.reads_row_size(user, node):
-                    continue
-                elif handled := _compact_consumer(graph, user, node, state):
-                    consumers.extend(handled)
-                else:
-                    leaving.append((node, user))
-                    exits.append(_describe(user))
-        scattered = _insert_scatters(graph, leaving, region, state, vocab)
-        _fuse_plain_head(graph, compact, scattered.get(compact), vocab)
-    return RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), post_ops, exits, consumers)
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, safe_ids, report)
+    return report
 
 
-def _insert_scatters(graph: fx.Graph, leaving: list, region: set, state: StateNodes, vocab: int) -> dict:
-    """One ``scatter_logits`` per compact value, just before its first reader outside the region.
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, report) -> None:
+    x = patterns.match_projection(proj)[0]
+    cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
+    with graph.inserting_before(proj):
+        x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
+        compact = graph.call_function(torch.ops.nanospec.compact_logits.default, (x, cache_w, cache_b, state.cursor))
+    compact.meta.update({k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    set_example_value(compact)
+    proj.replace_all_uses_with(compact)
+    graph.erase_node(proj)
 
-    With in-place post-ops (``z.div_(t)``) a value read at two places may differ between them,
-    so then each reader gets its own scatter, placed right before it.
+    region = _Region(graph, state, vocab, safe_ids)
+    region.capacity = capacity
+    region.members[compact] = _Member(compact)
+    nodes = list(graph.nodes)
+    erased: set[fx.Node] = set()
+    for n in nodes[nodes.index(compact) + 1:]:
+        if n in erased:
+            continue
+        for a in list(n.all_input_nodes):  # uses of an already materialised class read its [..., V] tensor
+            if a in region.members and region.members[a].root in region.materialised:
+                n.replace_input_with(a, region.dense(a, n))
+        compact_inputs = [a for a in n.all_input_nodes if a in region.members]
+        if compact_inputs:
+            _visit(region, n, compact_inputs, capacity, report, erased)
+            continue
+        dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
+        if dense_inputs:
+            _visit_dense(region, n, dense_inputs)
+    scatters = [u for u in compact.users if u.target is torch.ops.nanospec.scatter_logits.default]
+    if len(compact.users) == 1 and scatters:
+        _fuse_plain_head(graph, compact, scatters[0], vocab)
+
+
+def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, report: RewriteReport, erased: set) -> None:
+    """Classify one use of compact values (see the module docstring) and rewrite it accordingly."""
+    graph, vocab = region.graph, region.vocab
+    a = compact_inputs[0]
+    all_writes = effects.mutated_inputs(n)
+    writes = [w for w in all_writes if w in region.members]
+    if len(compact_inputs) == 1 and patterns.reads_row_size(n, a):
+        return
+    if len(writes) == len(all_writes) and patterns.elementwise_operands_ok(n, compact_inputs, vocab, set(region.members)):
+        _gather_vocab_operands(graph, n, set(region.members), vocab, region.safe_ids)
+        target = writes[0] if writes else a
+        if writes and (len(writes) > 1 or (n.args and n.args[0] is not target)):
+            return _materialise(region, n, compact_inputs, report)
+        if writes or _is_noop_cast(n, a):
+            region.members[n] = _Member(region.members[target].root, target, identity=True)
+        else:
+            region.members[n] = _Member(n)
+        set_example_value(n)
+        report.post_ops.append(describe(n))
+        return
+    if not writes and len(compact_inputs) == 1 and patterns.view_keeps_vocab(n, a, vocab):
+        region.original_args[n] = (n.args, n.kwargs)
+        _retarget_view(n, capacity)
+        region.members[n] = _Member(region.members[a].root, a)
+        set_example_value(n)
+        report.post_ops.append(describe(n))
+        return
+    if not writes and len(compact_inputs) == 1:
+        handled = _compact_consumer(region, n, a, erased)
+        if handled:
+            report.consumers.extend(handled)
+            return
+    if not writes and len(compact_inputs) == 1 and patterns.match_log_softmax(n, a):
+        _mask_unfilled(region, n, a)  # slots past the count may be finite after post-ops
+        region.members[n] = _Member(n)
+        set_example_value(n)
+        report.post_ops.append(describe(n))
+        return
+    if writes or effects.may_alias_input(n) and not _elementwise_into(n):
+        _materialise(region, n, compact_inputs, report)
+        return
+    for c in compact_inputs:  # a plain reader: the value as of this point
+        n.replace_input_with(c, region.scatter(c, n))
+    report.exits.append(describe(n))
+    if _elementwise_into(n):  # ``torch.tanh(z, out=buf)``: buf now holds region values
+        _region_written_out(region, n, region.inactive(n))
+
+
+def _elementwise_into(n: fx.Node) -> bool:
+    """An elementwise post-op writing its result into ``out=`` (another tensor)."""
+    return isinstance(n.kwargs.get("out"), fx.Node) and patterns.is_call(
+        n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS)
+
+
+def _region_written_out(region: _Region, n: fx.Node, mask: fx.Node) -> None:
+    out = n.kwargs["out"]
+    region.dense_masks[out] = mask
+    _remask_after(region, n, [out])
+    region.dense_masks[n] = mask
+
+
+def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
+    """A use of a materialised region value: the region's meaning continues on the [..., V] tensor.
+
+    Inactive tokens are -inf after every elementwise step and every write, as on the compact
+    path: an elementwise op is followed by a re-mask (in place for an in-place op), a write
+    into a region value re-masks what it wrote; views (a vocabulary slice too) carry the mask.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    in_place = any(n.op == "call_method" and n.target.endswith("_") for n in region)
-    scattered: dict[fx.Node, fx.Node] = {}
-    for node, user in sorted(leaving, key=lambda pair: order[pair[1]]):
-        if in_place or node not in scattered:
-            with graph.inserting_before(user):
-                scattered[node] = graph.call_function(torch.ops.nanospec.scatter_logits.default, (node, state.ids, state.cursor, vocab))
-        user.replace_input_with(node, scattered[node])
-    return scattered
+    graph = region.graph
+    a = dense_inputs[0]
+    mask = region.dense_masks[a]
+    width = patterns.tensor_shape(mask)[-1]
+    writes = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
+    other_writes = [w for w in effects.mutated_inputs(n) if w not in region.dense_masks]
+    if not other_writes and patterns.elementwise_operands_ok(n, dense_inputs, width, set(region.dense_masks)):
+        if writes:
+            _remask_after(region, n, writes)
+            if effects.may_alias_input(n):
+                region.dense_masks[n] = region.dense_masks[writes[0]]
+            return
+        with graph.inserting_after(n):
+            remasked = graph.call_method("masked_fill", (n, mask, float("-inf")))
+        n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
+        set_example_value(remasked)
+        region.dense_masks[remasked] = mask
+        return
+    if _elementwise_into(n) and n.kwargs["out"] not in dense_inputs:
+        _region_written_out(region, n, mask)
+        return
+    if not writes and len(dense_inputs) == 1 and patterns.view_keeps_vocab(n, a, width):
+        region.dense_masks[n] = mask
+        return
+    cut = _vocabulary_slice(n, a, width)
+    if not writes and cut is not None:
+        with graph.inserting_before(n):
+            sliced = graph.call_function(operator.getitem, (mask, slice(None, cut)))
+        set_example_value(sliced)
+        region.dense_masks[n] = sliced
+        return
+    if writes:
+        _remask_after(region, n, writes)
 
 
-def _compact_consumer(graph: fx.Graph, user: fx.Node, logits: fx.Node, state: StateNodes) -> list[str]:
+def _remask_after(region: _Region, n: fx.Node, written: list) -> None:
+    anchor = n
+    for w in written:
+        with region.graph.inserting_after(anchor):
+            anchor = region.graph.call_method("masked_fill_", (w, region.dense_masks[w], float("-inf")))
+        set_example_value(anchor)
+
+
+def _vocabulary_slice(n: fx.Node, logits: fx.Node, width: int) -> int | None:
+    """V' when ``n`` is ``logits[..., :V']`` (rows untouched or basic-indexed), else None."""
+    if not patterns.is_basic_indexing(n, logits):
+        return None
+    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    shape = patterns.tensor_shape(logits)
+    last = idx[-1]
+    if not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1) or not isinstance(last.stop, int):
+        return None
+    if Ellipsis not in idx and len(idx) != len(shape):
+        return None
+    stop = last.stop if last.stop >= 0 else width + last.stop
+    return stop if 0 < stop <= width else None
+
+
+def _materialise(region: _Region, n: fx.Node, compact_inputs: list, report: RewriteReport) -> None:
+    """``n`` writes or aliases compact values: their classes become [..., V] tensors from here on."""
+    for c in compact_inputs:
+        n.replace_input_with(c, region.dense(c, n))
+    # From here the use is one of a [..., V] region value: views and slices carry the mask,
+    # writes and elementwise steps are re-masked.
+    _visit_dense(region, n, [a for a in n.all_input_nodes if a in region.dense_masks])
+    report.materialised.append(f"{describe(n)} ({where(n)})")
+    report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
+
+
+def _is_noop_cast(n: fx.Node, a: fx.Node) -> bool:
+    """A cast or ``contiguous`` that returns its input itself (same dtype): an alias, not a copy."""
+    if not (n.op == "call_method" and n.target in patterns.CAST_METHODS):
+        return False
+    before, after = patterns.example_value(a), patterns.example_value(n)
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+
+
+def _mask_unfilled(region: _Region, user: fx.Node, logits: fx.Node) -> None:
+    """Make ``user`` read ``where(ids >= 0, logits, -inf)``: slots never filled weigh nothing."""
+    graph = region.graph
+    with graph.inserting_before(user):
+        filled = graph.call_function(operator.ge, (region.state.ids, 0))
+        masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
+    set_example_value(filled)
+    set_example_value(masked)
+    user.replace_input_with(logits, masked)
+
+
+def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: set) -> list[str]:
     """Run ``user`` (top-k / argmax, maybe behind a softmax) on the compact logits, if it is one;
     returns the names of the ops now running on compact logits (empty if none).
 
-    Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so the
+    Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so a
     softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
     ignore such slots themselves.
     """
-    ops = torch.ops.nanospec
+    graph, state, ops = region.graph, region.state, torch.ops.nanospec
     if patterns.match_softmax(user, logits):
         readers = list(user.users)
         if not readers or not all(patterns.match_topk(r, user) or patterns.match_argmax(r, user) is not None for r in readers):
             return []
-        with graph.inserting_before(user):
-            filled = graph.call_function(operator.ge, (state.ids, 0))
-            masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
-        user.replace_input_with(logits, masked)
-        return [_describe(user)] + [name for r in readers for name in _compact_consumer(graph, r, user, state)]
+        _mask_unfilled(region, user, logits)
+        set_example_value(user)
+        names = [describe(user)]
+        for r in readers:
+            names += _compact_consumer(region, r, user, erased)
+        return names
     topk = patterns.match_topk(user, logits)
     if topk is not None:
         k, largest = topk
         with graph.inserting_before(user):
             new = graph.call_function(ops.compact_topk.default, (logits, state.ids, state.cursor, k, largest))
+        set_example_value(new)
     else:
         keepdim = patterns.match_argmax(user, logits)
         if keepdim is None:
             return []
         with graph.inserting_before(user):
             new = graph.call_function(ops.compact_argmax.default, (logits, state.ids, state.cursor))
+            set_example_value(new)
             if keepdim:
                 new = graph.call_function(torch.unsqueeze, (new, -1))
-    name = _describe(user)
+                set_example_value(new)
+    name = describe(user)
     user.replace_all_uses_with(new)
     graph.erase_node(user)
+    erased.add(user)
     return [name]
 
 
-def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node | None, vocab: int) -> None:
+def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab: int) -> None:
     """``scatter_logits(compact_logits(x))`` with nothing in between -> one ``head_logits`` op."""
-    if scatter is None or len(compact.users) != 1:
-        return
     x, cache_w, cache_b, cursor = compact.args
     _, ids, _, _ = scatter.args
     with graph.inserting_before(scatter):
         fused = graph.call_function(torch.ops.nanospec.head_logits.default, (x, cache_w, cache_b, ids, cursor, vocab))
+    set_example_value(fused)
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)
     graph.erase_node(compact)
 
 
-def _gather_vocab_operands(graph: fx.Graph, user: fx.Node, logits: fx.Node, vocab: int, safe_ids: fx.Node) -> None:
+def _autocast_operands(graph: fx.Graph, proj: fx.Node, x, cache_w, cache_b):
+    """Cast the compact GEMM's operands to the dtype the dense head computed in (autocast)."""
+    out, x_val = patterns.example_value(proj), patterns.example_value(x)
+    if not (isinstance(out, torch.Tensor) and isinstance(x_val, torch.Tensor)):
+        return x, cache_w, cache_b
+    w_val = patterns.example_value(cache_w)
+    if out.dtype == x_val.dtype and (not isinstance(w_val, torch.Tensor) or w_val.dtype == out.dtype):
+        return x, cache_w, cache_b
+    cast = []
+    for t in (x, cache_w, cache_b):
+        if t is None:
+            cast.append(None)
+            continue
+        node = graph.call_method("to", (t, out.dtype))
+        set_example_value(node)
+        cast.append(node)
+    return tuple(cast)
+
+
+def _gather_vocab_operands(graph: fx.Graph, user: fx.Node, region: set, vocab: int, safe_ids: fx.Node) -> None:
     """Make a post-op's V-sized operands compact: ``b`` -> ``b.index_select(-1, ids)``."""
     if user.op == "call_method" and user.target in ("type_as", "to"):
         return
     for arg in list(user.all_input_nodes):
-        if arg is logits:
+        if arg in region:
             continue
         shape = patterns.tensor_shape(arg)
         if shape and shape[-1] == vocab:
             with graph.inserting_before(user):
                 gathered = graph.call_function(torch.index_select, (arg, -1, safe_ids))
+            set_example_value(gathered)
             user.replace_input_with(arg, gathered)
 
 
@@ -197,5 +434,23 @@ def _retarget_view(user: fx.Node, capacity: int) -> None:
         user.args = (user.args[0], *dims)
 
 
-def _describe(node: fx.Node) -> str:
+def set_example_value(node: fx.Node) -> None:
+    """Record ``node``'s FakeTensor value (``example_value`` and ``val``), computed from its inputs'."""
+    value = patterns.fake_value(node)
+    if value is not None:
+        node.meta["example_value"] = value
+        node.meta["val"] = value
+
+
+def describe(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def where(node: fx.Node) -> str:
+    """Where ``node`` comes from in the user's code (its last stack frame), or its graph name."""
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+        if lines:
+            return lines[-1]
+    return f"graph node {node.name}"

@@ -253,7 +253,7 @@ def test_topk_and_argmax_equal_a_stable_sort_restricted_to_the_active_set(
         compact = torch.where(pick == 1, torch.tensor(NEG), compact)
         compact = torch.where(pick == 2, torch.tensor(float("inf")), compact)
     compact[:, n:] = 5.0  # stale slots (finite after a post-op): must be ignored
-    k = min(k, capacity)
+    k = min(k, vocab)  # k may exceed the capacity: the rest is padding
     vals, toks = R.compact_topk(compact, s["ids"], s["cursor"], k, largest)
     full = R.scatter_logits(compact, s["ids"], s["cursor"], vocab)
     m = min(k, n)
@@ -261,14 +261,16 @@ def test_topk_and_argmax_equal_a_stable_sort_restricted_to_the_active_set(
     torch.testing.assert_close(vals[:, :m], ev, equal_nan=True)
     assert torch.equal(toks[:, :m], et)
     pad = NEG if largest else float("inf")
-    assert (vals[:, m:] == pad).all() and (toks[:, m:] == -1).all()
+    inactive = [t for t in range(vocab) if t not in set(s["ids"][:n].tolist())]
+    assert (vals[:, m:] == pad).all()
+    assert toks[:, m:].tolist() == [inactive[: k - m]] * rows  # the smallest inactive ids, ascending
     if n and not specials and largest:
         # Without NaN, the values are those of torch.topk on the scattered logits.
         torch.testing.assert_close(vals[:, :m], torch.topk(full, m).values)
     am = R.compact_argmax(compact, s["ids"], s["cursor"])
     assert am.shape == (rows,)
     if n == 0:
-        assert (am == -1).all()
+        assert (am == 0).all()  # as torch.argmax of all -inf logits
     else:
         assert torch.equal(am, eager_restricted(full, s["ids"][:n], 1, True)[1][:, 0])
         finite_max = (full.isnan() | (full > NEG)).any(-1)
@@ -288,9 +290,13 @@ def test_topk_tie_rule_example():
     assert toks.tolist() == [[7, 9]]
 
 
-def test_topk_rejects_k_above_capacity():
+def test_topk_pads_past_the_capacity_with_valid_inactive_ids():
+    ids, cursor = torch.tensor([0, 2, 3]), torch.tensor([3])
+    vals, toks = R.compact_topk(torch.tensor([[1.0, 3.0, 2.0]]), ids, cursor, 6)
+    assert toks.tolist() == [[2, 3, 0, 1, 4, 5]]
+    assert vals.tolist() == [[3.0, 2.0, 1.0] + [float("-inf")] * 3]
     with pytest.raises(ValueError):
-        R.compact_topk(torch.zeros(1, 3), torch.zeros(3, dtype=torch.int64), torch.tensor([3]), 4)
+        R.compact_topk(torch.zeros(1, 3), ids, cursor, -1)
 
 
 # --------------------------------------------------------------------------- the custom ops

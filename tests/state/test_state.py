@@ -119,9 +119,9 @@ def test_state_for_reuses_and_rebuilds():
     w = nn.Parameter(torch.randn(10, 4))
     a = state_for(w, None, capacity=4)
     assert state_for(w, None, capacity=4) is a
-    with pytest.warns(UserWarning, match="starts again"):
-        b = state_for(w, None, capacity=5)
-    assert b is not a and b.capacity == 5
+    a.observe([3, 1])
+    b = state_for(w, None, capacity=5)  # no compiled wrapper reads it: rebuilt in place, tokens kept
+    assert b is a and b.capacity == 5 and b.token_ids().tolist() == [3, 1]
 
 
 def test_active_vocab_lookup_from_compiled_and_original_module():
