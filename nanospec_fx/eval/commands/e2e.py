@@ -37,7 +37,7 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
 @click.option("--capacity", default=3072, show_default=True, help="Capacity of the nanospec drafter's active vocabulary.")
 @click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
 @click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
-@click.option("--max-new", default=64, show_default=True, help="New tokens generated per prompt.")
+@click.option("--max-new", default=None, type=int, help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")
 @click.option("--draft-tokens", default=6, show_default=True, help="Tokens drafted per round (constant schedule).")
 @click.option("--observer", type=click.Choice(["processor", "api"]), default="processor", show_default=True,
               help="How the target's top-k reaches the drafter: a LogitsProcessor on the target (verified positions; "
@@ -59,9 +59,9 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
 
         return run(models=models, tokenizer=tokenizer, corpora=corpora, depths=depths, variants=variants, observe=observe,
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
-                   observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new, inductor=inductor, out=out,
+                   observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
                    name=name, threads=threads)
-    corpora = corpora or ("sharegpt[:3]", "humaneval[:3]")
+    corpora, max_new = corpora or ("sharegpt[:3]", "humaneval[:3]"), max_new or 64
     import torch
     from rich.table import Table
 

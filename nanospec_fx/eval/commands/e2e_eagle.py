@@ -63,8 +63,11 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, sta
         plan = len(requests) * (1 + len(drafters) * len(depths))
         with progress() as prog:
             task = prog.add_task(spec, total=plan)
-            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk,
-                                   progress=lambda s, task=task, spec=spec: prog.update(task, advance=1, description=f"{spec}: {s}"))
+            def step(text, task=task, spec=spec):
+                prog.update(task, advance=1, description=f"{spec}: {text}")
+                if not console.is_terminal:  # a log file: one line per decoded request
+                    console.print(f"{spec}: {text}")
+            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk, progress=step)
         summaries = B.summarise(runs)
         _print(console, Table, spec, summaries, len(requests), max_new, observe, torch.get_num_threads())
         meta_path = folder / T.META

@@ -88,8 +88,12 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     started = time.perf_counter()
     with progress() as prog:
         task = prog.add_task(f"features of {model}", total=tokens)
+        def shard_done(done, total):
+            prog.update(task, completed=min(done, tokens))
+            if not console.is_terminal:  # a log file: one line per shard instead of a live bar
+                console.print(f"features: {min(done, tokens):,}/{tokens:,} tokens, {time.perf_counter() - started:.0f} s")
         shards = T.extract_features(target, T.pack_windows(sequences(), window), features, tokens, window, per_shard,
-                                    on_shard=lambda done, total: prog.update(task, completed=min(done, tokens)))
+                                    on_shard=shard_done)
     extract_s = time.perf_counter() - started
     (folder / "train-prompts.txt").write_text("\n".join(digests) + "\n")
     console.print(f"features: {shards} shards x {per_shard * window} tokens in {features} ({extract_s:.0f} s this run)")
@@ -112,8 +116,11 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
         task = prog.add_task("training", total=None)
 
         def show(log, row):
-            prog.update(task, completed=log.steps, description=f"training: step {log.steps}, reg {row['reg']:.3f}, "
-                        f"token KL {row['kl']:.3f}, sampled top-1 {row['sampled_top1']:.2f}")
+            text = (f"training: step {log.steps}, reg {row['reg']:.3f}, token KL {row['kl']:.3f}, "
+                    f"sampled top-1 {row['sampled_top1']:.2f}")
+            prog.update(task, completed=log.steps, description=text)
+            if not console.is_terminal and log.steps % 10 == 0:
+                console.print(f"{text}, {log.seconds:.0f} s")
         log = T.train(drafter, ids, feats, cfg, frequent[: cfg.frequent], state, show)
     console.print(f"trained {log.steps} steps ({log.positions:,} positions) in {log.seconds / 60:.1f} min; validating...")
     val = T.validate(drafter, val_ids, val_feats, static_rows=frequent[: min(32768, vocab)])
