@@ -49,7 +49,9 @@ class EagleConfig:
     def from_target(cls, config) -> "EagleConfig":
         """The drafter shape of EAGLE for a transformers Llama-like target config."""
         rope = getattr(config, "rope_parameters", None) or {}  # transformers 5; 4.x has config.rope_theta
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        if "rope_theta" not in rope and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3)
+            rope = rope.get("full_attention") or next(iter(rope.values()))
+        theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_heads=config.num_attention_heads, num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),

@@ -136,3 +136,12 @@ def test_bad_arguments_say_what_is_accepted():
         eagle_generate(HFTarget(target), None, prompt()[0], 4)
     with pytest.raises(RuntimeError, match="before prefill"):
         HFTarget(target).extend(prompt())
+
+
+def test_drafter_config_of_a_gemma3_target_takes_the_global_rope_theta():
+    """Gemma-3 configs give RoPE per layer type (and rope_theta None): the drafter takes the full-attention one."""
+    config = gemma3().config
+    config.rope_parameters = {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                              "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}
+    config.rope_theta = None
+    assert EagleConfig.from_target(config).rope_theta == 1e6
