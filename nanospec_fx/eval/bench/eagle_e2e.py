@@ -93,6 +93,8 @@ class Summary:
     verify_share: float
     active_size: float
     identical: bool
+    draft_ms_per_round: float
+    verify_ms_per_round: float
     tau_per_request: list[float] = field(default_factory=list)
 
 
@@ -151,6 +153,7 @@ def summarise(runs: list[Run]) -> list[Summary]:
                 sum(a + 1 for r in rs for a in r.stats.accepted) / max(rounds, 1),
                 sum(r.stats.draft_s for r in rs) / secs, sum(r.stats.verify_s for r in rs) / secs,
                 statistics.mean(sizes) if sizes else float("nan"), all(r.identical for r in rs),
+                1e3 * sum(r.stats.draft_s for r in rs) / max(rounds, 1), 1e3 * sum(r.stats.verify_s for r in rs) / max(rounds, 1),
                 [round(r.stats.mean_accept_length, 3) for r in rs]))
     return out
 

@@ -89,13 +89,15 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, sta
 def _print(console, Table, spec, summaries, n_requests, max_new, observe, threads):
     t = Table(title=f"{spec}: trained EAGLE drafter, chain drafts, {n_requests} requests x {max_new} new tokens, greedy, "
                     f"target top-k at {observe} positions, {threads} CPU threads (pooled over categories)")
-    for col in ("variant", "depth", "tau", "tok/s", "vs target", "draft share", "mean |A|", "== target greedy"):
+    for col in ("variant", "depth", "tau", "tok/s", "vs target", "draft share", "draft ms/round", "verify ms/round",
+                "mean |A|", "== target greedy"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for s in summaries:
         if s.category != "all":
             continue
         t.add_row(s.variant, str(s.depth or ""), f"{s.tau:.2f}", f"{s.tokens_per_s:.2f}", f"{s.speedup:.2f}x",
-                  f"{100 * s.draft_share:.0f}%", "" if s.active_size != s.active_size else f"{s.active_size:,.0f}",
+                  f"{100 * s.draft_share:.0f}%", f"{s.draft_ms_per_round:.1f}", f"{s.verify_ms_per_round:.1f}",
+                  "" if s.active_size != s.active_size else f"{s.active_size:,.0f}",
                   "yes" if s.identical else "NO")
     console.print(t)
     cats = list(dict.fromkeys(s.category for s in summaries))
