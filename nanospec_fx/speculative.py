@@ -132,13 +132,16 @@ def eagle_generate(
     observe: str = "verified",
     target_topk: int = 3,
     prompt_topk: bool = False,
+    cache_len: int | None = None,
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Greedy decoding of ``prompt [1, P]`` with EAGLE chain drafts; returns ``([1, P + max_new_tokens], stats)``.
 
     ``drafter=None`` or ``depth=0`` decodes with the target alone on the same cache (the baseline).
     With a nanospec drafter the active set is seeded with the prompt (plus the target's top-k over
     the prompt if ``prompt_topk``: a head over every prompt position, costly on a CPU) and gets the
-    target's ``target_topk`` per position named by ``observe`` (see :data:`OBSERVE`).
+    target's ``target_topk`` per position named by ``observe`` (see :data:`OBSERVE`). ``cache_len``
+    fixes the drafter's cache length (default: the request's length rounded up to 64); one length for
+    every request keeps a compiled drafter at one graph per call shape.
     """
     if observe not in OBSERVE:
         raise ValueError(f"observe must be one of {OBSERVE}, got {observe!r}")
@@ -154,7 +157,10 @@ def eagle_generate(
     seq = prompt[0].tolist() + [int(logits[-1].argmax())]
     state = _state(drafter) if drafting else None
     if drafting:
-        cache = drafter_cache(drafter, -(-(p + max_new_tokens + depth + 2) // 64) * 64)
+        need = p + max_new_tokens + depth + 2
+        if cache_len is not None and cache_len < need:
+            raise ValueError(f"cache_len={cache_len} is too short for this request: it needs {need}")
+        cache = drafter_cache(drafter, cache_len or -(-need // 64) * 64)
         if state is not None:
             state.observe(prompt, validate=False)
             _observe(state, logits, target_topk)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch._dynamo
 from torch import nn
 
 from nanospec_fx.eagle import EagleDrafter
@@ -112,19 +113,25 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
     """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth."""
     runner = HFTarget(target)
     runs: list[Run] = []
+    # One drafter cache length for every request and depth: a compiled drafter then keeps one graph per
+    # call shape instead of recompiling per request (and hitting Dynamo's recompile limit: dense head).
+    cache_len = -(-(max(len(ids) for _, ids in requests) + max_new + max(depths, default=0) + 2) // 64) * 64
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     plan = [(TARGET_ONLY, None, 0)] + [(n, d, k) for k in depths for n, d in drafters.items()]
     for _, ids in requests[:warmup]:  # compile the nanospec drafters, warm the caches
         for name, d, k in plan:
             if d is not None:
                 _reset(d)
-            eagle_generate(runner, d, torch.tensor([ids]), min(16, max_new), depth=k, observe=observe, target_topk=target_topk)
+            eagle_generate(runner, d, torch.tensor([ids]), min(16, max_new), depth=k, observe=observe, target_topk=target_topk,
+                           cache_len=cache_len)
     for category, ids in requests:
         prompt = torch.tensor([ids])
         reference = None
         for name, d, k in plan:
             if d is not None:
                 _reset(d)
-            out, stats = eagle_generate(runner, d, prompt, max_new, depth=k, observe=observe, target_topk=target_topk)
+            out, stats = eagle_generate(runner, d, prompt, max_new, depth=k, observe=observe, target_topk=target_topk,
+                                        cache_len=cache_len)
             if reference is None:
                 reference = out
             runs.append(Run(name, k, category, stats, bool(torch.equal(out, reference))))
