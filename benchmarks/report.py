@@ -59,12 +59,30 @@ def e2e(data: dict) -> str:
                    "yes" if r["identical"] else "**no**"] for r in data["rows"]])
 
 
+def e2e_eagle(data: dict) -> str:
+    """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category."""
+    rows = data["rows"]
+    pooled = table(["variant", "depth", "tau", "tok/s", "vs target alone", "draft share", "draft ms/round",
+                    "verify ms/round", "mean \\|A\\|", "== target greedy"],
+                   [[r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}",
+                     f"{r['speedup']:.2f}x", f"{100 * r['draft_share']:.0f}%", f"{r['draft_ms_per_round']:.1f}",
+                     f"{r['verify_ms_per_round']:.1f}", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
+                     "yes" if r["identical"] else "**no**"] for r in rows if r["category"] == "all"])
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
+    keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
+    by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
+    per_cat = table(["variant", "depth", *cats],
+                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x" if (v, d, c) in by else ""
+                                   for c in cats)] for v, d in keys])
+    return pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+
+
 def render(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = data["rows"]
     kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
-            "draft" if "round_ms" in rows[0] else "e2e")
-    body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e}[kind](data)
+            "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
+    body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`\n\n{body}\n"
 
 

@@ -55,7 +55,9 @@ class EagleConfig:
     def from_target(cls, config) -> "EagleConfig":
         """The drafter shape of EAGLE for a transformers Llama-like target config."""
         rope = getattr(config, "rope_parameters", None) or {}  # transformers 5; 4.x has config.rope_theta
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        if "rope_theta" not in rope and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3)
+            rope = rope.get("full_attention") or next(iter(rope.values()))
+        theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_heads=config.num_attention_heads, num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
@@ -126,12 +128,16 @@ class EagleDrafter(nn.Module):
     """EAGLE's drafter: (token ids, target features) -> (logits, hidden).
 
     ``embed`` and ``lm_head`` are the target's (shared, as in EAGLE); without them the drafter
-    makes its own (e.g. to benchmark a draft step at a real shape without a target).
+    makes its own (e.g. to benchmark a draft step at a real shape without a target). ``norm`` is
+    the target's final norm, applied before the head when the features are taken before it (as
+    EAGLE does); ``hidden`` is returned before the norm, so it can stand in for the next feature.
     """
 
-    def __init__(self, config: EagleConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
+    def __init__(self, config: EagleConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None,
+                 norm: nn.Module | None = None):
         super().__init__()
         self.config = config
+        self.norm = norm
         self.embed = embed if embed is not None else nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layer = DecoderLayer(config)
@@ -143,7 +149,7 @@ class EagleDrafter(nn.Module):
         (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place)."""
         x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
         h = self.layer(x, positions, slots, mask, cache_k, cache_v)
-        return self.lm_head(h), h
+        return self.lm_head(self.norm(h) if self.norm is not None else h), h
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         w = self.fc.weight

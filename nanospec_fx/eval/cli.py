@@ -4,7 +4,9 @@
     nanospec-fx bench head    # LM-head time at real shapes: dense vs static 32k vs nanospec
     nanospec-fx bench draft   # one EAGLE-2 draft round with each head
     nanospec-fx e2e           # generate(assistant_model=...) with each drafter head, output checked
+                              # (--drafter eagle: a trained EAGLE drafter on the target's KV cache)
     nanospec-fx explain       # what the pass rewrote in a model, and the predicted head speedup
+    nanospec-fx train-eagle   # train an EAGLE drafter for a target (features cached, resumable)
 
 Every measuring verb prints a table and writes JSON, CSV and a PNG plot into ``--out``. The verbs
 live in :mod:`nanospec_fx.eval.commands` and are imported only when run (``--help`` stays fast).
@@ -67,6 +69,7 @@ COMMANDS = "nanospec_fx.eval.commands"
     "bench": f"{COMMANDS}.bench:bench",
     "e2e": f"{COMMANDS}.e2e:e2e",
     "explain": f"{COMMANDS}.explain:explain",
+    "train-eagle": f"{COMMANDS}.train_eagle:train_eagle",
 })
 @click.version_option(package_name="nanospec-fx")
 def main() -> None:

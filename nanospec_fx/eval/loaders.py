@@ -327,6 +327,10 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
     return out
 
 
+# The ShareGPT requests that the translation / summarisation categories take (first 300 characters).
+TRANSLATE_PATTERN = r"\btranslat(e|or)\b"
+SUMMARIZE_PATTERN = r"\bsummari[sz]e\b|\bsummary of\b"
+
 # Spec-Bench-like task categories we could find offline, by name.
 CORPORA: dict[str, Callable[[], list[Sample]]] = {
     "sharegpt": lambda: sharegpt(),
@@ -335,8 +339,8 @@ CORPORA: dict[str, Callable[[], list[Sample]]] = {
     "mtbench-math": mtbench,
     # ShareGPT requests that ask for a translation / a summary (records from 4000 on: disjoint from
     # the slice the static frequency table is counted on). Not WMT or CNN/DM: none is on PyPI.
-    "sharegpt-translate": lambda: sharegpt("translation", r"\btranslat(e|or)\b", start=4000),
-    "sharegpt-summarize": lambda: sharegpt("summarisation", r"\bsummari[sz]e\b|\bsummary of\b", start=4000),
+    "sharegpt-translate": lambda: sharegpt("translation", TRANSLATE_PATTERN, start=4000),
+    "sharegpt-summarize": lambda: sharegpt("summarisation", SUMMARIZE_PATTERN, start=4000),
     "sample": bundled_sample,
 }
 DEFAULT_CORPORA = ["sharegpt[:32]", "humaneval[:32]", "shakespeare[:32]", "mtbench-math[:32]",

@@ -15,15 +15,29 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="Target model (repeatable): gemma3-270m, smollm2-135m, a HF directory or a .gguf file.")
 @click.option("--tokenizer", default=None, help="Tokenizer of the model (default: the model's own).")
 @click.option("--draft-layers", default=None, type=int, help="Layers of the self-speculative drafter (default: a third).")
-@click.option("--corpus", "corpora", multiple=True, default=("sharegpt[:3]", "humaneval[:3]"), show_default=True,
-              help="Prompts: NAME[a:b] of a built-in corpus or a JSON/JSONL file (repeatable).")
+@click.option("--corpus", "corpora", multiple=True, default=(), show_default=False,
+              help="Prompts: NAME[a:b] of a built-in corpus or a JSON/JSONL file (repeatable). Default: "
+                   "sharegpt[:3] and humaneval[:3]; with --drafter eagle the six task categories, [:8] each.")
+@click.option("--drafter", type=click.Choice(["truncated", "eagle"]), default="truncated", show_default=True,
+              help="truncated: the target's first layers, through transformers' assisted generation. eagle: the "
+                   "EAGLE drafter trained by `nanospec-fx train-eagle`, chain drafts on the target's KV cache "
+                   "(nanospec_fx.speculative), variants full / static / nanospec context / hybrid.")
+@click.option("--depth", "depths", multiple=True, type=int, default=(1, 2, 3, 4), show_default=True,
+              help="--drafter eagle: drafts per round (repeatable: each depth is measured).")
+@click.option("--variants", default="full,static,context,hybrid", show_default=True,
+              help="--drafter eagle: drafter heads to measure (full, static, context, hybrid).")
+@click.option("--observe", type=click.Choice(["verified", "accepted", "none"]), default="verified", show_default=True,
+              help="--drafter eagle: where the target's top-k joins the active set: every verified position "
+                   "(rejected drafts included, as in the paper), the accepted ones only, or nowhere.")
+@click.option("--eagle-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="--drafter eagle: folder of the trained drafter (default: train-eagle's cache for --model).")
 @click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
               help="Where the FR-Spec static head's frequency table is counted.")
 @click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head.")
 @click.option("--capacity", default=3072, show_default=True, help="Capacity of the nanospec drafter's active vocabulary.")
 @click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
 @click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
-@click.option("--max-new", default=64, show_default=True, help="New tokens generated per prompt.")
+@click.option("--max-new", default=None, type=int, help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")
 @click.option("--draft-tokens", default=6, show_default=True, help="Tokens drafted per round (constant schedule).")
 @click.option("--observer", type=click.Choice(["processor", "api"]), default="processor", show_default=True,
               help="How the target's top-k reaches the drafter: a LogitsProcessor on the target (verified positions; "
@@ -33,9 +47,21 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
 @out_option("e2e")
 @threads_option
-def e2e(models, tokenizer, draft_layers, corpora, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new,
-        draft_tokens, observer, inductor, out, name, threads):
-    """generate(assistant_model=...) with a layer-truncated drafter: full vs static vs nanospec head."""
+def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, eagle_dir, static_corpus, static_n,
+        capacity, observe_topk, max_prompt, max_new, draft_tokens, observer, inductor, out, name, threads):
+    """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
+
+    --drafter truncated (default): generate(assistant_model=...) with a layer-truncated drafter.
+    --drafter eagle: a trained EAGLE drafter (`nanospec-fx train-eagle`) on the target's KV cache.
+    """
+    if drafter == "eagle":
+        from nanospec_fx.eval.commands.e2e_eagle import run
+
+        return run(models=models, tokenizer=tokenizer, corpora=corpora, depths=depths, variants=variants, observe=observe,
+                   eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
+                   observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
+                   name=name, threads=threads)
+    corpora, max_new = corpora or ("sharegpt[:3]", "humaneval[:3]"), max_new or 64
     import torch
     from rich.table import Table
 

@@ -1,0 +1,134 @@
+"""``nanospec-fx e2e --drafter eagle``: a trained EAGLE drafter with each head, on the target's KV cache."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-math[:8]",
+                 "sharegpt-translate[:8]", "sharegpt-summarize[:8]")
+
+
+def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, static_corpus, static_n, capacity,
+        observe_topk, max_prompt, max_new, inductor, out, name, threads):
+    import torch
+    from rich.table import Table
+
+    from nanospec_fx import FrequencyTable
+    from nanospec_fx.eval import loaders
+    from nanospec_fx.eval import train_eagle as T
+    from nanospec_fx.eval.bench import eagle_e2e as B
+    from nanospec_fx.eval.commands.coverage import _load
+    from nanospec_fx.eval.commands.train_eagle import eagle_dir as default_dir
+    from nanospec_fx.eval.report import (
+        command_line,
+        console,
+        fail,
+        machine,
+        progress,
+        set_threads,
+        write_outputs,
+    )
+
+    set_threads(threads)
+    name = "e2e-eagle" if name == "e2e" else name
+    kinds = tuple(v.strip() for v in variants.split(",") if v.strip())
+    if not set(kinds) <= {"full", "static", "context", "hybrid"} or not kinds:
+        fail(f"--variants takes a comma list of full, static, context, hybrid; got {variants!r}")
+    if any(d < 1 for d in depths):
+        fail(f"--depth must be >= 1, got {depths}")
+    rows, summaries_all, metas = [], [], {}
+    for spec in models[:1] if models == ("gemma3-270m", "smollm2-135m") else models:  # the default: Gemma only
+        folder = eagle_dir or default_dir(spec)
+        try:
+            target = _load("--model", loaders.load_model, spec)
+            tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
+            samples = [s for c in (corpora or EAGLE_CORPORA) for s in _load("--corpus", loaders.load_corpus, c)]
+            static_samples = _load("--static-corpus", loaders.load_corpus, static_corpus)
+            drafter = T.load_drafter(target, folder)
+        except (loaders.MissingAsset, FileNotFoundError, ValueError) as e:
+            fail(e)
+        trained = (folder / "train-prompts.txt")
+        seen = set(trained.read_text().split()) if trained.exists() else set()
+        overlap = [s.prompt[:60] for s in samples if T.prompt_digest(s.prompt) in seen]
+        if overlap:
+            fail(f"{len(overlap)} evaluation request(s) were in the drafter's training text, e.g. {overlap[0]!r}: "
+                 "choose other --corpus slices")
+        vocab = target.get_output_embeddings().weight.shape[0]
+        requests = [(s.category, tok.encode(s.prompt, bos=True)[-max_prompt:]) for s in samples]
+        table = FrequencyTable.from_token_ids(
+            (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)
+        torch._dynamo.reset()
+        drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor, which=kinds)
+        plan = len(requests) * (1 + len(drafters) * len(depths))
+        with progress() as prog:
+            task = prog.add_task(spec, total=plan)
+            def step(text, task=task, spec=spec):
+                prog.update(task, advance=1, description=f"{spec}: {text}")
+                if not console.is_terminal:  # a log file: one line per decoded request
+                    console.print(f"{spec}: {text}")
+            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk, progress=step)
+        summaries = B.summarise(runs)
+        _print(console, Table, spec, summaries, len(requests), max_new, observe, torch.get_num_threads())
+        meta_path = folder / T.META
+        metas[spec] = {k: v for k, v in json.loads(meta_path.read_text()).items() if k not in ("history", "config")}
+        for s in summaries:
+            rows.append({"model": spec, **dataclasses.asdict(s)})
+        summaries_all += summaries
+        del target, drafters, drafter
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(rows, out / f"{name}.png")
+    meta = {"command": command_line(), "max_new": max_new, "max_prompt": max_prompt, "depths": list(depths),
+            "observe": observe, "observe_topk": observe_topk, "capacity": capacity, "static_n": static_n,
+            "static_corpus": static_corpus, "inductor": inductor, "drafter_training": metas,
+            "draft": "chain (EAGLE drafter, greedy), target verifies [last token] + drafts on its KV cache",
+            "machine": machine()}
+    write_outputs(out, name, rows, meta)
+
+
+def _print(console, Table, spec, summaries, n_requests, max_new, observe, threads):
+    t = Table(title=f"{spec}: trained EAGLE drafter, chain drafts, {n_requests} requests x {max_new} new tokens, greedy, "
+                    f"target top-k at {observe} positions, {threads} CPU threads (pooled over categories)")
+    for col in ("variant", "depth", "tau", "tok/s", "vs target", "draft share", "draft ms/round", "verify ms/round",
+                "mean |A|", "== target greedy"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for s in summaries:
+        if s.category != "all":
+            continue
+        t.add_row(s.variant, str(s.depth or ""), f"{s.tau:.2f}", f"{s.tokens_per_s:.2f}", f"{s.speedup:.2f}x",
+                  f"{100 * s.draft_share:.0f}%", f"{s.draft_ms_per_round:.1f}", f"{s.verify_ms_per_round:.1f}",
+                  "" if s.active_size != s.active_size else f"{s.active_size:,.0f}",
+                  "yes" if s.identical else "NO")
+    console.print(t)
+    cats = list(dict.fromkeys(s.category for s in summaries))
+    t = Table(title="tau per category")
+    for col in ("variant", "depth", *cats):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for key in dict.fromkeys((s.variant, s.depth) for s in summaries if s.depth):
+        by = {s.category: s for s in summaries if (s.variant, s.depth) == key}
+        t.add_row(key[0], str(key[1]), *(f"{by[c].tau:.2f}" if c in by else "" for c in cats))
+    console.print(t)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    from nanospec_fx.eval.report import pyplot
+
+    plt = pyplot()
+    pooled = [r for r in rows if r["category"] == "all"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for variant in dict.fromkeys(r["variant"] for r in pooled):
+        rs = sorted((r for r in pooled if r["variant"] == variant), key=lambda r: r["depth"])
+        if variant == "target only":
+            for ax in axes[:1]:
+                ax.axhline(rs[0]["tokens_per_s"], color="black", linestyle="--", label=variant)
+            continue
+        axes[0].plot([r["depth"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=variant)
+        axes[1].plot([r["depth"] for r in rs], [r["tau"] for r in rs], marker="o", label=variant)
+    axes[0].set(xlabel="drafts per round (depth)", ylabel="tokens/s", title="speed (pooled)")
+    axes[1].set(xlabel="drafts per round (depth)", ylabel="tau (tokens per round)", title="acceptance (pooled)")
+    axes[0].legend(fontsize=6)
+    for ax in axes:
+        ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
