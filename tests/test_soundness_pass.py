@@ -578,3 +578,23 @@ def test_post_ops_after_a_vocabulary_slice_keep_inactive_tokens_minus_inf():
     model = SliceThenSoftcap().eval()
     out, expected, _ = _run(model, _ids())
     torch.testing.assert_close(out, expected)
+
+
+class NestedBreakAfterHead(Base):
+    def post(self, z):
+        for _ in range(1):
+            torch._dynamo.graph_break()  # in a loop of a nested call: Dynamo runs `post` outside any graph
+            z = 2.0 * torch.tanh(z / 2.0)
+        return z
+
+    def forward(self, ids, _mask=None):
+        return self.post(self.lm_head(self.hidden(ids)))
+
+
+def test_logits_crossing_a_nested_graph_break_leave_the_head_dense_with_a_warning():
+    model = NestedBreakAfterHead().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = _ids()
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: its logits are live across a graph break"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
