@@ -32,7 +32,7 @@ from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import token_tables
 from nanospec_fx.passes.rewrite_head import set_example_value
 from nanospec_fx.integrations import head_parameters
-from nanospec_fx.state import ActiveVocab, registered_state, registered_states, state_for
+from nanospec_fx.state import ActiveVocab, registered_states, state_for
 
 BACKEND_NAME = "nanospec"
 
