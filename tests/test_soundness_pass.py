@@ -318,10 +318,19 @@ class PaddedEmbedding(Base):
         return _masked(self.lm_head(self.hidden(ids)), _mask)
 
 
+def test_padded_embedding_is_not_guessed_and_says_which_option_to_pass():
+    model = PaddedEmbedding().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"44 rows.*'vocab_size': 40.*lm_head\.weight"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
+
+
 def test_padded_embedding_observes_the_ids_in_the_vocabulary():
     model = PaddedEmbedding().eval()
     ids = torch.tensor([[1, 2, 3, 42]])  # 42 >= V: not a token of the head
-    out, expected, _ = _run(model, ids)
+    out, expected, _ = _run(model, ids, vocab_size=V)
     torch.testing.assert_close(out, expected)
     assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [1, 2, 3]
 
