@@ -607,3 +607,24 @@ def test_logits_crossing_a_nested_graph_break_leave_the_head_dense_with_a_warnin
     with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: its logits are live across a graph break"):
         out = compiled(ids)
     torch.testing.assert_close(out, model(ids))
+
+
+class SmallestAfterWrite(Base):
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.hidden(ids))
+        z[..., self.banned] = 0.0  # a write: the logits are materialised here
+        return z.topk(2, dim=-1, largest=False)
+
+
+def test_smallest_top_k_of_materialised_logits_picks_active_tokens():
+    model = SmallestAfterWrite().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = _ids()
+    with torch.no_grad():
+        values, indices = compiled(ids)
+        active = _mask(model)
+        z = model.lm_head(model.hidden(ids))
+        z[..., model.banned] = 0.0
+        ref = z.masked_fill(~active, float("inf")).topk(2, dim=-1, largest=False)
+    assert active[indices].all()
+    torch.testing.assert_close(values, ref.values)
