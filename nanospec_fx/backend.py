@@ -32,7 +32,7 @@ from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import token_tables
 from nanospec_fx.passes.rewrite_head import set_example_value
 from nanospec_fx.integrations import head_parameters
-from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_state, registered_states, state_for
+from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_states, state_for
 
 BACKEND_NAME = "nanospec"
 
@@ -62,7 +62,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     split_rows = {rows for _, rows in _UNLINKED[0].fed} if _just_ran_unlinked() else set()
     known = {s.vocab_size for s in region_inputs.values()} | (split_rows if _resumes_after_graph_break(gm) else set())
     notes: list[str] = []
-    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head, known_vocab=known,
+    # A head over a draft vocabulary (EAGLE-3 d2t) has one output per draft token, not the embedding's width.
+    width = opts.vocab_size
+    if width is None and opts.draft_to_target is not None:
+        width = torch.as_tensor(opts.draft_to_target).numel()
+    heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, known_vocab=known,
                        resumed=_resumes_after_graph_break(gm), notes=notes)
     if not heads:
         if region_inputs:

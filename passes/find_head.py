@@ -78,7 +78,6 @@ def parameter_name_raw(node: fx.Node) -> str:
     return n() if callable(n) else str(n)
 
 
-PADDING_SHARE = 8  # a padded token table has at most 1/8 more rows than the head has outputs
 LOGIT_CARRIERS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
 
 
@@ -131,8 +130,9 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
       none raises HeadSelectionError listing the candidates.
     * otherwise, among projections whose output reaches the graph output: a weight shared with
       the token embedding; else the projections as wide as a token embedding has rows (``vocab_size``
-      narrows this to that width); else, for a padded embedding table (at most 1/8 of its rows
-      padding), the one projection at most that much narrower whose logits are returned; with no
+      narrows this to that width); a table with more rows than any projection has outputs (a
+      padded vocabulary) says nothing about V: none, with a note naming the candidates (the
+      ``vocab_size`` or ``head`` option picks one, and its ids in [0, V) are observed); with no
       token embedding in the graph: the vocabularies in ``known_vocab`` (of rewritten heads whose
       logits are inputs here, of token tables embedded in a graph before a graph break) play the
       embedding's part; with none, in a graph that does not resume after a graph break, the one
@@ -164,9 +164,12 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         exact = [g for g in reaching if g.vocab_size in vocabularies]
         if exact:
             return _unique(exact)
-        padded = [g for g in reaching if reaching[g] == "logits" and any(
-            r - r // PADDING_SHARE <= g.vocab_size < r for r in vocabularies)]
-        return _unique(padded)
+        padded = [g for g in reaching if g.hidden_size < g.vocab_size < max(vocabularies)]
+        if padded and notes is not None:  # a padded table: its rows do not say what V is, so nothing is guessed
+            notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
+                         f"padded vocabulary name the head's width, e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
+                         f"(candidates: {_describe(padded)})")
+        return []
     if resumed:  # the rest of a frame after a graph break: nothing here says what the vocabulary is
         if notes is not None and reaching:
             notes.append("this graph resumes after a graph break and embeds no token ids, so nothing says which "

@@ -279,6 +279,13 @@ def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
         set_example_value(sliced)
         region.dense_masks[n] = sliced
         return
+    topk = patterns.match_topk(n, a) if len(dense_inputs) == 1 else None
+    if topk is not None and not topk[1]:  # the k smallest *active* tokens, as on the compact path
+        with graph.inserting_before(n):
+            lifted = graph.call_method("masked_fill", (a, mask, float("inf")))
+        set_example_value(lifted)
+        n.replace_input_with(a, lifted)
+        return
     if writes:
         _remask_after(region, n, writes)
 

@@ -405,8 +405,9 @@ def shrink(recipe: Recipe, options: dict | None = None) -> Recipe:
 
 # ----------------------------------------------------------------------------- long runs
 def main(argv: list[str]) -> None:
-    """``python tests/passes/test_pass_fuzzer.py N [seed [reference|triton|inductor]]``: N random cases without shrinking;
-    prints each failure with its recipe and a summary (cases that matched the oracle, ran dense with a warning, failed)."""
+    """``python tests/passes/test_pass_fuzzer.py N [seed [reference|triton|inductor [seconds]]]``: N random cases (or as many
+    as fit in ``seconds``) without shrinking; prints each failure with its recipe and a summary (cases that matched
+    the oracle, ran dense with a warning, stopped with the allowed ambiguous-heads error, failed)."""
     import collections
     import sys
     import time
@@ -417,11 +418,19 @@ def main(argv: list[str]) -> None:
     stats, reasons, failures, t0 = collections.Counter(), collections.Counter(), [], time.time()
 
     flavour = argv[2] if len(argv) > 2 else "reference"
+    budget = float(argv[3]) if len(argv) > 3 else float("inf")
+
+    class _OutOfTime(Exception):
+        pass
     options = {"inductor": True} if flavour == "inductor" else None
 
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(recipes(max_steps=6 if flavour == "reference" else 4))
     def one(recipe):
+        if time.time() - t0 > budget:
+            raise _OutOfTime
+        if sum(stats.values()) % 100 == 99:
+            print(f"... {sum(stats.values()) + 1} cases, {time.time() - t0:.0f} s: {dict(stats)}", flush=True)
         os.environ["NANOSPEC_KERNELS"] = "triton" if flavour == "triton" else "reference"
         try:
             verdict = run_case(recipe, options)
@@ -437,7 +446,10 @@ def main(argv: list[str]) -> None:
 
     if len(argv) > 1:
         one = hseed(int(argv[1]))(one)
-    one()
+    try:
+        one()
+    except _OutOfTime:
+        pass
     print("dense because:", *(f"  {n:4d}  {r}" for r, n in reasons.most_common()), sep="\n", file=sys.stderr)
     print(f"{sum(stats.values())} cases in {time.time() - t0:.0f} s: {dict(stats)}", file=sys.stderr)
 

@@ -318,10 +318,19 @@ class PaddedEmbedding(Base):
         return _masked(self.lm_head(self.hidden(ids)), _mask)
 
 
+def test_padded_embedding_is_not_guessed_and_says_which_option_to_pass():
+    model = PaddedEmbedding().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"44 rows.*'vocab_size': 40.*lm_head\.weight"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
+
+
 def test_padded_embedding_observes_the_ids_in_the_vocabulary():
     model = PaddedEmbedding().eval()
     ids = torch.tensor([[1, 2, 3, 42]])  # 42 >= V: not a token of the head
-    out, expected, _ = _run(model, ids)
+    out, expected, _ = _run(model, ids, vocab_size=V)
     torch.testing.assert_close(out, expected)
     assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [1, 2, 3]
 
@@ -578,3 +587,44 @@ def test_post_ops_after_a_vocabulary_slice_keep_inactive_tokens_minus_inf():
     model = SliceThenSoftcap().eval()
     out, expected, _ = _run(model, _ids())
     torch.testing.assert_close(out, expected)
+
+
+class NestedBreakAfterHead(Base):
+    def post(self, z):
+        for _ in range(1):
+            torch._dynamo.graph_break()  # in a loop of a nested call: Dynamo runs `post` outside any graph
+            z = 2.0 * torch.tanh(z / 2.0)
+        return z
+
+    def forward(self, ids, _mask=None):
+        return self.post(self.lm_head(self.hidden(ids)))
+
+
+def test_logits_crossing_a_nested_graph_break_leave_the_head_dense_with_a_warning():
+    model = NestedBreakAfterHead().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = _ids()
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: its logits are live across a graph break"):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
+
+
+class SmallestAfterWrite(Base):
+    def forward(self, ids, _mask=None):
+        z = self.lm_head(self.hidden(ids))
+        z[..., self.banned] = 0.0  # a write: the logits are materialised here
+        return z.topk(2, dim=-1, largest=False)
+
+
+def test_smallest_top_k_of_materialised_logits_picks_active_tokens():
+    model = SmallestAfterWrite().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = _ids()
+    with torch.no_grad():
+        values, indices = compiled(ids)
+        active = _mask(model)
+        z = model.lm_head(model.hidden(ids))
+        z[..., model.banned] = 0.0
+        ref = z.masked_fill(~active, float("inf")).topk(2, dim=-1, largest=False)
+    assert active[indices].all()
+    torch.testing.assert_close(values, ref.values)
