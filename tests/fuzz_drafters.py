@@ -149,7 +149,12 @@ class FuzzDrafter(nn.Module):
         # Banned ids: tokens the first call feeds (so they are active: a lost ban shows) and one random token.
         fed = make_inputs(r, 0)["ids"].flatten()
         fed = fed[fed < r.vocab].unique()
-        ban = torch.cat([fed[torch.randperm(fed.numel(), generator=g)[: r.n_ban]], torch.randint(0, r.vocab, (1,), generator=g)]).unique()
+        # At least one fed token stays unbanned: with every active token at -inf, sampling has nothing to draw.
+        n_fed_banned = min(r.n_ban, fed.numel() - 1)
+        order = torch.randperm(fed.numel(), generator=g)
+        extra = torch.randint(0, r.vocab, (1,), generator=g)
+        extra = extra[~torch.isin(extra, fed[order[n_fed_banned:]])]  # never the fed tokens left unbanned
+        ban = torch.cat([fed[order[:n_fed_banned]], extra]).unique()
         self.register_buffer("ban_ids", ban)
         self.register_buffer("ban_mask", torch.zeros(Vh, dtype=torch.bool).index_fill_(0, ban, True))
         self.register_buffer("probe", torch.randint(0, r.vocab, (5,), generator=g))

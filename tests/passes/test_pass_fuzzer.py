@@ -314,8 +314,6 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
 # of these classes (each has a strict-xfail case in test_pass_fuzzer_regressions.py); long runs
 # (``python tests/passes/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
 KNOWN_OPEN: list[tuple[str, object]] = [
-    ("9a: with a padded token table, a returned projection wider than the head is rewritten instead of it",
-     lambda r: r.embed_pad > 0 and "wide_proj" in r.extra_outputs),
 ]
 
 
