@@ -51,7 +51,8 @@ class ActiveSet:
     """Plain-Python active set with ActiveVocab's slot policy (``capacity=None``: unbounded).
 
     ``eviction="fifo"`` (ActiveVocab's): the ring evicts the oldest *first insertion*; observing
-    an active token again changes nothing. ``"lru"``: observing it again makes it the newest
+    an active token again changes nothing, except that a call never evicts a token it feeds while
+    all its tokens fit (such a token is inserted again, as the newest). ``"lru"``: observing it again makes it the newest
     (kept only to measure the alternative, see docs/kernels.md "Eviction order").
     """
 
@@ -65,6 +66,9 @@ class ActiveSet:
         self.ring: OrderedDict[int, None] = OrderedDict()
 
     def add(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        if self.eviction == "fifo" and self.capacity is not None:
+            self._renew(ids)
         for t in ids:
             if t in self.pinned:
                 continue
@@ -78,6 +82,25 @@ class ActiveSet:
             self.ring[t] = None
             if self.capacity is not None and len(self.pinned) + len(self.ring) > self.capacity:
                 self.ring.popitem(last=False)  # evict the oldest insertion
+
+    def _renew(self, ids: list[int]) -> None:
+        """ActiveVocab's renewal (``kernels.reference.renew_fed_ids``): active ids of this call that its
+        new ids would evict are removed first, so the loop in :meth:`add` inserts them again as newest."""
+        call = dict.fromkeys(ids)
+        n_new = sum(1 for t in call if t not in self)
+        ring = self.capacity - self.num_pinned
+        free = (self.num_pinned - len(self.pinned)) + (ring - len(self.ring))  # slots claimed before any eviction
+        examined = ring - free  # the insertions could claim at most `ring` positions in all
+        endangered = []
+        for t in list(self.ring)[:max(examined, 0)]:  # oldest first
+            if t in call:
+                if free < n_new:
+                    endangered.append(t)
+            else:
+                free += 1
+        if endangered and n_new + len(endangered) <= ring:
+            for t in endangered:
+                del self.ring[t]
 
     def __contains__(self, t: int) -> bool:
         return t in self.pinned or t in self.ring

@@ -66,8 +66,10 @@ def test_capacity_evicts_oldest_and_keeps_pinned():
     s.add([5, 6, 7])
     s.add([8])  # full: evicts 6 (oldest unpinned), 5 is pinned
     assert set(s) == {5, 7, 8} and len(s) == 3
-    s.add([7, 9])  # 7 already in; 9 evicts 7 (oldest of the ring 7, 8)
-    assert set(s) == {5, 8, 9}
+    s.add([7, 9])  # 7 already in but oldest: the call feeds it and both fit, so 7 is renewed and 9 evicts 8
+    assert set(s) == {5, 7, 9}
+    s.add([10])  # 7 was renewed before 9: it is now the oldest of the ring
+    assert set(s) == {5, 9, 10}
 
 
 def test_hybrid_core_is_pinned_and_counted():
