@@ -2,10 +2,13 @@
 inserts, and what the rewritten graph computes with a real ActiveVocab's tensors."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nanospec_fx
 from drafters import NoHead, TinyDrafter, TwoHeads
@@ -95,6 +98,9 @@ def test_rewrite_head_computes_the_masked_dense_logits(head, post):
     nodes = state_placeholders(gm.graph)
     state = ActiveVocab(dict(gm.named_parameters())[match.name] if head != "tied" else model.embed.weight,
                         model.head_bias if head == "matmul_T_bias" else None, capacity=16)
+    fake = FakeTensorMode()
+    for node in dataclasses.fields(nodes):  # the backend records their (fake) values too
+        getattr(nodes, node.name).meta["val"] = fake.from_tensor(getattr(state, node.name), static_shapes=True)
     report = rewrite_head(gm.graph, match, nodes, state.capacity)
     gm.graph.lint()
     gm.recompile()
