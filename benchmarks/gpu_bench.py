@@ -319,14 +319,14 @@ def main(argv=None) -> int:
             torch.cuda.set_sync_debug_mode("default")
         ref_state = [t.clone() for t in state]
         replay = graphed(lambda: OPS.observe(tok_buf, W, None, *state, 0), dev)
-        reference.observe(tok_buf, W, None, *ref_state, 0)
-        reference.observe(tok_buf, W, None, *ref_state, 0)  # graphed() ran it 3 times: idempotent
+        reference_observe(tok_buf, W, None, *ref_state, 0)
+        reference_observe(tok_buf, W, None, *ref_state, 0)  # graphed() ran it 3 times: idempotent
         ok = all(torch.equal(a, b) for a, b in zip(state, ref_state))
         c0 = int(cursor)
         for _ in range(args.capacity // FRESH_PER_STEP + 8):  # around the ring at least once
             next_tokens()
             replay()
-            reference.observe(tok_buf, W, None, *ref_state, 0)
+            reference_observe(tok_buf, W, None, *ref_state, 0)
         ok = ok and all(torch.equal(a, b) for a, b in zip(state, ref_state))
         check("graph_observe_equals_reference", ok and int(cursor) - c0 >= args.capacity - args.active)
 
@@ -355,6 +355,12 @@ def check_head(r, check, tag, ns_head, dense_head, ns_head_topk, ids, cursor, ar
     check(f"topk_equals_reference_{tag}", same, "the kernel top-k differs from the reference on the same logits")
 
 
+def reference_observe(tok, W, bias, ids, slot_of, cursor, cache_w, cache_b, pinned) -> None:
+    """What the observe op does, in plain torch: renew the fed ids the call would evict, then insert."""
+    reference.renew_fed_ids(tok, ids, slot_of, cursor, pinned)
+    reference.observe(tok, W, bias, ids, slot_of, cursor, cache_w, cache_b, pinned)
+
+
 def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
     """Triton observe vs the reference on random call sequences; returns (ok, first difference)."""
     V = W.shape[0]
@@ -368,7 +374,7 @@ def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
                 tok[torch.rand(n, generator=gen) < 0.3] = tok[0]  # heavy duplicates
                 tok = tok.to(dev)
                 OPS.observe(tok, W, None, *a, pinned)
-                reference.observe(tok, W, None, *b, pinned)
+                reference_observe(tok, W, None, *b, pinned)
                 for name, x, y in zip(STATE, a, b):
                     if not torch.equal(x, y):
                         return False, f"capacity {cap}, pinned {pinned}, call {call}: {name} differs"
