@@ -14,7 +14,6 @@ can be checked up to ties.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn as nn
