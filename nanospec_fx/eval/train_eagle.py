@@ -174,15 +174,20 @@ class RowScale(nn.Module):
     std 15 .. 6,000); training ``W'`` in standardised units lets one learning rate fit every dimension
     (without it the layer's outputs need weights ~100x larger than Adam moves them in a few hundred steps)."""
 
-    def __init__(self, scale: torch.Tensor):
+    def __init__(self, scale: torch.Tensor, columns: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("scale", scale)
+        self.columns = columns  # fc: 1/std on the feature inputs, so that W' = I passes a feature through
+
+    def _factor(self, w):
+        f = self.scale.view(-1, *[1] * (w.dim() - 1))
+        return f * self.columns[None, :] if self.columns is not None and w.dim() == 2 else f
 
     def forward(self, w):
-        return w * self.scale.view(-1, *[1] * (w.dim() - 1))
+        return w * self._factor(w)
 
     def right_inverse(self, w):
-        return w / self.scale.view(-1, *[1] * (w.dim() - 1))
+        return w / self._factor(w)
 
 
 def _scaled(drafter: EagleDrafter) -> list[tuple[nn.Module, str]]:
@@ -300,8 +305,10 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
     saved = torch.load(state_path, weights_only=False) if state_path is not None and state_path.exists() else None
     if saved is not None:
         drafter.load_state_dict(saved["drafter"], strict=False)
+    fc_columns = torch.cat([torch.ones_like(std), 1.0 / std])
     for module, name in _scaled(drafter):
-        parametrize.register_parametrization(module, name, RowScale(std.clone()))
+        columns = fc_columns if module is drafter.fc and name == "weight" else None
+        parametrize.register_parametrization(module, name, RowScale(std.clone(), columns))
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if saved is not None:
