@@ -230,7 +230,7 @@ class TrainConfig:
     steps: int = 100_000
     minutes: float = 30.0
     batch: int = 2
-    lr: float = 1e-3
+    lr: float = 3e-4
     warmup: int = 20
     token_weight: float = 1.0
     frequent: int = 2048
