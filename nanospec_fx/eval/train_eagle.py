@@ -155,8 +155,44 @@ def new_drafter(target: nn.Module, seed: int = 0) -> EagleDrafter:
 
 
 def own_parameters(drafter: EagleDrafter) -> dict[str, torch.Tensor]:
-    """The drafter's trained tensors (fc and layer), not the target's shared ones."""
-    return {f"{prefix}.{k}": v for prefix, mod in (("fc", drafter.fc), ("layer", drafter.layer)) for k, v in mod.state_dict().items()}
+    """The drafter's trained tensors (fc and layer), not the target's shared ones (while training:
+    their values, not the parametrization's internals)."""
+    out = {}
+    for prefix, mod in (("fc", drafter.fc), ("layer", drafter.layer)):
+        for name, sub in mod.named_modules():
+            if "parametrizations" in name or isinstance(sub, RowScale):
+                continue
+            for pname in ("weight", "bias"):
+                t = getattr(sub, pname, None)
+                if isinstance(t, torch.Tensor):
+                    out[".".join(x for x in (prefix, name, pname) if x)] = t
+    return out
+
+
+class RowScale(nn.Module):
+    """``W = diag(scale) W'``: the drafter writes features whose dimensions differ ~400x in scale (Gemma-3:
+    std 15 .. 6,000); training ``W'`` in standardised units lets one learning rate fit every dimension
+    (without it the layer's outputs need weights ~100x larger than Adam moves them in a few hundred steps)."""
+
+    def __init__(self, scale: torch.Tensor, columns: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("scale", scale)
+        self.columns = columns  # fc: 1/std on the feature inputs, so that W' = I passes a feature through
+
+    def _factor(self, w):
+        f = self.scale.view(-1, *[1] * (w.dim() - 1))
+        return f * self.columns[None, :] if self.columns is not None and w.dim() == 2 else f
+
+    def forward(self, w):
+        return w * self._factor(w)
+
+    def right_inverse(self, w):
+        return w / self._factor(w)
+
+
+def _scaled(drafter: EagleDrafter) -> list[tuple[nn.Module, str]]:
+    """The tensors that write into the feature space: fc (weight, bias), the layer's o_proj and down_proj."""
+    return [(drafter.fc, "weight"), (drafter.fc, "bias"), (drafter.layer.o_proj, "weight"), (drafter.layer.down_proj, "weight")]
 
 
 def save_drafter(drafter: EagleDrafter, folder: Path, meta: dict) -> Path:
@@ -194,7 +230,7 @@ class TrainConfig:
     steps: int = 100_000
     minutes: float = 30.0
     batch: int = 2
-    lr: float = 1e-3
+    lr: float = 3e-4
     warmup: int = 20
     token_weight: float = 1.0
     frequent: int = 2048
@@ -261,17 +297,34 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
     Seeded; with ``state_path`` it resumes from (and saves every ``cfg.checkpoint_every`` steps) the
     optimizer, step and sampler state there.
     """
+    from torch.nn.utils import parametrize
+
     torch.manual_seed(cfg.seed)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     mean, std = feature_stats(feats)
     log, gen = TrainLog(), torch.Generator().manual_seed(cfg.seed)
-    if state_path is not None and state_path.exists():
-        saved = torch.load(state_path, weights_only=False)
+    saved = torch.load(state_path, weights_only=False) if state_path is not None and state_path.exists() else None
+    if saved is not None:
         drafter.load_state_dict(saved["drafter"], strict=False)
+    fc_columns = torch.cat([torch.ones_like(std), 1.0 / std])
+    for module, name in _scaled(drafter):
+        columns = fc_columns if module is drafter.fc and name == "weight" else None
+        parametrize.register_parametrization(module, name, RowScale(std.clone(), columns))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if saved is not None:
         opt.load_state_dict(saved["optimizer"])
         gen.set_state(saved["generator"])
         log = TrainLog(**saved["log"])
+    try:
+        _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, state_path, on_step)
+    finally:
+        for module, name in _scaled(drafter):
+            parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    drafter.eval()
+    return log
+
+
+def _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, state_path, on_step) -> None:
     vocab = drafter.lm_head.weight.shape[0]
     schedule = lambda s: min(1.0, (s + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))
     drafter.train()
@@ -301,8 +354,6 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
             _save_state(state_path, drafter, opt, gen, log)
     if state_path is not None:
         _save_state(state_path, drafter, opt, gen, log)
-    drafter.eval()
-    return log
 
 
 def _save_state(path: Path, drafter, opt, gen, log: TrainLog) -> None:

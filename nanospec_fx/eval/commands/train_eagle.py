@@ -33,7 +33,7 @@ def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
 @click.option("--minutes", default=25.0, show_default=True, help="Training time budget (stops at --steps or this, first).")
 @click.option("--steps", default=100_000, show_default=True, help="Training steps at most (also the cosine schedule's length).")
 @click.option("--batch", default=2, show_default=True, help="Windows per step.")
-@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--lr", default=3e-4, show_default=True, help="AdamW learning rate (the feature-writing weights train in standardised units).")
 @click.option("--token-weight", default=1.0, show_default=True, help="Weight of the sampled token KL next to the feature regression.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--extract-only", is_flag=True, help="Only cache the features (resumable), do not train.")
