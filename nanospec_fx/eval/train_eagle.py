@@ -326,7 +326,9 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
 
 def _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, state_path, on_step) -> None:
     vocab = drafter.lm_head.weight.shape[0]
-    schedule = lambda s: min(1.0, (s + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))
+    def schedule(s: int) -> float:  # linear warm-up, then cosine down to 10%
+        return min(1.0, (s + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))
+
     drafter.train()
     started, budget = time.perf_counter() - log.seconds, cfg.minutes * 60
     while log.steps < cfg.steps and time.perf_counter() - started < budget:

@@ -120,7 +120,7 @@ def test_train_eagle_then_e2e_eagle_is_lossless(tmp_path, tiny_model_dir, monkey
     assert meta["train"]["steps_done"] == 4 and meta["val_tokens"] == 256 and 0 <= meta["validation"]["top1_agreement"] <= 1
     # the bundled sample was the training text: the evaluation refuses it ...
     result = CliRunner().invoke(cli.main, ["e2e", "--drafter", "eagle", "--model", str(tiny_model_dir), "--tokenizer",
-                                           "bytes", "--corpus", "sample[:2]", "--out", str(tmp_path)])
+                                           "bytes", "--corpus", "sample[:2]", "--static-corpus", "sample", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "training text" in result.output
     # ... and measures other requests
     requests = tmp_path / "requests.jsonl"

@@ -14,14 +14,14 @@ import torch._dynamo
 
 transformers = pytest.importorskip("transformers")
 
-import nanospec_fx
-from nanospec_fx.eagle import (
+import nanospec_fx  # noqa: E402
+from nanospec_fx.eagle import (  # noqa: E402
     EagleConfig,
     EagleDrafter,
     greedy_generate,
     hf_target_forward,
 )
-from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm
+from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm  # noqa: E402
 
 V = 512
 

@@ -35,7 +35,7 @@ def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
 @click.option("--batch", default=2, show_default=True, help="Windows per step.")
 @click.option("--lr", default=3e-4, show_default=True, help="AdamW learning rate (the feature-writing weights train in standardised units).")
 @click.option("--token-weight", default=1.0, show_default=True, help="Weight of the sampled token KL next to the feature regression.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the initialisation, the batches and the sampled candidates.")
 @click.option("--extract-only", is_flag=True, help="Only cache the features (resumable), do not train.")
 @click.option("--fresh", is_flag=True, help="Train from scratch even if a training state is cached (features are kept).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
