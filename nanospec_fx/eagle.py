@@ -369,15 +369,23 @@ def speculative_generate(
             if m > accepted:
                 row, accepted = i, m
         seq += paths[row][:accepted] + [greedy[row][accepted]]
-        new = torch.tensor(seq[n + 1:], device=prompt.device)
-        root_logits, root_hidden = feed(drafter, cache, new, features[row, n:n + accepted + 1], n)
-        if state is not None:
-            _observe_topk(state, logits[row, n:n + accepted + 1], target_topk)
+        root_logits, root_hidden = _commit_round(drafter, cache, state, stats, seq, n, accepted, logits[row],
+                                                 features[row], paths, target_topk)
         n += accepted + 1
-        stats.rounds += 1
-        stats.accepted.append(accepted)
-        stats.drafted += sum(len(path) for path in paths)
     return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
+
+
+def _commit_round(drafter, cache, state, stats, seq, n, accepted, logits, features, paths, target_topk):
+    """After verification: feed the committed tokens (``seq[n + 1:]``) with the target's features at their
+    positions, observe the target's top-k there, and count the round; returns the next root."""
+    new = torch.tensor(seq[n + 1:], device=logits.device)
+    root = feed(drafter, cache, new, features[n:n + accepted + 1], n)
+    if state is not None:
+        _observe_topk(state, logits[n:n + accepted + 1], target_topk)
+    stats.rounds += 1
+    stats.accepted.append(accepted)
+    stats.drafted += sum(len(path) for path in paths)
+    return root
 
 
 def drafter_cache(drafter, max_len: int) -> KVCache:
@@ -554,14 +562,9 @@ def speculative_sample(
         row = row_of[tuple(accepted)]
         seq += committed
         m = len(accepted)
-        new = torch.tensor(seq[n + 1:], device=prompt.device)
-        root_logits, root_hidden = feed(drafter, cache, new, features[row, n:n + m + 1], n)
-        if state is not None:
-            _observe_topk(state, logits[row, n:n + m + 1], target_topk)
+        root_logits, root_hidden = _commit_round(drafter, cache, state, stats, seq, n, m, logits[row], features[row],
+                                                 paths, target_topk)
         n += m + 1
-        stats.rounds += 1
-        stats.accepted.append(m)
-        stats.drafted += sum(len(path) for path in paths)
     return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
 
 
