@@ -339,7 +339,6 @@ def test_fuzz_reference_kernels(recipe):
         os.environ.pop("NANOSPEC_KERNELS", None)
 
 
-@pytest.mark.slow
 @_settings(ci=3)
 @given(recipes(max_steps=4))
 def test_fuzz_inductor(recipe):
