@@ -62,10 +62,13 @@ def e2e(data: dict) -> str:
 def e2e_eagle(data: dict) -> str:
     """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category."""
     rows = data["rows"]
-    pooled = table(["variant", "depth", "tau", "tok/s", "vs target alone", "draft share", "draft ms/round",
+    full_rate = {r["depth"]: r["tokens_per_s"] for r in rows if r["category"] == "all" and r["variant"] == "full head"}
+    pooled = table(["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head", "draft share", "draft ms/round",
                     "verify ms/round", "mean \\|A\\|", "== target greedy"],
                    [[r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}",
-                     f"{r['speedup']:.2f}x", f"{100 * r['draft_share']:.0f}%", f"{r['draft_ms_per_round']:.1f}",
+                     f"{r['speedup']:.2f}x",
+                     f"{r['tokens_per_s'] / full_rate[r['depth']]:.2f}x" if r["depth"] in full_rate else "",
+                     f"{100 * r['draft_share']:.0f}%", f"{r['draft_ms_per_round']:.1f}",
                      f"{r['verify_ms_per_round']:.1f}", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
                      "yes" if r["identical"] else "**no**"] for r in rows if r["category"] == "all"])
     cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
@@ -74,7 +77,12 @@ def e2e_eagle(data: dict) -> str:
     per_cat = table(["variant", "depth", *cats],
                     [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x" if (v, d, c) in by else ""
                                    for c in cats)] for v, d in keys])
-    return pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+    full = {(d, c): by[(v, d, c)]["tau"] for v, d, c in by if v == "full head" and d}
+    ratio = table(["variant", "depth", *cats],
+                  [[v, str(d), *(f"{100 * by[(v, d, c)]['tau'] / full[(d, c)]:.1f}%" if (v, d, c) in by and (d, c) in full
+                                 else "" for c in cats)] for v, d in keys if v != "full head"])
+    return (pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+            + "\n\ntau as a share of the full head's tau (same depth, same requests):\n\n" + ratio)
 
 
 def render(path: Path) -> str:

@@ -109,8 +109,9 @@ def _reset(drafter: nn.Module) -> None:
 
 def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: list[tuple[str, list[int]]],
                   depths: list[int], max_new: int, observe: str = "verified", target_topk: int = 3,
-                  warmup: int = 1, progress: Callable[[str], None] | None = None) -> list[Run]:
-    """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth."""
+                  warmup: int = 1, progress: Callable[[str], None] | None = None, prompt_topk: bool = False) -> list[Run]:
+    """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth
+    (``prompt_topk``: seed the active set with the target's top-k at every prompt position too)."""
     runner = HFTarget(target)
     runs: list[Run] = []
     # One drafter cache length for every request and depth: a compiled drafter then keeps one graph per
@@ -123,7 +124,7 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
             if d is not None:
                 _reset(d)
             eagle_generate(runner, d, torch.tensor([ids]), min(16, max_new), depth=k, observe=observe, target_topk=target_topk,
-                           cache_len=cache_len)
+                           prompt_topk=prompt_topk, cache_len=cache_len)
     for category, ids in requests:
         prompt = torch.tensor([ids])
         reference = None
@@ -131,7 +132,7 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
             if d is not None:
                 _reset(d)
             out, stats = eagle_generate(runner, d, prompt, max_new, depth=k, observe=observe, target_topk=target_topk,
-                                        cache_len=cache_len)
+                                        prompt_topk=prompt_topk, cache_len=cache_len)
             if reference is None:
                 reference = out
             runs.append(Run(name, k, category, stats, bool(torch.equal(out, reference))))

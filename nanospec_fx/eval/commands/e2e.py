@@ -29,6 +29,9 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
 @click.option("--observe", type=click.Choice(["verified", "accepted", "none"]), default="verified", show_default=True,
               help="--drafter eagle: where the target's top-k joins the active set: every verified position "
                    "(rejected drafts included, as in the paper), the accepted ones only, or nowhere.")
+@click.option("--prompt-topk/--no-prompt-topk", default=False, show_default=True,
+              help="--drafter eagle: also seed the active set with the target's top-k at every prompt position (the "
+                   "paper's seed; costs the target's head over the whole prompt at prefill, ~0.5 s per 256 tokens on 2 CPU cores).")
 @click.option("--eagle-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--drafter eagle: folder of the trained drafter (default: train-eagle's cache for --model).")
 @click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
@@ -47,7 +50,7 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
 @out_option("e2e")
 @threads_option
-def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, eagle_dir, static_corpus, static_n,
+def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, prompt_topk, eagle_dir, static_corpus, static_n,
         capacity, observe_topk, max_prompt, max_new, draft_tokens, observer, inductor, out, name, threads):
     """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
 
@@ -58,6 +61,7 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
         from nanospec_fx.eval.commands.e2e_eagle import run
 
         return run(models=models, tokenizer=tokenizer, corpora=corpora, depths=depths, variants=variants, observe=observe,
+                   prompt_topk=prompt_topk,
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
                    observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
                    name=name, threads=threads)

@@ -9,7 +9,7 @@ EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-ma
                  "sharegpt-translate[:8]", "sharegpt-summarize[:8]")
 
 
-def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, static_corpus, static_n, capacity,
+def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n, capacity,
         observe_topk, max_prompt, max_new, inductor, out, name, threads):
     import torch
     from rich.table import Table
@@ -67,7 +67,8 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, sta
                 prog.update(task, advance=1, description=f"{spec}: {text}")
                 if not console.is_terminal:  # a log file: one line per decoded request
                     console.print(f"{spec}: {text}")
-            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk, progress=step)
+            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk,
+                                     prompt_topk=prompt_topk, progress=step)
         summaries = B.summarise(runs)
         _print(console, Table, spec, summaries, len(requests), max_new, observe, torch.get_num_threads())
         meta_path = folder / T.META
@@ -79,7 +80,8 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, sta
     out.mkdir(parents=True, exist_ok=True)
     _plot(rows, out / f"{name}.png")
     meta = {"command": command_line(), "max_new": max_new, "max_prompt": max_prompt, "depths": list(depths),
-            "observe": observe, "observe_topk": observe_topk, "capacity": capacity, "static_n": static_n,
+            "observe": observe, "observe_topk": observe_topk, "prompt_topk": prompt_topk, "capacity": capacity,
+            "static_n": static_n,
             "static_corpus": static_corpus, "inductor": inductor, "drafter_training": metas,
             "draft": "chain (EAGLE drafter, greedy), target verifies [last token] + drafts on its KV cache",
             "machine": machine()}
