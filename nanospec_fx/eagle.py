@@ -257,9 +257,26 @@ def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
     ``top_k x top_k`` children and keeps the best ``top_k``. Candidates: ``top_k + (depth-1) top_k^2``.
     Frontier node i of level d is cached at slot ``start + (d-1) top_k + i``.
     """
-    device, k = cache.k.device, top_k
-    scores, tokens = torch.log_softmax(root_logits.float(), -1).topk(k)
-    fallback = tokens[0]  # the best root token: active, stands in for candidates that do not exist
+    def best_children(logits):
+        scores, tokens = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
+        return tokens, scores
+
+    return DraftTree(*_grow_tree(drafter, cache, root_logits, root_hidden, start, depth, top_k, best_children))
+
+
+def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, k: int,
+               children: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+    """The frontier expansion of :func:`draft_tree` and :func:`draft_sampled`; returns flat
+    ``(tokens, parents, scores)``.
+
+    ``children(logits [n, V])`` gives each row's ``k`` candidates: tokens ``[n, k]`` and their log q
+    ``[n, k]`` (-inf: the candidate does not exist). A missing candidate gets the root's first token
+    (active) as a stand-in, and a cumulative score of -inf, so it is never kept in the frontier
+    ahead of a real one and never verified.
+    """
+    device = cache.k.device
+    tokens, scores = (t[0] for t in children(root_logits[None]))
+    fallback = tokens[0]
     tokens = torch.where(torch.isneginf(scores), fallback, tokens)
     all_tokens, all_parents, all_scores = [tokens], [torch.full((k,), -1, device=device)], [scores]
     frontier = torch.arange(k, device=device)  # candidate index of each frontier node
@@ -271,9 +288,9 @@ def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
         mask[rows, slots] = True
         positions = torch.full((1, k), start + d - 1, device=device)
         logits, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v)
-        child_scores, child_tokens = torch.log_softmax(logits[0].float(), -1).topk(k, dim=-1)  # [k, k]
+        child_tokens, child_scores = children(logits[0])  # [k, k]
         child_tokens = torch.where(torch.isneginf(child_scores), fallback, child_tokens)
-        cumulative = (scores[:, None] + child_scores).flatten()
+        cumulative = (scores[:, None] + child_scores).flatten()  # -inf under a missing parent
         all_tokens.append(child_tokens.flatten())
         all_parents.append(frontier.repeat_interleave(k))
         all_scores.append(cumulative)
@@ -281,7 +298,7 @@ def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
         parent_row = best // k
         tokens, hidden, mask = child_tokens.flatten()[best], h[0][parent_row], mask[parent_row]
         frontier, offset = offset + best, offset + k * k
-    return DraftTree(torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores))
+    return torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores)
 
 
 # ----------------------------------------------------------------------------- verifying
@@ -450,38 +467,19 @@ def draft_sampled(drafter: Callable, cache: KVCache, root_logits, root_hidden, s
     masks are as in :func:`draft_tree` (``depth - 1`` drafter calls of ``top_k`` rows).
     """
     device, k = cache.k.device, top_k
-    q = sampler.draft_probs(root_logits.float())
-    tokens, exists = sampler.draw(q, k, generator)
-    scores = torch.where(exists, q[tokens].log(), float("-inf"))
-    fallback = tokens[0]  # drawn: active; stands in for candidates that do not exist
-    tokens = torch.where(exists, tokens, fallback)
-    all_tokens, all_parents, all_scores = [tokens], [torch.full((k,), -1, device=device)], [scores]
-    all_probs, all_source = [q[None]], [torch.zeros(k, dtype=torch.long, device=device)]
-    frontier = torch.arange(k, device=device)
-    hidden = _fresh(root_hidden.expand(k, -1))
-    mask = (torch.arange(cache.max_len, device=device) < start).expand(k, -1).clone()
-    rows, offset = torch.arange(k, device=device), k
-    for d in range(1, depth):
-        slots = start + (d - 1) * k + rows
-        mask[rows, slots] = True
-        positions = torch.full((1, k), start + d - 1, device=device)
-        logits, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v)
-        q = sampler.draft_probs(logits[0].float())  # [k, V]: one draft distribution per frontier node
-        child_tokens, child_exists = sampler.draw(q, k, generator)
-        child_scores = torch.where(child_exists, q.gather(-1, child_tokens).log(), float("-inf"))
-        child_tokens = torch.where(child_exists, child_tokens, fallback)
-        cumulative = (scores[:, None] + child_scores).flatten()  # -inf under a missing parent
-        all_tokens.append(child_tokens.flatten())
-        all_parents.append(frontier.repeat_interleave(k))
-        all_scores.append(cumulative)
-        all_probs.append(q)
-        all_source.append((1 + (d - 1) * k + rows).repeat_interleave(k))
-        scores, best = cumulative.topk(k)
-        parent_row = best // k
-        tokens, hidden, mask = child_tokens.flatten()[best], h[0][parent_row], mask[parent_row]
-        frontier, offset = offset + best, offset + k * k
-    return SampledDraft(torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores),
-                        torch.cat(all_probs), torch.cat(all_source))
+    probs: list[torch.Tensor] = []
+
+    def drawn_children(logits):
+        q = sampler.draft_probs(logits.float())  # [n, V]: one draft distribution per expanded node
+        probs.append(q)
+        tokens, exists = sampler.draw(q, k, generator)
+        return tokens, torch.where(exists, q.gather(-1, tokens).log(), float("-inf"))
+
+    tokens, parents, scores = _grow_tree(drafter, cache, root_logits, root_hidden, start, depth, k, drawn_children)
+    rows = torch.arange(k, device=device)
+    source = [torch.zeros(k, dtype=torch.long, device=device)]
+    source += [(1 + (d - 1) * k + rows).repeat_interleave(k) for d in range(1, depth)]
+    return SampledDraft(tokens, parents, scores, torch.cat(probs), torch.cat(source))
 
 
 def verify_sampled(draft: SampledDraft, target_probs: Callable[[list[int]], torch.Tensor],
