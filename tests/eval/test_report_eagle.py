@@ -1,0 +1,36 @@
+"""benchmarks/report.py renders `e2e --drafter eagle` JSON with the issue's comparisons computed right."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(variant, depth, category, tau, tok_s, speedup):
+    return {"model": "m", "variant": variant, "depth": depth, "category": category, "tau": tau, "tokens_per_s": tok_s,
+            "speedup": speedup, "draft_share": 0.1, "draft_ms_per_round": 1.0, "verify_ms_per_round": 2.0,
+            "active_size": float("nan"), "identical": True}
+
+
+def test_eagle_report_gives_tau_share_and_speed_ratio_against_the_full_head(tmp_path):
+    rows = []
+    for c in ("code", "all"):
+        rows += [_row("target only", 0, c, 1.0, 10.0, 1.0), _row("full head", 2, c, 2.0, 8.0, 0.8),
+                 _row("nanospec context@64", 2, c, 1.5 if c == "code" else 1.9, 12.0, 1.2)]
+    path = tmp_path / "e2e-eagle-x.json"
+    path.write_text(json.dumps({"rows": rows, "meta": {"command": "nanospec-fx e2e --drafter eagle"}}))
+    text = _report().render(path)
+    pooled = next(line for line in text.splitlines() if line.startswith("| nanospec context@64 | 2 | 1.90"))
+    assert "| 1.20x | 1.50x |" in pooled  # vs target alone, vs full head (12 / 8)
+    share = text.split("Against EAGLE with the full head")[1]
+    assert "| nanospec context@64 | 2 | 75.0% / 1.50x | 95.0% / 1.50x |" in share
+    assert "**no**" not in text
