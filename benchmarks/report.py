@@ -1,6 +1,7 @@
 """Markdown tables from the JSON files that ``nanospec-fx`` writes (for docs/results.md).
 
     python benchmarks/report.py benchmarks/results/*.json
+    python benchmarks/report.py --sweep benchmarks/results/e2e-eagle-gemma3-d{1-subset,2,3,4}.json   # a depth sweep
 """
 from __future__ import annotations
 
@@ -99,5 +100,26 @@ def render(path: Path) -> str:
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`\n\n{body}\n"
 
 
+def eagle_sweep(paths: list[Path]) -> str:
+    """One pooled table over several `e2e --drafter eagle` runs (one depth each, same requests): a depth sweep."""
+    rows = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        pooled = [r for r in data["rows"] if r["category"] == "all"]
+        full = {r["depth"]: r["tokens_per_s"] for r in pooled if r["variant"] == "full head"}
+        rows += [(r, full.get(r["depth"])) for r in pooled if r["depth"]]
+    order = {v: i for i, v in enumerate(dict.fromkeys(r["variant"] for r, _ in rows))}  # as the runs list them
+    rows.sort(key=lambda rf: (order[rf[0]["variant"]], rf[0]["depth"]))
+    return table(["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head", "draft ms/round",
+                  "verify ms/round", "mean \\|A\\|"],
+                 [[r["variant"], str(r["depth"]), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
+                   f"{r['tokens_per_s'] / f:.2f}x" if f else "", f"{r['draft_ms_per_round']:.1f}",
+                   f"{r['verify_ms_per_round']:.1f}", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}"]
+                  for r, f in rows])
+
+
 if __name__ == "__main__":
-    print("\n".join(render(Path(p)) for p in sys.argv[1:]))
+    if sys.argv[1:2] == ["--sweep"]:  # python benchmarks/report.py --sweep d1.json d2.json ...
+        print(eagle_sweep([Path(p) for p in sys.argv[2:]]))
+    else:
+        print("\n".join(render(Path(p)) for p in sys.argv[1:]))

@@ -34,3 +34,16 @@ def test_eagle_report_gives_tau_share_and_speed_ratio_against_the_full_head(tmp_
     share = text.split("Against EAGLE with the full head")[1]
     assert "| nanospec context@64 | 2 | 75.0% / 1.50x | 95.0% / 1.50x |" in share
     assert "**no**" not in text
+
+
+def test_depth_sweep_lists_every_run_by_variant_then_depth(tmp_path):
+    paths = []
+    for depth, tau in ((2, 2.0), (1, 1.5)):
+        rows = [_row("target only", 0, "all", 1.0, 10.0, 1.0), _row("full head", depth, "all", tau, 5.0, 0.5),
+                _row("nanospec context@64", depth, "all", tau, 10.0 * depth, 1.0 * depth)]
+        paths.append(tmp_path / f"d{depth}.json")
+        paths[-1].write_text(json.dumps({"rows": rows, "meta": {}}))
+    lines = [line for line in _report().eagle_sweep(paths).splitlines()[2:]]
+    assert [line.split(" | ")[:2] for line in lines] == [["| full head", "1"], ["| full head", "2"],
+                                                         ["| nanospec context@64", "1"], ["| nanospec context@64", "2"]]
+    assert "| 2.00x | 4.00x |" in lines[3]  # depth 2: 20 tok/s = 2x the target, 4x the full head
