@@ -1,6 +1,6 @@
 """EAGLE speculative decoding with a nanospec drafter: lossless, and the head computes a few hundred rows.
 
-With a trained drafter cached (``nanospec-fx train-eagle``, ~45 min on 2 CPU cores), this decodes a
+With a trained drafter cached (``nanospec-fx train-eagle``, ~33 min on 2 idle CPU cores), this decodes a
 few real requests with Gemma-3-270M (V = 262,144) and its trained EAGLE drafter on the target's KV
 cache (nanospec_fx/speculative.py), once with the drafter's full head and once compiled with
 nanospec; both outputs must equal the target's greedy output. The table shows tau (tokens per
