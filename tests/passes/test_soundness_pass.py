@@ -58,6 +58,14 @@ def _ids():
     return torch.tensor([[1, 2, 3, 7, 9, 11]])
 
 
+def _assert_dense_with_warning(model, ids, match: str, **options):
+    """The compiled model warns with ``match`` and returns exactly the dense model's output."""
+    compiled = compile_nanospec(model, **options)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=match):
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids))
+
+
 # ----------------------------------------------------------------------------- 1. mutations
 class MaskedFillInPlace(Base):
     def forward(self, ids, _mask=None):
@@ -163,12 +171,7 @@ class RouterAndDequantisedHead(nn.Module):
 
 
 def test_a_projection_that_is_not_the_vocabulary_is_never_rewritten():
-    model = RouterAndDequantisedHead().eval()
-    ids = torch.tensor([[1, 2, 3]])
-    compiled = compile_nanospec(model)
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head"):
-        out = compiled(ids)
-    torch.testing.assert_close(out, model(ids))
+    _assert_dense_with_warning(RouterAndDequantisedHead().eval(), torch.tensor([[1, 2, 3]]), "no LM head")
 
 
 def test_head_option_naming_nothing_fails_and_lists_candidates():
@@ -319,12 +322,8 @@ class PaddedEmbedding(Base):
 
 
 def test_padded_embedding_is_not_guessed_and_says_which_option_to_pass():
-    model = PaddedEmbedding().eval()
-    compiled = compile_nanospec(model, capacity=16)
-    ids = torch.tensor([[1, 2, 3]])
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"44 rows.*'vocab_size': 40.*lm_head\.weight"):
-        out = compiled(ids)
-    torch.testing.assert_close(out, model(ids))
+    _assert_dense_with_warning(PaddedEmbedding().eval(), torch.tensor([[1, 2, 3]]),
+                               r"44 rows.*'vocab_size': 40.*lm_head\.weight", capacity=16)
 
 
 def test_padded_embedding_observes_the_ids_in_the_vocabulary():
@@ -497,12 +496,8 @@ class BreakInsideTheEmbeddingFunction(Base):
 
 
 def test_ids_that_cannot_be_observed_leave_the_head_dense_with_a_warning():
-    model = BreakInsideTheEmbeddingFunction().eval()
-    compiled = compile_nanospec(model, capacity=16)
-    ids = _ids()
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head found.*resumes after a graph break"):
-        out = compiled(ids)
-    torch.testing.assert_close(out, model(ids))
+    _assert_dense_with_warning(BreakInsideTheEmbeddingFunction().eval(), _ids(),
+                               "no LM head found.*resumes after a graph break", capacity=16)
 
 
 class ClampsItsIds(Base):
@@ -601,12 +596,8 @@ class NestedBreakAfterHead(Base):
 
 
 def test_logits_crossing_a_nested_graph_break_leave_the_head_dense_with_a_warning():
-    model = NestedBreakAfterHead().eval()
-    compiled = compile_nanospec(model, capacity=16)
-    ids = _ids()
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: its logits are live across a graph break"):
-        out = compiled(ids)
-    torch.testing.assert_close(out, model(ids))
+    _assert_dense_with_warning(NestedBreakAfterHead().eval(), _ids(),
+                               "runs dense: its logits are live across a graph break", capacity=16)
 
 
 class SmallestAfterWrite(Base):
