@@ -63,15 +63,7 @@ def e2e(data: dict) -> str:
 def e2e_eagle(data: dict) -> str:
     """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category."""
     rows = data["rows"]
-    full_rate = {r["depth"]: r["tokens_per_s"] for r in rows if r["category"] == "all" and r["variant"] == "full head"}
-    pooled = table(["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head", "draft share", "draft ms/round",
-                    "verify ms/round", "mean \\|A\\|", "== target greedy"],
-                   [[r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}",
-                     f"{r['speedup']:.2f}x",
-                     f"{r['tokens_per_s'] / full_rate[r['depth']]:.2f}x" if r["depth"] in full_rate else "",
-                     f"{100 * r['draft_share']:.0f}%", f"{r['draft_ms_per_round']:.1f}",
-                     f"{r['verify_ms_per_round']:.1f}", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
-                     "yes" if r["identical"] else "**no**"] for r in rows if r["category"] == "all"])
+    pooled = _eagle_pooled(_with_full_rate([r for r in rows if r["category"] == "all"]), detail=True)
     cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
     keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
     by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
@@ -100,22 +92,38 @@ def render(path: Path) -> str:
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`\n\n{body}\n"
 
 
+def _with_full_rate(pooled: list[dict]) -> list[tuple[dict, float | None]]:
+    """Each pooled row with the full head's tokens/s at its depth (None for the target alone)."""
+    full = {r["depth"]: r["tokens_per_s"] for r in pooled if r["variant"] == "full head"}
+    return [(r, full.get(r["depth"])) for r in pooled]
+
+
+def _eagle_pooled(pairs: list[tuple[dict, float | None]], detail: bool) -> str:
+    """The pooled EAGLE table; ``detail`` adds the draft share and the identical-output check."""
+    header = ["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head"]
+    header += ["draft share"] * detail + ["draft ms/round", "verify ms/round", "mean \\|A\\|"]
+    header += ["== target greedy"] * detail
+    out = []
+    for r, full in pairs:
+        row = [r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
+               f"{r['tokens_per_s'] / full:.2f}x" if full else ""]
+        row += [f"{100 * r['draft_share']:.0f}%"] * detail
+        row += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}",
+                "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}"]
+        row += ["yes" if r["identical"] else "**no**"] * detail
+        out.append(row)
+    return table(header, out)
+
+
 def eagle_sweep(paths: list[Path]) -> str:
     """One pooled table over several `e2e --drafter eagle` runs (one depth each, same requests): a depth sweep."""
-    rows = []
+    pairs = []
     for path in paths:
-        data = json.loads(path.read_text())
-        pooled = [r for r in data["rows"] if r["category"] == "all"]
-        full = {r["depth"]: r["tokens_per_s"] for r in pooled if r["variant"] == "full head"}
-        rows += [(r, full.get(r["depth"])) for r in pooled if r["depth"]]
-    order = {v: i for i, v in enumerate(dict.fromkeys(r["variant"] for r, _ in rows))}  # as the runs list them
-    rows.sort(key=lambda rf: (order[rf[0]["variant"]], rf[0]["depth"]))
-    return table(["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head", "draft ms/round",
-                  "verify ms/round", "mean \\|A\\|"],
-                 [[r["variant"], str(r["depth"]), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
-                   f"{r['tokens_per_s'] / f:.2f}x" if f else "", f"{r['draft_ms_per_round']:.1f}",
-                   f"{r['verify_ms_per_round']:.1f}", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}"]
-                  for r, f in rows])
+        pooled = [r for r in json.loads(path.read_text())["rows"] if r["category"] == "all"]
+        pairs += [(r, full) for r, full in _with_full_rate(pooled) if r["depth"]]
+    order = {v: i for i, v in enumerate(dict.fromkeys(r["variant"] for r, _ in pairs))}  # as the runs list them
+    pairs.sort(key=lambda rf: (order[rf[0]["variant"]], rf[0]["depth"]))
+    return _eagle_pooled(pairs, detail=False)
 
 
 if __name__ == "__main__":
