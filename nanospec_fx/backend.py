@@ -16,7 +16,6 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -25,12 +24,11 @@ import torch.nn as nn
 
 from nanospec_fx.options import NanoSpecOptions, mode_config
 from nanospec_fx.passes import (
-    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, insert_input_observers, insert_topk_observers,
-    rewrite_head, snapshot_state_reads,
+    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
+    insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import token_tables
-from nanospec_fx.passes.rewrite_head import set_example_value
 from nanospec_fx.integrations import head_parameters
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_states, state_for
 
@@ -58,62 +56,65 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     config = opts.state_config()  # validates policy options before anything else
-    region_inputs = _region_inputs(gm, example_inputs)
-    split_rows = {rows for _, rows in _UNLINKED[0].fed} if _just_ran_unlinked() else set()
-    known = {s.vocab_size for s in region_inputs.values()} | (split_rows if _resumes_after_graph_break(gm) else set())
+    position = graph_position(gm)
     notes: list[str] = []
     # A head over a draft vocabulary (EAGLE-3 d2t) has one output per draft token, not the embedding's width.
     width = opts.vocab_size
     if width is None and opts.draft_to_target is not None:
         width = torch.as_tensor(opts.draft_to_target).numel()
-    heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, known_vocab=known,
-                       resumed=_resumes_after_graph_break(gm), notes=notes)
+    heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
     if not heads:
-        if region_inputs:
-            return _compile_after_break(gm, example_inputs, region_inputs, opts, config_patches)
-        fed = _token_id_inputs(gm) if opts.observe_inputs else []
-        warn_once(
-            "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
-            "reaches the output, with the vocabulary of the token embedding"
-            + (f"; {'; '.join(notes)}" if notes else "") + "); this graph runs unchanged"
-            + ("; the token ids it embeds are observed into a head found in a later graph (after a graph break), if "
-               "there is one" if fed else "")
-            + ". If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
-        )
-        compiled = _compile(gm, example_inputs, opts, config_patches)
-        # The embedding half of a drafter split by a graph break: feed the head compiled after it.
-        return _ObservingCall(compiled, fed) if fed else compiled
+        if position.whole_call or notes:  # a piece of a call without a head: the head's own graph says why
+            warn_once(
+                "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
+                "reaches the output, with the vocabulary of the token embedding"
+                + (f"; {'; '.join(notes)}" if notes else "") + "); this graph runs unchanged. "
+                "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
+            )
+        return _compile(gm, example_inputs, opts, config_patches)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
-        weight, bias = real.get(head.weight), _bias_tensor(head, real)
-        if weight is None or bias is False:
-            warn_once(f"nanospec: the head {head.name} has a weight or bias that is not a parameter; it runs dense")
-        elif torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
-            warn_once(
-                f"nanospec: the head {head.name} needs gradients here (grad mode on, trainable weights), so it "
-                "runs dense. NanoSpec is for inference: call the drafter under torch.inference_mode() or "
-                "torch.no_grad(), or freeze the head with requires_grad_(False)."
-            )
+        reason = _dense_reason(gm, head, real, position, opts)
+        if reason:
+            warn_once(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
-            rewritable.append((head, weight, bias))
-    if not rewritable:
-        return _compile(gm, example_inputs, opts, config_patches)
-
-    while True:
+            rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
+    while rewritable:
         try:
-            return _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches)
+            return _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
         except DenseFallback as reason:
             head = reason.args[1]
             warn_once(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
             rewritable = [r for r in rewritable if r[0] is not head]
-            if not rewritable:
-                return _compile(gm, example_inputs, opts, config_patches)
+    return _compile(gm, example_inputs, opts, config_patches)
 
 
-def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches) -> Callable:
+def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:
+    """Why ``head`` cannot be rewritten in this graph for this call (None: nothing stops it yet)."""
+    weight, bias = real.get(head.weight), _bias_tensor(head, real)
+    if weight is None or bias is False:
+        return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
+    if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and (
+            weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return ("it needs gradients here: grad mode is on where it runs and its weights are trainable. "
+                "NanoSpec is for inference: call the drafter under torch.inference_mode() or torch.no_grad(), "
+                "or freeze the head with requires_grad_(False)")
+    if opts.observe_inputs and not position.whole_call:
+        return (f"this graph is one piece of a call split by graph breaks ({position.describe()}), so the token ids "
+                "the call embeds in another piece cannot be proven active before the head reads the active set, "
+                "and post-ops run in another piece would give inactive tokens finite values. Remove the graph "
+                "break (print, .item(), int(tensor), a data-dependent branch, torch._dynamo.graph_break()), or "
+                "compile with options={'observe_inputs': False} and feed the set yourself with "
+                "nanospec_fx.active_vocab(model).observe(ids)")
+    if opts.observe_inputs:
+        return unobserved_lookup(gm.graph, head)
+    return None
+
+
+def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
     builder = _GraphBuilder(gm)
-    bindings, reports, links = [], [], []
+    bindings, reports = [], []
     for head, weight, bias in rewritable:
         state = state_for(weight, bias, name=head.name, **config)
         mapped = builder.remap(head)
@@ -122,37 +123,26 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
+        if report.chain_outputs and (position.ends_at or position.called_from):
+            raise DenseFallback(
+                f"its logits leave this graph ({position.describe()}), and post-ops run on them after the break "
+                "would give inactive tokens finite values. Remove that graph break", head)
         observe = opts.observe_inputs and state.observes
-        report.observers = insert_input_observers(builder.graph, into) if observe else 0
+        try:
+            report.observers = insert_input_observers(builder.graph, into) if observe else 0
+        except DenseFallback as reason:
+            raise DenseFallback(str(reason), head) from None
         snapshot_state_reads(builder.graph, into.state)
-        if observe and not report.observers and not token_tables(builder.gm):
-            links.append(state)
-            if not _just_ran_unlinked() and _resumes_after_graph_break(gm):
-                raise DenseFallback(
-                    "it is in a graph that resumes after a graph break, and the token ids the drafter embeds before it "
-                    "were run outside any graph nanospec sees (a graph break inside the embedding's function), so they "
-                    "cannot join the active set. Remove the graph break between the token embedding and the head "
-                    "(torch._dynamo.graph_break(), print, .item(), ...), or compile with options={'observe_inputs': False} "
-                    "and feed the set with nanospec_fx.active_vocab(model).observe(ids)", head)
         if observe and not report.observers and token_tables(builder.gm):
             warn_once(
                 f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "
-                f"(V={head.vocab_size} rows or more), so nothing joins the active set here: tokens outside it get -inf. Feed the set "
-                "with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options observe_topk/vocab)."
-            )
+                f"(V={head.vocab_size} rows or more), so nothing joins the active set here: tokens outside it get -inf. "
+                "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
+                "observe_topk/vocab).")
         reports.append((state, report))
         bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
                                         into.state.ids))
-    crossing = _break_after_logits(builder.graph, bindings)
-    if crossing is not None:
-        binding, where_ = crossing
-        head = next(h for (h, _, _), b in zip(rewritable, bindings) if b is binding)
-        raise DenseFallback(
-            f"its logits are live across a graph break inside a nested function ({where_}), and Dynamo may run the "
-            "code after that break outside any graph, where post-ops would give inactive tokens finite values. Remove "
-            "that graph break (or move it to the function that calls the head)", head)
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
-    compiled.links = links
     for state, report in reports:
         state.rewrites.append(report)
     return compiled
@@ -375,229 +365,20 @@ class _GraphBuilder:
         self.gm.recompile()
         extra = [t for b in bindings for t in b.tensors()]
         compiled = _compile(self.gm, list(example_inputs) + extra, opts, config_patches)
-        return _StatefulCall(compiled, bindings, _region_outputs(graph, bindings))
+        return _StatefulCall(compiled, bindings)
 
 
 class _StatefulCall:
     """Calls the compiled graph with the bindings' tensors appended to the user's inputs."""
 
-    def __init__(self, compiled: Callable, bindings: list, region_outputs: list | None = None):
+    def __init__(self, compiled: Callable, bindings: list):
         self.compiled, self.bindings = compiled, bindings
         self.extra = [t for b in bindings for t in b.tensors()]
-        self.region_outputs = region_outputs or []  # (output position, binding)
-        self.links: list[ActiveVocab] = []  # heads that observe the ids of an embedding-only graph before them
 
     def __call__(self, *args: Any) -> Any:
-        for state in self.links:
-            _link_split_embedding(state)
-        _CALLS[0] += 1
         if any([b.update(args) for b in self.bindings]):
             self.extra = [t for b in self.bindings for t in b.tensors()]
-        out = self.compiled(*args, *self.extra)
-        if self.region_outputs and isinstance(out, (tuple, list)):
-            for pos, binding in self.region_outputs:
-                _tag_region_tensor(out[pos], binding.state)
-        return out
-
-
-# ----------------------------------------------------------------------------- graph breaks
-# A graph break between the token embedding and the head splits the drafter in two graphs: the
-# first embeds the ids (no head), the second has the head (no embedding). The first graph's wrapper
-# keeps the ids it was called with until the next head graph without an embedding runs (Dynamo runs
-# the two back to back); that head graph then links to it, observes them before reading the state,
-# and from then on the first graph observes into that head's state directly.
-_UNLINKED: list = []  # the embedding-only graph that ran last and is not linked to a head yet (0 or 1)
-_CALLS = [0]  # calls of nanospec-compiled graphs so far: "ran just before" means the previous call
-
-
-def _just_ran_unlinked() -> bool:
-    return bool(_UNLINKED) and _UNLINKED[0].seq == _CALLS[0]
-
-
-def _token_id_inputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
-    """``(input position, table rows)`` of the token ids this graph embeds, when they are graph inputs."""
-    from nanospec_fx.passes.observe_inputs import embedding_lookups
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [(placeholders.index(ids), rows) for _, ids, _, rows in embedding_lookups(gm.graph) if ids in placeholders]
-
-
-def _fits(state: ActiveVocab, rows: int) -> bool:
-    return state.vocab_size <= rows
-
-
-def _link_split_embedding(state: ActiveVocab) -> None:
-    """Called by a head graph without an embedding before it runs: adopt the embedding graph that just ran."""
-    if _just_ran_unlinked() and all(_fits(state, rows) for _, rows in _UNLINKED[0].fed):
-        embedding = _UNLINKED.pop()
-        embedding.state = state
-        for ids in embedding.pending:
-            state.observe(ids, validate=False)
-        embedding.pending = []
-
-
-class _ObservingCall:
-    """A graph that embeds token ids but holds no head: observe them into the head's state."""
-
-    def __init__(self, compiled: Callable, fed: list[tuple[int, int]]):
-        self.compiled, self.fed = compiled, fed
-        self.state: ActiveVocab | None = None
-        self.pending: list[torch.Tensor] = []
-        self.seq = -1
-
-    def __call__(self, *args: Any) -> Any:
-        ids = [args[pos] for pos, _ in self.fed]
-        if self.state is not None:
-            for t in ids:
-                self.state.observe(t, validate=False)
-        _CALLS[0] += 1
-        if self.state is None:
-            self.pending, self.seq = ids, _CALLS[0]
-            _UNLINKED[:] = [self]
-        return self.compiled(*args)
-
-
-def _resumes_after_graph_break(gm: fx.GraphModule) -> bool:
-    """Whether Dynamo traced ``gm`` from a resume function (the rest of a frame after a graph break)."""
-    from nanospec_fx.passes.find_head import parameter_name_raw
-
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        if InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in_"):
-            return True
-    except Exception:  # noqa: BLE001 - not called by Dynamo
-        pass
-    return any(parameter_name_raw(n).startswith("L['___stack") for n in gm.graph.nodes if n.op == "placeholder")
-
-
-# The [..., V] logits a rewritten head returns (-inf at inactive tokens), by tensor identity, so a
-# graph compiled after a graph break can recognise them among its inputs and keep them masked.
-_REGION_TENSORS: dict[int, tuple[weakref.ref, ActiveVocab]] = {}
-
-
-def _tag_region_tensor(t: Any, state: ActiveVocab) -> None:
-    if isinstance(t, torch.Tensor):
-        key = id(t)
-        _REGION_TENSORS[key] = (weakref.ref(t, lambda _, key=key: _REGION_TENSORS.pop(key, None)), state)
-
-
-def region_state(t: Any) -> ActiveVocab | None:
-    """The ActiveVocab whose rewritten head produced ``t`` (a graph output), or None."""
-    entry = _REGION_TENSORS.get(id(t))
-    return entry[1] if entry is not None and entry[0]() is t else None
-
-
-def _break_after_logits(graph: fx.Graph, bindings: list) -> tuple | None:
-    """``(binding, where)`` when this graph ends at a graph break inside a nested call and returns
-    a head's logits (or a view of them) to the code after it; else None."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
-    except Exception:  # noqa: BLE001 - not called by Dynamo (a test calling the backend directly)
-        return None
-    if reason is None or not getattr(reason, "graph_break", False) or len(reason.user_stack or ()) < 2:
-        return None
-    by_ids = {b.ids_node: b for b in bindings if isinstance(b, _DrafterBinding)}
-    made = {torch.ops.nanospec.scatter_logits.default: 1, torch.ops.nanospec.head_logits.default: 3}
-    output = next(n for n in graph.nodes if n.op == "output")
-    for value in output.all_input_nodes:
-        cur = value
-        while cur.op in ("call_function", "call_method") and cur.target not in made and effects.may_alias_input(cur) \
-                and cur.all_input_nodes:
-            cur = cur.all_input_nodes[0]
-        if cur.op == "call_function" and cur.target in made and cur.args[made[cur.target]] in by_ids:
-            frame = reason.user_stack[-1]
-            return by_ids[cur.args[made[cur.target]]], f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return None
-
-
-def _region_outputs(graph: fx.Graph, bindings: list) -> list:
-    """Graph output positions holding materialised head logits, with their binding."""
-    by_ids = {}
-    for b in bindings:
-        if isinstance(b, _DrafterBinding):
-            by_ids[b.ids_node] = b
-    if not by_ids:
-        return []
-    made = {torch.ops.nanospec.scatter_logits.default: 1, torch.ops.nanospec.head_logits.default: 3}
-    output = next(n for n in graph.nodes if n.op == "output")
-    values = output.args[0]
-    if not isinstance(values, (tuple, list)):
-        return []
-    found = []
-    for pos, v in enumerate(values):
-        if isinstance(v, fx.Node) and v.op == "call_function" and v.target in made:
-            ids = v.args[made[v.target]]
-            binding = by_ids.get(ids)
-            if binding is not None:
-                found.append((pos, binding))
-    return found
-
-
-def _region_inputs(gm: fx.GraphModule, example_inputs: list) -> dict[fx.Node, ActiveVocab]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    found = {}
-    for node, value in zip(placeholders, example_inputs):
-        state = region_state(value)
-        if state is not None and value.dim() and value.shape[-1] == state.vocab_size:
-            found[node] = state
-    return found
-
-
-def _compile_after_break(gm, example_inputs, region_inputs: dict, opts, config_patches) -> Callable:
-    """A graph whose inputs include a rewritten head's logits (a graph break after the head).
-
-    Post-ops here would turn the inactive tokens' -inf into finite values (a soft-cap gives
-    -cap); every elementwise op on those logits is followed by a re-mask, so inactive tokens stay
-    exactly -inf after them, as if the post-ops had run before the break.
-    """
-    builder = _GraphBuilder(gm)
-    bindings, masked = [], 0
-    for node, state in region_inputs.items():
-        into = builder.add_state(state, None, None)
-        binding = _TargetBinding(state)
-        masked += _remask_post_ops(builder.graph, builder.node_map[node], into.state, state)
-        bindings.append(binding)
-    if not masked:
-        return _compile(gm, example_inputs, opts, config_patches)
-    return builder.compile(example_inputs, bindings, opts, config_patches)
-
-
-def _remask_post_ops(graph: fx.Graph, logits: fx.Node, s: StateNodes, state: ActiveVocab) -> int:
-    vocab = state.vocab_size
-    carriers, stack, post_ops = {logits}, [logits], []
-    while stack:
-        cur = stack.pop()
-        for user in list(cur.users):
-            if user in carriers:
-                continue
-            if patterns.elementwise_operands_ok(user, cur, vocab, carriers):
-                post_ops.append(user)
-            elif not patterns.view_keeps_vocab(user, cur, vocab):
-                continue
-            carriers.add(user)
-            stack.append(user)
-    if not post_ops:
-        return 0
-    first = min(post_ops, key=list(graph.nodes).index)
-    with graph.inserting_before(first):
-        zeros = graph.call_method("new_zeros", (s.ids, (state.capacity,)), {"dtype": torch.float32})
-        row = graph.call_function(torch.ops.nanospec.scatter_logits.default, (zeros, s.ids, s.cursor, vocab))
-        inactive = graph.call_function(torch.isneginf, (row,))
-    for n in (zeros, row, inactive):
-        set_example_value(n)
-    for op in post_ops:
-        written = effects.mutated_inputs(op)
-        with graph.inserting_after(op):
-            if written:
-                graph.call_method("masked_fill_", (written[0], inactive, float("-inf")))
-                continue
-            remasked = graph.call_method("masked_fill", (op, inactive, float("-inf")))
-        op.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
-        set_example_value(remasked)
-    return len(post_ops)
+        return self.compiled(*args, *self.extra)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:

@@ -1,18 +1,40 @@
 """FX graph passes of nanospec: find the LM head, rewrite it, observe token inputs.
 
-* ``patterns``       - what is matched and why (projections, post-ops, consumers)
+* ``patterns``       - what is matched and why (projections, post-ops, views, consumers)
 * ``find_head``      - which projection is the LM head
 * ``rewrite_head``   - head -> compact logits -> post-ops -> scatter
 * ``observe_inputs`` - token ids fed to the drafter, and the target's top-k, join the active vocabulary
+* ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
+* ``grad_mode``      - whether autograd records where the head runs
+* ``effects``        - what a node writes and may alias (op schemas)
+
+The contract these passes implement (README, "The contract"):
+
+* **Post-op chain.** From the head's ``[..., V]`` output, the maximal run of elementwise ops (in place or
+  not, bans written with setitem/masked_fill/index_put/scatter of constants, casts) and of views that keep
+  each token's column (flatten, transpose/permute/mT, view(n, -1), reshape, [..., -1], squeeze/unsqueeze,
+  contiguous). It ends at the first op that is neither: a normalisation (softmax, log_softmax, an elementwise
+  op whose other operand is computed from the logits such as ``z - z.logsumexp(...)``), a reduction, a
+  selection, sampling or a graph output.
+* **Oracle.** The compiled drafter equals the eager dense one in which every chain tensor read by anything
+  outside the chain holds -inf at inactive tokens; everything after the chain is plain IEEE arithmetic.
+* **Fed ids.** Every id the call looks up in a table with >= V rows is active before any head of the call
+  reads the set (ids computed from a head's output: before every later read). Where a pass cannot prove
+  this (an unreadable lookup, a graph that is only a piece of the call, a write to the head weight, grad
+  mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning.
 """
 from .find_head import HeadMatch, HeadSelectionError, find_heads
+from .grad_mode import grad_enabled_at
+from .graph_position import GraphPosition, graph_position
 from .observe_inputs import (
     ObserveInto, insert_input_observers, insert_observe, insert_topk_observers, snapshot_state_reads, token_id_lookups,
+    unobserved_lookup,
 )
 from .rewrite_head import DenseFallback, RewriteReport, StateNodes, rewrite_head
 
 __all__ = [
     "HeadMatch", "HeadSelectionError", "find_heads", "ObserveInto", "insert_input_observers", "insert_observe",
     "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback",
-    "RewriteReport", "StateNodes", "rewrite_head",
+    "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "GraphPosition", "graph_position",
+    "unobserved_lookup",
 ]

@@ -98,6 +98,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
             if cur in carriers and (
                 patterns.elementwise_operands_ok(user, cur, vocab_size, carriers)
                 or patterns.view_keeps_vocab(user, cur, vocab_size)
+                or patterns.is_reshape_or_permute(user)
                 or patterns.is_call(user, LOGIT_CARRIERS, {"softmax", "log_softmax"})
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
                 or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
@@ -107,7 +108,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                     if node not in carriers:
                         carriers.add(node)
                         stack.append(node)
-            elif cur in derived or patterns.is_call(user, patterns.CONSUMER_FUNCTIONS, patterns.CONSUMER_METHODS):
+            elif patterns.match_projection(user) is None:  # computed from the logits (a selection, an entropy)
                 if user not in derived:
                     derived.add(user)
                     stack.append(user)
@@ -122,7 +123,6 @@ def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 
 def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
-               known_vocab: set[int] | frozenset = frozenset(), resumed: bool = False,
                notes: list[str] | None = None) -> list[HeadMatch]:
     """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
 
@@ -133,12 +133,9 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
       narrows this to that width); a table with more rows than any projection has outputs (a
       padded vocabulary) says nothing about V: none, with a note naming the candidates (the
       ``vocab_size`` or ``head`` option picks one, and its ids in [0, V) are observed); with no
-      token embedding in the graph: the vocabularies in ``known_vocab`` (of rewritten heads whose
-      logits are inputs here, of token tables embedded in a graph before a graph break) play the
-      embedding's part; with none, in a graph that does not resume after a graph break, the one
-      projection wider than its input whose logits (not only a selection of them) reach the
-      output (a router or a hidden-state projection is narrower or is not alone); several such:
-      none, with a note saying why.
+      token embedding in the graph: the one projection wider than its input whose logits (not only a
+      selection of them) reach the output (a router or a hidden-state projection is narrower or is
+      not alone); several such: none, with a note saying why.
     * several candidates left: HeadSelectionError naming them. None: an empty list.
     """
     groups = _projection_groups(gm, example_inputs)
@@ -159,7 +156,7 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     tied = [g for g in reaching if g.weight in tables]
     if tied:
         return _unique(tied)
-    vocabularies = set(tables.values()) or set(known_vocab)
+    vocabularies = set(tables.values())
     if vocabularies:
         exact = [g for g in reaching if g.vocab_size in vocabularies]
         if exact:
@@ -169,11 +166,6 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          f"padded vocabulary name the head's width, e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
                          f"(candidates: {_describe(padded)})")
-        return []
-    if resumed:  # the rest of a frame after a graph break: nothing here says what the vocabulary is
-        if notes is not None and reaching:
-            notes.append("this graph resumes after a graph break and embeds no token ids, so nothing says which "
-                         f"projection is the head ({_describe(list(reaching))})")
         return []
     candidates = [g for g in reaching if reaching[g] == "logits" and g.vocab_size > g.hidden_size]
     if len(candidates) > 1:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import effects, patterns
-from .rewrite_head import StateNodes, set_example_value
+from .rewrite_head import DenseFallback, StateNodes, set_example_value
 
 
 @dataclass
@@ -32,39 +32,226 @@ class ObserveInto:
     token_to_row: fx.Node | None = None  # token id -> head row map (EAGLE-3 draft vocabularies)
 
 
-def embedding_lookups(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, int]]:
-    """``(lookup, token-id node, table, rows)`` for every lookup of integer ids computed from a
-    user input (``F.embedding(ids, E)``, ``E[ids]``) into a 2-D table."""
+@dataclass
+class Lookup:
+    """A read of rows of a 2-D table by integer ids: what the pass observes for a head."""
+
+    node: fx.Node  # the lookup
+    ids: fx.Node | list  # integer tensor (or Python ints) whose values are the rows read
+    table: fx.Node
+    rows: int
+    writes_table: bool = False  # ``max_norm``: the lookup renormalises the rows it reads, in place
+
+
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+ONE_HOT = {torch.nn.functional.one_hot, torch._C._nn.one_hot}
+
+
+def _arg(node: fx.Node, index: int, name: str) -> object:
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else None)
+
+
+def _is_int_tensor(node: object) -> bool:
+    value = patterns.example_value(node)
+    return isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
+
+
+def _match_lookup(node: fx.Node) -> tuple | None:
+    """``(ids, table, writes_table)`` when ``node`` reads rows of a 2-D table by integer ids.
+
+    Recognised: ``F.embedding`` (``nn.Embedding``), ``torch.embedding``, ``F.embedding_bag``, ``E[ids]``,
+    ``E[3]``/``E[[1, 2]]`` (ids written in the code), ``index_select`` and ``gather`` on dim 0, and a
+    one-hot matmul ``F.one_hot(ids, V).float() @ E``.
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    t = node.target
+    if t in (torch.nn.functional.embedding, torch.nn.functional.embedding_bag):
+        return _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 3, "max_norm") is not None
+    if t is torch.embedding:
+        return _arg(node, 1, "indices"), _arg(node, 0, "weight"), False
+    if t is operator.getitem and node.args:
+        table, index = node.args
+        first = index[0] if isinstance(index, tuple) and index else index
+        rest = index[1:] if isinstance(index, tuple) else ()
+        if not all(r == slice(None) for r in rest):
+            return None
+        if isinstance(first, int) and not isinstance(first, bool):
+            return [first], table, False
+        if isinstance(first, list) and first and all(isinstance(i, int) and not isinstance(i, bool) for i in first):
+            return list(first), table, False
+        if isinstance(first, fx.Node) and _is_int_tensor(first):
+            return first, table, False
+        return None
+    if patterns.is_call(node, {torch.index_select, torch.gather}, {"index_select", "gather"}):
+        table, dim, ids = (node.args + (None, None, None))[:3]
+        dim, ids = _arg(node, 1, "dim") if dim is None else dim, _arg(node, 2, "index") if ids is None else ids
+        if dim in (0, -2) and isinstance(ids, fx.Node) and _is_int_tensor(ids):
+            return ids, table, False
+        return None
+    if patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm}, {"matmul", "mm", "__matmul__"}) and len(node.args) == 2:
+        lhs, table = node.args
+        while isinstance(lhs, fx.Node) and lhs.op == "call_method" and lhs.target in patterns.CAST_METHODS:
+            lhs = lhs.args[0]
+        if isinstance(lhs, fx.Node) and lhs.op == "call_function" and lhs.target in ONE_HOT:
+            return lhs.args[0], table, False
+    return None
+
+
+def _one_hot_internals(lookup: fx.Node) -> list[fx.Node]:
+    """The one-hot tensor and its casts between a one-hot lookup's ids and its matmul."""
+    found, lhs = [], lookup.args[0] if lookup.args else None
+    while isinstance(lhs, fx.Node) and lhs.op in ("call_method", "call_function") and (
+            lhs.target in patterns.CAST_METHODS or lhs.target in ONE_HOT):
+        found.append(lhs)
+        if lhs.target in ONE_HOT:
+            break
+        lhs = lhs.args[0]
+    return found if found and found[-1].target in ONE_HOT else []
+
+
+def table_lookups(graph: fx.Graph) -> list[Lookup]:
+    """Every read of rows of a 2-D table (static row count) by integer ids, whatever their source:
+    inputs, buffers, or ids written in the code."""
     found = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in patterns.EMBEDDING_TARGETS:
-            ids = node.kwargs.get("input", node.args[0] if node.args else None)
-            table = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
-        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], fx.Node):
-            table, ids = node.args
-        else:
+        match = _match_lookup(node)
+        if match is None:
             continue
-        table_shape, ids_value = patterns.tensor_shape(table), patterns.example_value(ids)
-        if not table_shape or len(table_shape) != 2 or not isinstance(table_shape[0], int):
+        ids, table, writes = match
+        shape = patterns.tensor_shape(table)
+        if not isinstance(table, fx.Node) or not shape or len(shape) != 2 or not isinstance(shape[0], int):
             continue
-        if not isinstance(ids_value, torch.Tensor) or ids_value.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if isinstance(ids, fx.Node) and not _is_int_tensor(ids):
             continue
-        if not _depends_on_user_input(ids):
-            continue  # e.g. positions from torch.arange: a table that happens to have V rows
-        found.append((node, ids, table, table_shape[0]))
+        found.append(Lookup(node, ids, table, shape[0], writes))
     return found
 
 
-def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[tuple[fx.Node, fx.Node]]:
-    """``(lookup node, token-id node)`` for every token embedding lookup of a V-token vocabulary:
-    tables with V rows, or, when there is none, the smallest padded table (more than V rows;
-    the observe op ignores ids outside [0, V))."""
-    lookups = embedding_lookups(graph)
-    exact = [(n, ids) for n, ids, _, rows in lookups if rows == vocab_size]
-    if exact:
-        return exact
-    padded = [rows for *_, rows in lookups if rows > vocab_size]
-    return [(n, ids) for n, ids, _, rows in lookups if padded and rows == min(padded)]
+def embedding_lookups(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, int]]:
+    """``(lookup, ids, table, rows)`` of the lookups whose ids are data computed from a user input
+    (the token embedding; head finding uses its rows as the vocabulary size)."""
+    return [(lk.node, lk.ids, lk.table, lk.rows) for lk in table_lookups(graph)
+            if isinstance(lk.ids, fx.Node) and _depends_on_user_input(lk.ids)]
+
+
+def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[Lookup]:
+    """The lookups whose ids are token ids of a V-token vocabulary: every table with V rows or more
+    (a padded table too; the observe op ignores ids outside [0, V)). Observing a lookup that is not
+    the token embedding only adds tokens to the set, which never makes a result wrong."""
+    return [lk for lk in table_lookups(graph) if lk.rows >= vocab_size and not _positions(lk.ids)]
+
+
+def _positions(ids) -> bool:
+    """Ids computed only from ``torch.arange`` and sizes (no tensor data, no id written in the code):
+    positions, not tokens (a position table may happen to have V rows)."""
+    if not isinstance(ids, fx.Node):
+        return False
+    seen, stack, arange = set(), [ids], False
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        value = patterns.example_value(cur)
+        if cur.op == "placeholder":
+            if isinstance(value, torch.Tensor):
+                return False  # tensor data (an input or a buffer)
+            continue
+        if cur.op == "call_function" and cur.target is torch.arange:
+            arange = True
+        elif cur.op == "call_function" and cur.target in (torch.tensor, torch.as_tensor, torch.full, torch.ones,
+                                                          torch.zeros):
+            return False  # ids written in the code
+        if cur is not ids and not isinstance(value, torch.Tensor):
+            continue  # a size: not data
+        stack.extend(cur.all_input_nodes)
+    return arange
+
+
+def unobserved_lookup(graph: fx.Graph, head) -> str | None:
+    """Why the ids this graph feeds ``head`` cannot all be observed before it reads the set, or None.
+
+    * the graph writes the head's weight or bias in place (an ``nn.Embedding(max_norm=...)`` tied to
+      the head renormalises the rows it looks up, after the observer copied them);
+    * an op computes the head's input from a vocabulary-sized table ([>= V, ...]) and is not a
+      recognised lookup (``torch.take``, a lookup inside ``torch.cond``, a custom op...), or mixes
+      integer data with a tensor as wide as the vocabulary (a hand-written one-hot): its ids cannot
+      be read, so they would not join the set.
+    """
+    params = {head.weight, *(b for b in head.biases if b is not None)}
+    for node in graph.nodes:
+        written = set(effects.mutated_inputs(node)) & params
+        if written or any(lk.writes_table and lk.table in params for lk in _lookups_at(node)):
+            return (f"{_describe(node)} ({_where(node)}) writes the head's weight in place (an embedding with max_norm "
+                    "tied to the head renormalises the rows it looks up); untie them or drop max_norm")
+    vocab = head.vocab_size
+    lookups = {lk.node: lk for lk in table_lookups(graph)}
+    lookups.update({n: lk for lk in list(lookups.values()) for n in _one_hot_internals(lk.node)})
+    inputs = [patterns.match_projection(p)[0] for p in head.nodes]
+    ancestors = _ancestors([x for x in inputs if isinstance(x, fx.Node)])
+    integer = _integer_data(graph, lookups)
+    for node in graph.nodes:
+        if node not in ancestors or node in lookups or node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if any(a in integer for a in node.all_input_nodes) and any(_has_dim_at_least(a, vocab)
+                                                                   for a in node.all_input_nodes):
+            return (f"its input is computed by {_describe(node)} ({_where(node)}), which reads integer data and a "
+                    "tensor as wide as the vocabulary but is not a lookup nanospec can observe (nn.Embedding, "
+                    "F.embedding, E[ids], index_select, "
+                    "gather, embedding_bag, a one-hot matmul), so the ids it reads would not join the active set. "
+                    "Use one of those lookups, or compile with options={'observe_inputs': False} and feed the set "
+                    "with nanospec_fx.active_vocab(model).observe(ids)")
+    return None
+
+
+def _lookups_at(node: fx.Node) -> list[Lookup]:
+    match = _match_lookup(node)
+    if match is None:
+        return []
+    ids, table, writes = match
+    return [Lookup(node, ids, table, -1, writes)] if isinstance(table, fx.Node) else []
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        cur = stack.pop()
+        if cur not in seen:
+            seen.add(cur)
+            stack.extend(cur.all_input_nodes)
+    return seen
+
+
+def _integer_data(graph: fx.Graph, lookups: dict) -> set[fx.Node]:
+    """Integer tensors and everything computed from them, except through a recognised lookup (its
+    result is rows of the table: the ids it read are observed)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in lookups:
+            continue
+        if _is_int_tensor(node) or any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _has_dim_at_least(node: fx.Node, vocab: int) -> bool:
+    shape = patterns.tensor_shape(node)
+    return bool(shape) and any(isinstance(d, int) and d >= vocab for d in shape)
+
+
+def _describe(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+        if lines:
+            return lines[-1]
+    return f"graph node {node.name}"
 
 
 def _depends_on_user_input(node: fx.Node) -> bool:
@@ -121,17 +308,66 @@ def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
 def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     """Insert an observe op for each token-id lookup, as early as its ids exist; returns how many.
 
-    Observing early (before the head, when the ids are graph inputs) means one call sees one
-    state: the tokens fed to this call are active for every head evaluated in it, whatever the
-    program order of embedding and head. Where the ids are computed after a head read the state
-    (a tree drafter embedding its own top-k), :func:`snapshot_state_reads` keeps that head's
-    later reads on the slot table it was computed with.
+    Ids that exist before the head first reads the state (inputs, buffers, ids written in the code,
+    anything computed from those) are observed before that read, so one call sees one state whatever
+    the program order of embedding and head: their computation is copied before the read when the
+    program computes them later (``DenseFallback`` if that copy could differ: random or written in
+    between). Ids computed from the head's own output (a draft loop feeding its argmax back) are
+    observed right after they are computed; :func:`snapshot_state_reads` keeps each head's later
+    reads on the slot table it was computed with.
     """
     lookups = token_id_lookups(graph, into.vocab_size)
-    for lookup, ids in lookups:
-        with graph.inserting_before(_earliest_after(graph, ids, lookup)):
+    reads = _state_reads(graph, into.state)
+    first_read = reads[0] if reads else None
+    after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned
+    for lk in lookups:
+        ids = lk.ids
+        if not isinstance(ids, fx.Node):  # ids written in the code (``E[3]``, ``E[[1, 2]]``)
+            with graph.inserting_before(first_read if first_read is not None else lk.node):
+                ids = graph.call_function(torch.tensor, (ids,), {"dtype": torch.int64})
+            set_example_value(ids)
+        at = _earliest_after(graph, ids, lk.node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if first_read is not None and order[at] > order[first_read] and ids not in after_read:
+            ids = _copy_before(graph, ids, first_read, lk.node)
+            at = first_read
+        with graph.inserting_before(at):
             insert_observe(graph, ids, into)
     return len(lookups)
+
+
+def _state_reads(graph: fx.Graph, state: StateNodes) -> list[fx.Node]:
+    """The nodes that read the active set for a head (not observes), in graph order."""
+    placeholders = {state.ids, state.slot_of, state.cursor, state.cache_w, state.cache_b}
+    return [n for n in graph.nodes if n.op in ("call_function", "call_method")
+            and n.target is not torch.ops.nanospec.observe.default and any(a in placeholders for a in n.all_input_nodes)]
+
+
+_RANDOM = ("rand", "bernoulli", "multinomial", "normal", "uniform", "dropout", "exponential", "poisson", "cauchy")
+
+
+def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node) -> fx.Node:
+    """A copy of ``ids``' computation placed before ``before`` (the first read of the state)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = sorted((n for n in _ancestors([ids]) if order[n] >= order[before]), key=order.__getitem__)
+    inputs = _ancestors([ids])
+    for n in late:
+        name = _describe(n).lower()
+        if n.op not in ("call_function", "call_method") or effects.has_side_effect(n) or any(r in name for r in _RANDOM):
+            raise DenseFallback(f"the ids looked up at {_where(lookup)} are computed after the head reads the active "
+                                f"set, by {_describe(n)} ({_where(n)}), which cannot be moved before it; look the "
+                                "ids up before the head")
+    nodes = list(graph.nodes)
+    for n in nodes[order[before]:order[lookup]]:
+        if set(effects.mutated_inputs(n)) & inputs:
+            raise DenseFallback(f"the ids looked up at {_where(lookup)} are written by {_describe(n)} ({_where(n)}) "
+                                "after the head reads the active set; look the ids up before the head")
+    copies: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(before):
+        for n in late:
+            copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
+            set_example_value(copies[n])
+    return copies[ids]
 
 
 def _earliest_after(graph: fx.Graph, ids: fx.Node, lookup: fx.Node) -> fx.Node:
@@ -154,39 +390,37 @@ def _earliest_after(graph: fx.Graph, ids: fx.Node, lookup: fx.Node) -> fx.Node:
 def snapshot_state_reads(graph: fx.Graph, state: StateNodes) -> int:
     """Keep each projection's reads of the slot table consistent across observes.
 
-    ``compact_logits`` fixes which slot holds which token; a later ``scatter_logits``,
-    ``compact_topk`` or ``compact_argmax`` of the same values must map slots with that table.
-    When an observe (which may evict and refill slots) runs in between, those readers get a copy
-    of ``ids``/``cursor`` taken right before ``compact_logits``. Returns how many snapshots.
+    ``compact_logits`` fixes which slot holds which token; every later read made for the same
+    compact logits (``scatter_logits``, ``compact_topk``/``compact_argmax``, the inactive-token mask,
+    the ids that gather [V] operands: each tagged with its ``compact_logits`` by the rewrite) must map
+    slots with that table. When an observe (which may evict and refill slots) runs in between, those
+    reads get a copy of ``ids``/``cursor`` taken right before ``compact_logits``. Each projection has
+    its own copy: a draft loop inside ``forward`` reads, at step k, the set as it is at step k.
+    Returns how many snapshots.
     """
     ops = torch.ops.nanospec
-    readers = {ops.scatter_logits.default, ops.compact_topk.default, ops.compact_argmax.default}
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     observes = [pos[n] for n in nodes if n.op == "call_function" and n.target is ops.observe.default]
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        compact = n.meta.get("nanospec_compact")
+        if compact in pos and compact.args[3] is state.cursor and (state.ids in n.all_input_nodes
+                                                                    or state.cursor in n.all_input_nodes):
+            groups.setdefault(compact, []).append(n)
     taken = 0
-    for node in nodes:
-        if not (node.op == "call_function" and node.target is ops.compact_logits.default and node.args[3] is state.cursor):
+    for compact, reads in groups.items():
+        last = max(pos[r] for r in reads)
+        if not any(pos[compact] < o < last for o in observes):
             continue
-        later = _state_readers_of(node, readers)
-        if not any(pos[node] < o < max((pos[r] for r in later), default=-1) for o in observes):
-            continue
-        with graph.inserting_before(node):
+        with graph.inserting_before(compact):
             ids = graph.call_method("clone", (state.ids,))
             cursor = graph.call_method("clone", (state.cursor,))
         set_example_value(ids)
         set_example_value(cursor)
-        downstream = _downstream(node)
-        for r in later:
+        for r in reads:
             r.replace_input_with(state.ids, ids)
             r.replace_input_with(state.cursor, cursor)
-        for n in nodes:  # gathers of [V] post-op operands and re-masks read the ids too
-            if n.op == "call_function" and n.target in (torch.clamp, operator.ge) and n.args[0] is state.ids:
-                for user in list(n.users):
-                    if any(u in downstream for u in user.users) or user in downstream:
-                        with graph.inserting_before(user):
-                            copy = graph.node_copy(n, lambda a: ids if a is state.ids else a)
-                        user.replace_input_with(n, copy)
         taken += 1
     return taken
 
@@ -199,10 +433,6 @@ def _downstream(node: fx.Node) -> set[fx.Node]:
                 seen.add(user)
                 stack.append(user)
     return seen
-
-
-def _state_readers_of(compact: fx.Node, readers: set) -> list[fx.Node]:
-    return [n for n in _downstream(compact) if n.op == "call_function" and n.target in readers]
 
 
 def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto,

@@ -19,29 +19,32 @@ How the rewrite stays sound
 ---------------------------
 The *vocabulary region* is every value computed from the head's ``[..., V]`` output, aliases
 and views included. ``rewrite_head`` walks it in graph order as a dataflow problem (not a list of
-special cases): each value of the region is held either in compact form ``[..., C]`` or as a
-materialised ``[..., V]`` tensor with ``-inf`` at inactive tokens, and every *use* of a compact
-value is exactly one of
+special cases): each value of the *chain* (the contract's post-op chain: elementwise steps whose
+other operands are not computed from the logits, and views that keep each token's column) is held
+either in compact form ``[..., C]`` or as a materialised ``[..., V]`` tensor with ``-inf`` at
+inactive tokens, and every *use* of a chain value is exactly one of
 
-1. **an op with exact compact semantics** - an elementwise post-op whose other operands are
-   numbers, tensors with last dim 1, or ``[..., V]`` tensors outside the region (gathered at the
-   active ids); a cast; a view that keeps the vocabulary axis whole; ``log_softmax`` over V (the
-   never-filled slots re-masked); the *in-place* forms of those post-ops (``z /= t``,
-   ``z.masked_fill_(banned, -inf)``, ``torch.clamp_(z, ...)``), which then run in place on the
-   compact tensor, so every compact alias sees the write just as the dense aliases would;
-   ``topk``/``argmax`` (behind ``softmax`` or not), which read slots and map them to token ids;
+1. **a step of the chain with exact compact semantics** - an elementwise post-op whose other
+   operands are numbers, tensors with last dim 1, or ``[..., V]`` tensors outside the region
+   (gathered at the active ids); a cast; a view that keeps the vocabulary axis last; the
+   *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
+   compact alias sees the write just as the dense aliases would; or a compact consumer:
+   ``topk(largest=True)``/``argmax`` (behind ``softmax``/``log_softmax`` over V or not), which read
+   slots and map them to token ids;
 2. **a materialisation point** - any other use. A reader that neither writes its input nor may
-   return an alias of it (schemas say which: ``effects.py``) gets its own ``scatter_logits`` right
-   before it, i.e. the value as of that point. A use that writes the value (``z[..., bad] = v``,
-   ``index_put_``, ``copy_``, ``out=z``) or may alias it (an unknown op, ``narrow``, ...)
-   materialises the value's whole alias class there: its root is scattered once, the views in
-   between are replayed on that tensor, and every later use of every alias reads it, so the
-   write lands where every later reader looks. The region's meaning continues on that tensor:
-   a write, and every later elementwise step, is followed by a re-mask of the inactive tokens
-   to ``-inf`` (views and vocabulary slices carry the mask), exactly as if they had run on the
-   compact logits;
-3. **a reason to stay dense** - where neither applies, the head is left dense with one
-   ``NanoSpecWarning`` naming the op and its place (``rewrite_head.DenseFallback``).
+   return an alias of it (schemas say which: ``effects.py``) is the end of the chain: it gets its own
+   ``scatter_logits`` right before it, i.e. the value as of that point, and what it computes is plain
+   arithmetic, never re-masked (``exp(log_softmax(z))`` is 0 at inactive tokens). A use that writes
+   the value (``z[..., bad] = v``, ``index_put_``, ``copy_``, ``out=z``) or may alias it materialises
+   the value's whole alias class there: its root is scattered once, the views in between are replayed
+   on that tensor, and every later use of every alias reads it. The chain goes on on that tensor: a
+   write, and every later elementwise step of the chain, is followed by a re-mask of the inactive tokens
+   to ``-inf``; views that keep the vocabulary axis whole (moved by a transpose or not, or cut to a
+   padded vocabulary's real width) carry the mask (:func:`vocab_axis_after`);
+3. **a reason to stay dense** - a write through a view that selects part of the vocabulary axis, an
+   elementwise step or write on the result of an unknown op that may alias the logits, or anything
+   else the walk cannot classify: the head is left dense with one ``NanoSpecWarning`` naming the op
+   and its place (``rewrite_head.DenseFallback``).
 
 Unknown ops are assumed to alias and write nothing the schema does not say; in-place ops with
 no compact form are materialisation points, never dropped. Every dead-code elimination the
@@ -323,3 +326,153 @@ def match_softmax(user: fx.Node, logits: fx.Node) -> bool:
     shape = tensor_shape(logits)
     dtype = user.kwargs.get("dtype", user.args[3] if user.op == "call_function" and len(user.args) > 3 else None)
     return shape is not None and dtype is None and _is_last_dim(_arg(user, 0, "dim"), len(shape))
+
+
+# ---------------------------------------------------------------------------- column-keeping views
+# Views and reshapes that keep every token's column whole: the vocabulary axis survives as one axis
+# of the result (maybe at another position), in order. Elementwise steps after them are still steps
+# of the logits chain; anything else reading them ends the chain.
+RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "detach",
+                   "expand", "expand_as", "view_as", "reshape_as"}
+RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.detach}
+PERMUTE_METHODS = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t"}
+PERMUTE_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute, torch.movedim, torch.moveaxis, torch.t}
+
+
+def _known_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - a size nanospec cannot compare: not provably equal
+        return False
+
+
+def _product(dims) -> Any:
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _op_name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return t.__name__.split(".")[0]
+        return getattr(t, "__name__", None)
+    return None
+
+
+def _ints(args) -> list | None:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    return list(args) if all(isinstance(a, int) for a in args) else None
+
+
+def _permutation(node: fx.Node, ndim: int) -> list[int] | None:
+    """``perm`` with ``out axis i = in axis perm[i]`` when ``node`` only permutes axes, else None."""
+    name = _op_name(node)
+    args = node.args[1:]
+    if node.op == "call_function" and node.target is getattr:
+        attr = node.args[1]
+        if attr in ("T", "H"):
+            return list(reversed(range(ndim)))
+        if attr in ("mT", "mH") and ndim >= 2:
+            return list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+        return None
+    if name in ("numpy_T",):
+        return list(reversed(range(ndim)))
+    if name in ("mT", "mH", "adjoint") and ndim >= 2:
+        return list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+    if not is_call(node, PERMUTE_FUNCTIONS, PERMUTE_METHODS):
+        return None
+    if name == "t":
+        return list(reversed(range(ndim))) if ndim <= 2 else None
+    if name in ("transpose", "swapaxes", "swapdims"):
+        dims = _ints(args[:2])
+        if dims is None or len(dims) != 2:
+            return None
+        a, b = (d % ndim for d in dims)
+        perm = list(range(ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = _ints(args)
+        return [d % ndim for d in dims] if dims is not None and len(dims) == ndim else None
+    if name in ("movedim", "moveaxis") and len(args) == 2:
+        src, dst = ([a] if isinstance(a, int) else list(a) if isinstance(a, (tuple, list)) else None for a in args)
+        if src is None or dst is None or len(src) != len(dst):
+            return None
+        src, dst = [s % ndim for s in src], [d % ndim for d in dst]
+        perm: list = [None] * ndim
+        for s, d in zip(src, dst):
+            perm[d] = s
+        rest = iter(i for i in range(ndim) if i not in src)
+        return [p if p is not None else next(rest) for p in perm]
+    return None
+
+
+def _index_axis(index: Any, in_shape: tuple, axis: int) -> int | None:
+    """Where basic indexing ``x[index]`` puts ``x``'s axis ``axis`` (None: it is selected or cut)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if not all(i is Ellipsis or i is None or isinstance(i, (int, slice)) or
+               (isinstance(i, fx.Node) and tensor_shape(i) is None) for i in idx):
+        return None  # a tensor index: advanced indexing copies and reorders
+    consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    in_dim = out_dim = 0
+    for i in idx:
+        if i is None:
+            out_dim += 1
+        elif i is Ellipsis:
+            n = len(in_shape) - consumed
+            if in_dim <= axis < in_dim + n:
+                return out_dim + axis - in_dim
+            in_dim, out_dim = in_dim + n, out_dim + n
+        elif isinstance(i, slice):
+            if in_dim == axis:
+                return out_dim if i == slice(None) else None
+            in_dim, out_dim = in_dim + 1, out_dim + 1
+        else:  # an int (or a SymInt): selects one entry of this axis
+            if in_dim == axis:
+                return None
+            in_dim += 1
+    return out_dim + axis - in_dim if axis >= in_dim else None
+
+
+def vocab_axis_after(node: fx.Node, src: fx.Node, axis: int) -> int | None:
+    """The axis of ``node`` that holds axis ``axis`` of ``src`` whole and in order, when ``node`` is a
+    view, reshape or permutation of ``src`` (its first argument) that keeps each column of that axis."""
+    in_shape, out_shape = tensor_shape(src), tensor_shape(node)
+    if in_shape is None or out_shape is None or not node.args or node.args[0] is not src or not in_shape:
+        return None
+    axis %= len(in_shape)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _index_axis(node.args[1], in_shape, axis)
+    perm = _permutation(node, len(in_shape))
+    if perm is not None:
+        return perm.index(axis) if sorted(perm) == list(range(len(in_shape))) else None
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "data":
+        return axis
+    if not is_call(node, RESHAPE_FUNCTIONS, RESHAPE_METHODS):
+        return None
+    if _op_name(node) in ("expand", "expand_as"):
+        shift = len(out_shape) - len(in_shape)
+        return axis + shift if shift >= 0 and _known_equal(out_shape[axis + shift], in_shape[axis]) else None
+    prefix = _product(in_shape[:axis])
+    for k, d in enumerate(out_shape):
+        if _known_equal(d, in_shape[axis]) and _known_equal(_product(out_shape[:k]), prefix):
+            return k
+    return None
+
+
+def is_reshape_or_permute(node: fx.Node) -> bool:
+    """A view, reshape or permutation of its first argument (``x.T``/``x.mT`` included)."""
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("T", "mT", "H", "mH")
+    return is_call(node, RESHAPE_FUNCTIONS | PERMUTE_FUNCTIONS, RESHAPE_METHODS | PERMUTE_METHODS) or \
+        _op_name(node) in ("numpy_T", "mT", "mH", "adjoint")

@@ -64,6 +64,7 @@ class RewriteReport:
     consumers: list[str]  # top-k / argmax (/ softmax) run on the compact logits
     observers: int = 0  # observe ops inserted on token-id inputs
     materialised: list[str] = field(default_factory=list)  # ops that write or alias the logits: [..., V] built there
+    chain_outputs: int = 0  # graph outputs that hold logits of the chain (-inf at inactive tokens)
 
 
 @dataclass
@@ -78,14 +79,40 @@ class _Member:
 class _Region:
     """The compact part of one projection's vocabulary region while the walk runs."""
 
-    def __init__(self, graph: fx.Graph, state: StateNodes, vocab: int, safe_ids: fx.Node):
-        self.graph, self.state, self.vocab, self.safe_ids = graph, state, vocab, safe_ids
+    def __init__(self, graph: fx.Graph, state: StateNodes, vocab: int, compact: fx.Node):
+        self.graph, self.state, self.vocab, self.compact = graph, state, vocab, compact
+        with graph.inserting_after(compact):
+            self.safe_ids = self.tag(graph.call_function(torch.clamp, (state.ids,), {"min": 0}))
+        set_example_value(self.safe_ids)
         self.members: dict[fx.Node, _Member] = {}
         self.original_args: dict[fx.Node, tuple] = {}  # views retargeted to C: their [..., V] arguments
         self.materialised: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # root -> {member: dense node}
-        self.dense_masks: dict[fx.Node, fx.Node] = {}  # materialised region value -> its inactive-token mask
+        self.dense_masks: dict[fx.Node, Mask] = {}  # materialised chain value -> where its inactive tokens are
+        self.derived: set[fx.Node] = set()  # every node computed from the head's output (before the rewrite)
+        self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
+        self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
         self.capacity = 0
         self._inactive: fx.Node | None = None
+        self._mask_views: dict[tuple, fx.Node] = {}
+
+    def mask_node(self, mask: "Mask", before: fx.Node) -> fx.Node:
+        """Bool mask broadcastable to a value whose vocabulary axis has ``mask.trailing`` axes after it."""
+        if not mask.trailing:
+            return mask.base
+        key = (mask.base, mask.trailing)
+        if key not in self._mask_views:
+            width = patterns.tensor_shape(mask.base)[-1]
+            with self.graph.inserting_after(mask.base):
+                node = self.graph.call_method("view", (mask.base, (width,) + (1,) * mask.trailing))
+            set_example_value(node)
+            self._mask_views[key] = node
+        return self._mask_views[key]
+
+    def tag(self, node: fx.Node) -> fx.Node:
+        """Mark ``node`` as reading the slot table for this projection's compact logits: a later observe
+        must not change what it reads (``observe_inputs.snapshot_state_reads``)."""
+        node.meta["nanospec_compact"] = self.compact
+        return node
 
     def inactive(self, before: fx.Node) -> fx.Node:
         """Bool [V]: True at inactive tokens (built once, before the first materialisation)."""
@@ -93,7 +120,8 @@ class _Region:
             g, st = self.graph, self.state
             with g.inserting_before(before):
                 zeros = g.call_method("new_zeros", (st.ids, (self.capacity,)), {"dtype": torch.float32})
-                row = g.call_function(torch.ops.nanospec.scatter_logits.default, (zeros, st.ids, st.cursor, self.vocab))
+                row = self.tag(g.call_function(torch.ops.nanospec.scatter_logits.default,
+                                               (zeros, st.ids, st.cursor, self.vocab)))
                 self._inactive = g.call_function(torch.isneginf, (row,))
             for n in (zeros, row, self._inactive):
                 set_example_value(n)
@@ -101,8 +129,8 @@ class _Region:
 
     def scatter(self, value: fx.Node, before: fx.Node) -> fx.Node:
         with self.graph.inserting_before(before):
-            node = self.graph.call_function(torch.ops.nanospec.scatter_logits.default,
-                                            (value, self.state.ids, self.state.cursor, self.vocab))
+            node = self.tag(self.graph.call_function(torch.ops.nanospec.scatter_logits.default,
+                                                     (value, self.state.ids, self.state.cursor, self.vocab)))
         set_example_value(node)
         return node
 
@@ -124,9 +152,19 @@ class _Region:
             with self.graph.inserting_before(before):
                 node = self.graph.create_node(member.op, member.target, args, kwargs)
             set_example_value(node)
-        self.dense_masks[node] = self.inactive(before) if info.parent is None else self.dense_masks[self.dense(info.parent, before)]
+        self.dense_masks[node] = Mask(self.inactive(before)) if info.parent is None \
+            else self.dense_masks[self.dense(info.parent, before)]
         done[member] = node
         return node
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Where a materialised chain value's inactive tokens are: a bool ``[V']`` row (True = inactive)
+    and how many axes follow the vocabulary axis in the value (0: it is the last axis)."""
+
+    base: fx.Node
+    trailing: int = 0
 
 
 class DenseFallback(Exception):
@@ -136,18 +174,14 @@ class DenseFallback(Exception):
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(head.nodes, key=order.__getitem__)
-    with graph.inserting_before(first):
-        safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
-    set_example_value(safe_ids)
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, safe_ids, report)
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report)
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, report) -> None:
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> None:
     x = patterns.match_projection(proj)[0]
+    derived = _value_downstream(proj)
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
@@ -157,8 +191,9 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, rep
     proj.replace_all_uses_with(compact)
     graph.erase_node(proj)
 
-    region = _Region(graph, state, vocab, safe_ids)
+    region = _Region(graph, state, vocab, compact)
     region.capacity = capacity
+    region.derived = derived | {compact}
     region.members[compact] = _Member(compact)
     nodes = list(graph.nodes)
     erased: set[fx.Node] = set()
@@ -168,7 +203,10 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, rep
         for a in list(n.all_input_nodes):  # uses of an already materialised class read its [..., V] tensor
             if a in region.members and region.members[a].root in region.materialised:
                 n.replace_input_with(a, region.dense(a, n))
+        _check_aliases(region, n)
         compact_inputs = [a for a in n.all_input_nodes if a in region.members]
+        if n.op == "output" and (compact_inputs or any(a in region.dense_masks for a in n.all_input_nodes)):
+            report.chain_outputs += 1
         if compact_inputs:
             _visit(region, n, compact_inputs, capacity, report, erased)
             continue
@@ -180,6 +218,69 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, safe_ids, rep
         _fuse_plain_head(graph, compact, scatters[0], vocab)
 
 
+def _downstream(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+_METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
+                  "new_full", "size", "dim", "numel", "sym_size", "sym_numel", "stride"}
+
+
+def _value_downstream(node: fx.Node) -> set[fx.Node]:
+    """Every node whose value is computed from ``node``'s values (not only from its shape or dtype)."""
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen or describe(user) in _METADATA_ONLY or (
+                    user.op == "call_function" and user.target is getattr and user.args[1] in ("shape", "dtype", "device")):
+                continue
+            seen.add(user)
+            stack.append(user)
+    return seen
+
+
+def _chain_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, values: set) -> bool:
+    """``n`` is a step of the logits chain: elementwise, and its other operands are not computed from
+    the logits (``z - z.logsumexp(-1, keepdim=True)`` is a normalisation: it ends the chain)."""
+    if not patterns.elementwise_operands_ok(n, inputs, width, values):
+        return False
+    out = n.kwargs.get("out")
+    others = [a for a in n.all_input_nodes if a not in inputs and a is not out]
+    return not any(a in region.derived for a in others)
+
+
+def _check_aliases(region: _Region, n: fx.Node) -> None:
+    """Uses of views of the logits that nanospec cannot map to the vocabulary axis.
+
+    A selection of part of the vocabulary axis (``z[..., 5]``, ``z.narrow(-1, ...)``) ends the chain:
+    reading it is plain arithmetic on the masked logits, but a write through it would change the
+    logits themselves. The result of an op nanospec does not know that may alias the logits may be a
+    column-keeping view (the chain goes on: later steps must keep inactive tokens at -inf) or not; a
+    later elementwise step or write there cannot be proven either way.
+    """
+    selections = [a for a in n.all_input_nodes if a in region.selections]
+    unknown = [a for a in n.all_input_nodes if a in region.unknown]
+    if not (selections or unknown):
+        return
+    written = set(effects.mutated_inputs(n))
+    if written & set(selections + unknown):
+        raise DenseFallback(f"{describe(n)} ({where(n)}) writes through a view of the logits that does not keep the "
+                            "vocabulary axis whole; write the logits themselves (z[..., ids] = v, masked_fill_)")
+    if unknown and patterns.is_call(n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS):
+        origin = next(iter(unknown))
+        raise DenseFallback(f"{describe(n)} ({where(n)}) is an elementwise step on the result of {describe(origin)} "
+                            f"({where(origin)}), which may be a view of the logits nanospec cannot map to the "
+                            "vocabulary axis; use a view it knows (view/reshape/flatten/transpose/permute/indexing)")
+    if effects.may_alias_input(n):
+        (region.unknown if unknown else region.selections).add(n)
+
+
 def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, report: RewriteReport, erased: set) -> None:
     """Classify one use of compact values (see the module docstring) and rewrite it accordingly."""
     graph, vocab = region.graph, region.vocab
@@ -188,7 +289,7 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
     writes = [w for w in all_writes if w in region.members]
     if len(compact_inputs) == 1 and patterns.reads_row_size(n, a):
         return
-    if len(writes) == len(all_writes) and patterns.elementwise_operands_ok(n, compact_inputs, vocab, set(region.members)):
+    if len(writes) == len(all_writes) and _chain_operands_ok(region, n, compact_inputs, vocab, set(region.members)):
         _gather_vocab_operands(graph, n, set(region.members), vocab, region.safe_ids)
         target = writes[0] if writes else a
         if writes and (len(writes) > 1 or (n.args and n.args[0] is not target)):
@@ -212,20 +313,14 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
         if handled:
             report.consumers.extend(handled)
             return
-    if not writes and len(compact_inputs) == 1 and patterns.match_log_softmax(n, a):
-        _mask_unfilled(region, n, a)  # slots past the count may be finite after post-ops
-        region.members[n] = _Member(n)
-        set_example_value(n)
-        report.post_ops.append(describe(n))
-        return
     if writes or effects.may_alias_input(n) and not _elementwise_into(n):
         _materialise(region, n, compact_inputs, report)
         return
     for c in compact_inputs:  # a plain reader: the value as of this point
         n.replace_input_with(c, region.scatter(c, n))
     report.exits.append(describe(n))
-    if _elementwise_into(n):  # ``torch.tanh(z, out=buf)``: buf now holds region values
-        _region_written_out(region, n, region.inactive(n))
+    if _elementwise_into(n) and _chain_operands_ok(region, n, [n.args[0]], vocab, set()):
+        _region_written_out(region, n, Mask(region.inactive(n)))  # ``torch.tanh(z, out=buf)``: buf is in the chain
 
 
 def _elementwise_into(n: fx.Node) -> bool:
@@ -234,7 +329,7 @@ def _elementwise_into(n: fx.Node) -> bool:
         n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS)
 
 
-def _region_written_out(region: _Region, n: fx.Node, mask: fx.Node) -> None:
+def _region_written_out(region: _Region, n: fx.Node, mask: Mask) -> None:
     out = n.kwargs["out"]
     region.dense_masks[out] = mask
     _remask_after(region, n, [out])
@@ -242,59 +337,89 @@ def _region_written_out(region: _Region, n: fx.Node, mask: fx.Node) -> None:
 
 
 def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
-    """A use of a materialised region value: the region's meaning continues on the [..., V] tensor.
+    """A use of a materialised chain value: the chain goes on on the [..., V] tensor.
 
-    Inactive tokens are -inf after every elementwise step and every write, as on the compact
-    path: an elementwise op is followed by a re-mask (in place for an in-place op), a write
-    into a region value re-masks what it wrote; views (a vocabulary slice too) carry the mask.
+    Inactive tokens are -inf after every step of the chain, as on the compact path: an elementwise
+    step is followed by a re-mask (in place for an in-place op), a write into a chain value re-masks
+    what it wrote, and views that keep the vocabulary axis whole (anywhere: transpose, flatten,
+    permute, a vocabulary slice) carry the mask. Anything else reads the masked tensor and ends the
+    chain there: what it computes is plain arithmetic, never re-masked.
     """
     graph = region.graph
     a = dense_inputs[0]
     mask = region.dense_masks[a]
-    width = patterns.tensor_shape(mask)[-1]
+    width = patterns.tensor_shape(mask.base)[-1]
     writes = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
     other_writes = [w for w in effects.mutated_inputs(n) if w not in region.dense_masks]
-    if not other_writes and patterns.elementwise_operands_ok(n, dense_inputs, width, set(region.dense_masks)):
+    aligned = all(region.dense_masks[d] == mask for d in dense_inputs)
+    if not other_writes and aligned and _dense_operands_ok(region, n, dense_inputs, width, mask.trailing):
         if writes:
             _remask_after(region, n, writes)
             if effects.may_alias_input(n):
                 region.dense_masks[n] = region.dense_masks[writes[0]]
             return
         with graph.inserting_after(n):
-            remasked = graph.call_method("masked_fill", (n, mask, float("-inf")))
+            remasked = graph.call_method("masked_fill", (n, region.mask_node(mask, n), float("-inf")))
         n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
         set_example_value(remasked)
         region.dense_masks[remasked] = mask
         return
-    if _elementwise_into(n) and n.kwargs["out"] not in dense_inputs:
+    if _elementwise_into(n) and n.kwargs["out"] not in dense_inputs and len(dense_inputs) == 1 \
+            and _chain_operands_ok(region, n, [a], width, set(region.dense_masks)):
         _region_written_out(region, n, mask)
         return
-    if not writes and len(dense_inputs) == 1 and patterns.view_keeps_vocab(n, a, width):
-        region.dense_masks[n] = mask
-        return
-    cut = _vocabulary_slice(n, a, width)
-    if not writes and cut is not None:
-        with graph.inserting_before(n):
-            sliced = graph.call_function(operator.getitem, (mask, slice(None, cut)))
-        set_example_value(sliced)
-        region.dense_masks[n] = sliced
-        return
-    topk = patterns.match_topk(n, a) if len(dense_inputs) == 1 else None
-    if topk is not None and not topk[1]:  # the k smallest *active* tokens, as on the compact path
-        with graph.inserting_before(n):
-            lifted = graph.call_method("masked_fill", (a, mask, float("inf")))
-        set_example_value(lifted)
-        n.replace_input_with(a, lifted)
-        return
+    if not writes and len(dense_inputs) == 1 and n.args and n.args[0] is a and patterns.tensor_shape(a):
+        ndim = len(patterns.tensor_shape(a))
+        axis = patterns.vocab_axis_after(n, a, ndim - 1 - mask.trailing)
+        if axis is not None:
+            region.dense_masks[n] = Mask(mask.base, len(patterns.tensor_shape(n)) - 1 - axis)
+            return
+        cut = _vocabulary_slice(n, a, width) if not mask.trailing else None
+        if cut is not None:
+            with graph.inserting_before(n):
+                sliced = graph.call_function(operator.getitem, (mask.base, slice(None, cut)))
+            set_example_value(sliced)
+            region.dense_masks[n] = Mask(sliced)
+            return
     if writes:
         _remask_after(region, n, writes)
+    elif effects.may_alias_input(n) and isinstance(patterns.example_value(n), torch.Tensor):
+        known_view = n.op in ("call_function", "call_method") and (
+            patterns.is_call(n, patterns.RESHAPE_FUNCTIONS | patterns.PERMUTE_FUNCTIONS,
+                             patterns.RESHAPE_METHODS | patterns.PERMUTE_METHODS | {"narrow", "select", "split", "chunk",
+                                                                                   "unbind", "unfold", "diagonal"})
+            or n.target in (operator.getitem, getattr))
+        (region.selections if known_view else region.unknown).add(n)
+
+
+def _dense_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, trailing: int) -> bool:
+    """An elementwise chain step on [..., V] values whose vocabulary axis has ``trailing`` axes after it."""
+    if not trailing:
+        return _chain_operands_ok(region, n, inputs, width, set(region.dense_masks))
+    if not patterns.is_call(n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS):
+        return False
+    out = patterns.tensor_shape(n)
+    for arg in n.all_input_nodes:
+        if arg in inputs:
+            continue
+        if arg in region.derived:
+            return False
+        shape = patterns.tensor_shape(arg)
+        if shape is None:
+            continue  # a SymInt/SymFloat scalar
+        if n.op == "call_method" and n.target in ("type_as", "to"):
+            continue
+        if len(shape) > trailing and shape[len(shape) - 1 - trailing] not in (1, width):
+            return False
+    return out is not None and len(out) > trailing and out[len(out) - 1 - trailing] == width
 
 
 def _remask_after(region: _Region, n: fx.Node, written: list) -> None:
     anchor = n
     for w in written:
         with region.graph.inserting_after(anchor):
-            anchor = region.graph.call_method("masked_fill_", (w, region.dense_masks[w], float("-inf")))
+            anchor = region.graph.call_method("masked_fill_", (w, region.mask_node(region.dense_masks[w], anchor),
+                                                               float("-inf")))
         set_example_value(anchor)
 
 
@@ -317,8 +442,8 @@ def _materialise(region: _Region, n: fx.Node, compact_inputs: list, report: Rewr
     """``n`` writes or aliases compact values: their classes become [..., V] tensors from here on."""
     for c in compact_inputs:
         n.replace_input_with(c, region.dense(c, n))
-    # From here the use is one of a [..., V] region value: views and slices carry the mask,
-    # writes and elementwise steps are re-masked.
+    # From here the use is one of a [..., V] chain value: column-keeping views carry the mask,
+    # writes and elementwise steps are re-masked, anything else ends the chain.
     _visit_dense(region, n, [a for a in n.all_input_nodes if a in region.dense_masks])
     report.materialised.append(f"{describe(n)} ({where(n)})")
     report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
@@ -336,7 +461,7 @@ def _mask_unfilled(region: _Region, user: fx.Node, logits: fx.Node) -> None:
     """Make ``user`` read ``where(ids >= 0, logits, -inf)``: slots never filled weigh nothing."""
     graph = region.graph
     with graph.inserting_before(user):
-        filled = graph.call_function(operator.ge, (region.state.ids, 0))
+        filled = region.tag(graph.call_function(operator.ge, (region.state.ids, 0)))
         masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
     set_example_value(filled)
     set_example_value(masked)
@@ -354,7 +479,8 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
     graph, state, ops = region.graph, region.state, torch.ops.nanospec
     if patterns.match_softmax(user, logits):
         readers = list(user.users)
-        if not readers or not all(patterns.match_topk(r, user) or patterns.match_argmax(r, user) is not None for r in readers):
+        if not readers or not all(_largest(patterns.match_topk(r, user)) or patterns.match_argmax(r, user) is not None
+                                  for r in readers):
             return []
         _mask_unfilled(region, user, logits)
         set_example_value(user)
@@ -363,17 +489,17 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
             names += _compact_consumer(region, r, user, erased)
         return names
     topk = patterns.match_topk(user, logits)
-    if topk is not None:
+    if _largest(topk):  # the k smallest are inactive tokens (-inf): read on the [..., V] logits
         k, largest = topk
         with graph.inserting_before(user):
-            new = graph.call_function(ops.compact_topk.default, (logits, state.ids, state.cursor, k, largest))
+            new = region.tag(graph.call_function(ops.compact_topk.default, (logits, state.ids, state.cursor, k, largest)))
         set_example_value(new)
     else:
         keepdim = patterns.match_argmax(user, logits)
         if keepdim is None:
             return []
         with graph.inserting_before(user):
-            new = graph.call_function(ops.compact_argmax.default, (logits, state.ids, state.cursor))
+            new = region.tag(graph.call_function(ops.compact_argmax.default, (logits, state.ids, state.cursor)))
             set_example_value(new)
             if keepdim:
                 new = graph.call_function(torch.unsqueeze, (new, -1))
@@ -383,6 +509,10 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
     graph.erase_node(user)
     erased.add(user)
     return [name]
+
+
+def _largest(topk: tuple | None) -> bool:
+    return topk is not None and topk[1] is True
 
 
 def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab: int) -> None:

@@ -1,0 +1,377 @@
+"""The pass against the contract (README, passes/__init__.py), one defect class per test.
+
+Each drafter here applies the contract's mask itself, at the end of its own chain (``_chain_end``):
+the test knows where the chain ends because it wrote the program, so the oracle shares nothing with
+the pass. After that point everything is plain IEEE arithmetic on the masked logits. A case passes
+when the compiled drafter equals that oracle (and every id fed is active), or when it warns once and
+equals the dense drafter.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanospec_fx
+from helpers import compile_nanospec
+
+V, H = 48, 8
+NEG = float("-inf")
+
+
+def _chain_end(z: torch.Tensor, mask: torch.Tensor | None, axis: int = -1) -> torch.Tensor:
+    """The oracle's mask, applied once where the chain ends (vocabulary along ``axis``)."""
+    if mask is None:
+        return z
+    shape = [1] * z.dim()
+    shape[axis] = -1
+    return z.masked_fill(~mask.view(shape), NEG)
+
+
+class Drafter(nn.Module):
+    def __init__(self, tied: bool = False, max_norm: float | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, H, max_norm=max_norm)
+        self.body = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("ban", torch.tensor([2, 5]))
+
+    def hidden(self, ids):
+        return torch.tanh(self.body(self.embed(ids)))
+
+
+def _active(model) -> torch.Tensor:
+    state = nanospec_fx.active_vocab(model)
+    return state.contains(torch.arange(state.vocab_size))
+
+
+def _run(model, *args, options=None):
+    """(compiled output, oracle output, NanoSpecWarnings) with a fresh compile."""
+    compiled = compile_nanospec(model, capacity=32, **(options or {}))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(*args)
+        oracle = model(*args, mask=_active(model))
+    return out, oracle, [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+
+
+def _close(a, b):
+    if isinstance(a, (tuple, list)):
+        for x, y in zip(a, b):
+            _close(x, y)
+        return
+    torch.testing.assert_close(a, b, equal_nan=True)
+
+
+IDS = torch.tensor([[3, 7, 11, 13]])
+
+
+# ----------------------------------------------------------------------------- views inside the chain (class 4)
+class ViewThenSoftcap(Drafter):
+    def __init__(self, view):
+        super().__init__()
+        self.view = view
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))  # [1, S, V]
+        axis = -1
+        if self.view == "flatten":
+            z = z.flatten(0, 1)
+        elif self.view == "view_n":
+            z = z.view(ids.numel(), -1)
+        elif self.view == "transpose":
+            z, axis = z.transpose(1, 2), 1
+        elif self.view == "permute":
+            z, axis = z.permute(2, 0, 1), 0
+        elif self.view == "mT":
+            z, axis = z.mT, 1
+        elif self.view == "last":
+            z = z[..., -1, :]
+        elif self.view == "squeeze":
+            z = z.squeeze(0)
+        z = 2.0 * torch.tanh(z / 2.0)
+        z = z.clamp(min=-1.5)
+        return _chain_end(z, mask, axis)
+
+
+@pytest.mark.parametrize("view", ["flatten", "view_n", "transpose", "permute", "mT", "last", "squeeze"])
+def test_column_keeping_views_keep_inactive_tokens_at_minus_inf_through_later_post_ops(view):
+    out, oracle, warned = _run(ViewThenSoftcap(view).eval(), IDS)
+    assert not warned
+    _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- after a normalisation (class 5)
+class AfterNormalisation(Drafter):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, ids, mask=None):
+        z = _chain_end(self.lm_head(self.hidden(ids)) / 0.7, mask)  # the chain: head, temperature
+        if self.kind == "exp_log_softmax":
+            return torch.log_softmax(z, -1).exp()
+        if self.kind == "neg_log_softmax":
+            return -torch.log_softmax(z, -1)
+        if self.kind == "entropy":
+            p = torch.softmax(z, -1)
+            return -(p * torch.log(p)).sum(-1)
+        if self.kind == "clamp_finfo":
+            return torch.log_softmax(z, -1).clamp(min=torch.finfo(z.dtype).min)
+        if self.kind == "lse":
+            return (z - z.logsumexp(-1, keepdim=True)).exp()
+        if self.kind == "categorical":
+            return torch.distributions.Categorical(logits=z).entropy()
+        if self.kind == "exp_":
+            p = torch.log_softmax(z, -1)
+            return p.exp_()
+        if self.kind == "typical":  # transformers' TypicalLogitsWarper, written out
+            normalized = F.log_softmax(z, dim=-1)
+            p = torch.exp(normalized)
+            ent = -(normalized * p).nansum(-1, keepdim=True)
+            shifted = torch.abs((-normalized) - ent)
+            sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
+            cumulative = z.gather(-1, sorted_indices).softmax(dim=-1).cumsum(dim=-1)
+            last_ind = (cumulative < 0.9).sum(dim=-1)
+            last_ind.clamp_(max=z.shape[-1] - 1)
+            remove = sorted_scores > sorted_scores.gather(-1, last_ind.unsqueeze(-1))
+            remove[..., :1] = False
+            return z.masked_fill(remove.scatter(-1, sorted_indices, remove), NEG)
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["exp_log_softmax", "neg_log_softmax", "entropy", "clamp_finfo", "lse", "categorical",
+                                  "exp_", "typical"])
+def test_after_a_normalisation_the_rest_is_plain_arithmetic(kind):
+    out, oracle, warned = _run(AfterNormalisation(kind).eval(), IDS)
+    assert not warned
+    _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- lookups (classes 3, 14)
+class Lookup(Drafter):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("held", torch.tensor([[17, 19]]))
+
+    def embed_ids(self, ids):
+        E = self.embed.weight
+        k = self.kind
+        if k == "index_select":
+            return E.index_select(0, ids.flatten()).view(*ids.shape, H)
+        if k == "torch_index_select":
+            return torch.index_select(E, 0, ids.flatten()).view(*ids.shape, H)
+        if k == "gather":
+            flat = ids.flatten()
+            return E.gather(0, flat[:, None].expand(-1, H)).view(*ids.shape, H)
+        if k == "one_hot":
+            return F.one_hot(ids, V).float() @ E
+        if k == "embedding_bag":
+            return F.embedding_bag(ids, E, mode="sum")[:, None, :]
+        if k == "functional":
+            return F.embedding(ids, E)
+        if k == "index":
+            return E[ids]
+        if k == "literal_list":
+            return self.embed(ids) + self.embed(torch.tensor([29, 31])).sum(0)
+        if k == "literal_int":
+            return self.embed(ids) + E[23]
+        if k == "buffer":
+            return self.embed(ids) + self.embed(self.held).sum(1, keepdim=True)
+        if k == "take":
+            return torch.take(E, ids * H)[..., None].expand(*ids.shape, H)
+        raise AssertionError(k)
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(torch.tanh(self.body(self.embed_ids(ids))))
+        return _chain_end(z, mask)
+
+
+@pytest.mark.parametrize("kind", ["index_select", "torch_index_select", "gather", "one_hot", "embedding_bag",
+                                  "functional", "index", "literal_list", "literal_int", "buffer"])
+def test_every_lookup_kind_is_observed_before_the_head_reads_the_set(kind):
+    model = Lookup(kind).eval()
+    out, oracle, warned = _run(model, IDS)
+    assert not warned
+    fed = {"literal_list": [29, 31], "literal_int": [23], "buffer": [17, 19]}.get(kind, [])
+    assert nanospec_fx.active_vocab(model).contains(IDS.flatten().tolist() + fed).all()
+    _close(out, oracle)
+
+
+def test_a_lookup_nanospec_cannot_read_leaves_the_head_dense_and_says_which():
+    model = Lookup("take").eval()
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"runs dense: its input is computed by take"):
+        out = compiled(IDS)
+    torch.testing.assert_close(out, model(IDS))
+
+
+class CondLookup(Drafter):
+    def forward(self, ids, mask=None):
+        def yes(i, e):
+            return F.embedding(i, e)
+
+        def no(i, e):
+            return F.embedding(i, e) * 2.0
+
+        h = torch.cond(ids.sum() > 0, yes, no, (ids, self.embed.weight))
+        return _chain_end(self.lm_head(torch.tanh(self.body(h))), mask)
+
+
+def test_a_lookup_inside_torch_cond_leaves_the_head_dense():
+    model = CondLookup().eval()
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense"):
+        out = compiled(IDS)
+    torch.testing.assert_close(out, model(IDS))
+
+
+# ----------------------------------------------------------------------------- head before the ids (class 2)
+class HeadFirst(Drafter):
+    def __init__(self, brk):
+        super().__init__()
+        self.brk = brk
+        self.pre = nn.Linear(H, H)
+
+    def breaks(self, t):
+        if self.brk == "item":
+            return t + float(t.sum().item()) * 0.0
+        if self.brk == "print":
+            print("drafting")
+            return t
+        if self.brk == "branch":
+            return t * 2.0 if t.sum() > 1e9 else t
+        return t
+
+    def forward(self, ids, prev, mask=None):
+        z = self.lm_head(self.pre(prev)) / 0.8
+        z = z.masked_fill(torch.isin(torch.arange(V), self.ban), NEG)
+        z = _chain_end(z, mask)
+        p = torch.softmax(z, -1)
+        p = self.breaks(p)
+        h = self.hidden(ids)
+        return p, h
+
+
+@pytest.mark.parametrize("brk", ["item", "print", "branch"])
+def test_a_head_scored_before_a_graph_break_and_the_embedding_stays_dense_naming_the_break(brk):
+    model = HeadFirst(brk).eval()
+    prev = torch.randn(1, 4, H)
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"runs dense: this graph is one piece.*ends at"):
+        out = compiled(IDS, prev)
+    _close(out, model(IDS, prev))
+
+
+def test_a_head_scored_before_the_embedding_in_one_graph_sees_the_ids_of_its_call():
+    model = HeadFirst("none").eval()
+    prev = torch.randn(1, 4, H)
+    out, oracle, warned = _run(model, IDS, prev)
+    assert not warned
+    assert nanospec_fx.active_vocab(model).contains(IDS).all()
+    _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- grad mode at the head (classes 12, 15)
+class EnablesGrad(Drafter):
+    def forward(self, ids, mask=None):
+        with torch.enable_grad():
+            return _chain_end(self.lm_head(self.hidden(ids)), mask)
+
+
+def test_enable_grad_inside_forward_keeps_a_trainable_head_dense_and_backward_works():
+    model = EnablesGrad().eval()
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="needs gradients here"):
+        out = compiled(IDS)
+    out.sum().backward()
+    assert model.lm_head.weight.grad is not None
+
+
+class NoGradForward(Drafter):
+    @torch.no_grad()
+    def forward(self, ids, mask=None):
+        return _chain_end(self.lm_head(self.hidden(ids)), mask)
+
+
+def test_a_no_grad_forward_called_in_grad_mode_is_rewritten():
+    model = NoGradForward().eval()
+    compiled = compile_nanospec(model, capacity=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)
+        out = compiled(IDS)
+    assert nanospec_fx.active_vocab(model).rewrites
+    _close(out, model(IDS, mask=_active(model)))
+
+
+# ----------------------------------------------------------------------------- the head weight written (class 11)
+def test_a_max_norm_embedding_tied_to_the_head_leaves_it_dense():
+    model = Drafter(tied=True, max_norm=0.5).eval()
+    model.forward = lambda ids, mask=None: _chain_end(model.lm_head(model.hidden(ids)), mask)
+    compiled = compile_nanospec(model, capacity=32)
+    reference = Drafter(tied=True, max_norm=0.5).eval()
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="max_norm"):
+        out = compiled(IDS)
+        expected = reference.lm_head(reference.hidden(IDS))
+    torch.testing.assert_close(out, expected)
+
+
+# ----------------------------------------------------------------------------- a draft loop inside forward (class 8)
+class DraftLoop(Drafter):
+    """k draft steps in one call, each embedding a token computed from the previous step's argmax."""
+
+    def forward(self, ids, mask=None):
+        if mask is not None:  # the oracle's set, as the contract says it is at each head read
+            mask = mask.clone()
+            mask[ids.flatten()] = True
+        h = self.hidden(ids)[:, -1]
+        steps = []
+        for _ in range(4):
+            z = self.lm_head(h) + self.bias_row
+            z = _chain_end(z, mask)
+            tok = (z.argmax(-1) + 1) % V  # a token the set does not hold yet
+            steps.append(z)
+            if mask is not None:
+                mask[tok] = True
+            h = torch.tanh(self.body(self.embed(tok)))
+        return torch.stack(steps, 1)
+
+    def __init__(self):
+        super().__init__()
+        self.bias_row = nn.Parameter(torch.randn(V))
+
+
+@pytest.mark.parametrize("capacity", [32, 4])
+def test_each_step_of_a_draft_loop_reads_the_set_as_it_is_at_that_step(capacity):
+    model = DraftLoop().eval()
+    ids = torch.tensor([[3, 11]])
+    compiled = compile_nanospec(model, capacity=capacity)
+    state = nanospec_fx.attach(model, head="lm_head", capacity=capacity)
+    before = state.contains(torch.arange(V)).clone()
+    with torch.no_grad():
+        out = compiled(ids)
+        oracle = model(ids, mask=before)
+    if capacity >= 8:
+        _close(out, oracle)
+        return
+    # With eviction the oracle's set is the state's at each step: replay the compiled trajectory in
+    # eager and check that every finite logit is that token's own, at most `capacity` are finite, and
+    # the token fed at the previous step is among them.
+    with torch.no_grad():
+        h = model.hidden(ids)[:, -1]
+        for k in range(out.shape[1]):
+            z = model.lm_head(h) + model.bias_row
+            finite = torch.isfinite(out[:, k])
+            assert int(finite.sum()) <= capacity
+            torch.testing.assert_close(out[:, k][finite], z[finite])
+            if k:
+                assert finite[0, tok].all()
+            tok = (out[:, k].argmax(-1) + 1) % V
+            h = torch.tanh(model.body(model.embed(tok)))
