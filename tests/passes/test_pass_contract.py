@@ -365,13 +365,13 @@ def test_each_step_of_a_draft_loop_reads_the_set_as_it_is_at_that_step(capacity)
     # eager and check that every finite logit is that token's own, at most `capacity` are finite, and
     # the token fed at the previous step is among them.
     with torch.no_grad():
-        h = model.hidden(ids)[:, -1]
+        h, tok = model.hidden(ids)[:, -1], None
         for k in range(out.shape[1]):
             z = model.lm_head(h) + model.bias_row
             finite = torch.isfinite(out[:, k])
             assert int(finite.sum()) <= capacity
             torch.testing.assert_close(out[:, k][finite], z[finite])
-            if k:
+            if tok is not None:
                 assert finite[0, tok].all()
             tok = (out[:, k].argmax(-1) + 1) % V
             h = torch.tanh(model.body(model.embed(tok)))
