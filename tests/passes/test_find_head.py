@@ -136,6 +136,7 @@ TRANSPOSE_SPELLINGS = [
     ("call_function", getattr, "T"), ("call_function", getattr, "mT"),
     ("call_method", "numpy_T"), ("call_function", torch.ops.aten.numpy_T.default),
     ("call_function", torch.ops.aten.mT.default), ("call_function", torch.ops.aten.t.default),
+    ("call_function", torch.ops.aten.numpy_T), ("call_function", torch.ops.aten.mT),  # torch 2.14/2.15 Dynamo: packets
     ("call_method", "transpose", 0, 1), ("call_method", "transpose", -1, -2), ("call_function", torch.transpose, 1, 0),
     ("call_function", torch.ops.aten.transpose.int, 0, 1), ("call_method", "swapaxes", 0, 1),
     ("call_method", "permute", 1, 0), ("call_method", "permute", (1, 0)),
