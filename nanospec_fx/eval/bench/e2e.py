@@ -117,7 +117,8 @@ class E2EResult:
 
 
 def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.Module], max_new: int = 64,
-            draft_tokens: int = 6, observe_topk: int = 3, progress=None, pair: dict | None = None) -> list[E2EResult]:
+            draft_tokens: int = 6, observe_topk: int = 3, progress=None, pair: dict | None = None,
+            requests: list | None = None) -> list[E2EResult]:
     """Target-only greedy decoding, then ``generate(assistant_model=d)`` for each drafter.
 
     Drafters whose head has an active vocabulary (compiled with nanospec) are reset before each
@@ -126,6 +127,7 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
 
     With ``pair`` (backend options) the last drafter is set up with ``nanospec_fx.speculative_pair``
     instead: the target is compiled in place as the observer (so it must come last).
+    ``requests`` (a list) receives one row per decoded request: variant, seconds, tokens, output check.
     """
     from transformers import LogitsProcessorList
 
@@ -135,11 +137,15 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
         for p in prompts[:2]:  # warm-up, as for the drafters
             target.generate(torch.tensor([p]), **kw)
         n, watch = 0, Stopwatch()
-        for p in prompts:
+        per = requests if requests is not None else []
+        for i, p in enumerate(prompts):
+            before = watch.seconds
             with watch:
                 out = target.generate(torch.tensor([p]), **kw)[0, len(p):]
             reference.append(out)
             n += out.numel()
+            per.append({"variant": "target only", "request": i, "seconds": round(watch.seconds - before, 6),
+                        "new_tokens": out.numel(), "identical": True})
         secs = watch.seconds
         results.append(E2EResult("target only", n, secs, n / secs, n, 1.0, 0.0, True, float("nan")))
         if progress:
@@ -161,14 +167,18 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
                 run(p)
             timer.reset()
             same, n, watch, sizes = True, 0, Stopwatch(), []
-            for p, ref in zip(prompts, reference):
+            for i, (p, ref) in enumerate(zip(prompts, reference)):
                 state = _state_or_none(drafter)
                 if state is not None:
                     state.reset()
+                before, rounds_before = watch.seconds, timer.rounds
                 with watch:
                     out = run(p)
                 n += out.numel()
                 same &= torch.equal(out, ref)
+                per.append({"variant": name, "request": i, "seconds": round(watch.seconds - before, 6),
+                            "new_tokens": out.numel(), "rounds": timer.rounds - rounds_before,
+                            "identical": bool(torch.equal(out, ref))})
                 state = _state_or_none(drafter)
                 if state is not None:
                     sizes.append(len(state))
