@@ -38,7 +38,7 @@ def rows_of(path):
 
 
 def test_coverage_inputs_only(tmp_path):
-    run("coverage", "--tokenizer", "bytes", "--corpus", "sample", "--static-corpus", "sample[4:]",
+    run("coverage", "--tokenizer", "bytes", "--corpus", "sample[1:]", "--static-corpus", "sample[:1]",  # disjoint records
         "--static-sizes", "16,64", "--capacities", "32,0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
     rows = {(r["category"], r["policy"]): r for r in rows_of(tmp_path / "coverage.json")}
     assert {"conversation", "code", "literature", "all"} <= {c for c, _ in rows}
