@@ -78,9 +78,27 @@ def e2e_eagle(data: dict) -> str:
     ratio = table(["variant", "depth", *cats],
                   [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
                                  else "" for c in cats)] for v, d in keys if v != "full head"])
-    return (pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+    text = (pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
             + "\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
               "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
+    if data.get("comparisons"):
+        text += "\n\nPaired ratios (same requests, this run): median over requests [95% bootstrap interval]:\n\n"
+        text += paired_table(data["comparisons"])
+    return text
+
+
+def paired_table(comparisons: list[dict]) -> str:
+    """The paired comparisons an `e2e --drafter eagle` run made (JSONs with a "comparisons" section)."""
+    return table(["variant", "depth", "against", "depth ", "metric", "ratio [95% interval]", "requests"],
+                 [[c["a"], str(c["a_depth"]), c["b"], str(c["b_depth"] or ""), c["metric"].replace("_", " "),
+                   f"{c['median']:.2f}x [{c['low']:.2f}, {c['high']:.2f}]", str(c["requests"])] for c in comparisons])
+
+
+def interval(r: dict) -> str:
+    """The speedup over the target alone: with its 95% interval where the JSON has one (paired runs)."""
+    if r.get("speedup_low") is None or r["speedup_low"] != r["speedup_low"]:
+        return f"{r['speedup']:.2f}x"
+    return f"{r['speedup']:.2f}x [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
 
 
 def render(path: Path) -> str:
@@ -89,7 +107,11 @@ def render(path: Path) -> str:
     kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
             "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
     body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
-    return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`\n\n{body}\n"
+    prov = data["meta"].get("provenance")
+    origin = "" if not prov else (f"\n\ncommit {(prov.get('git_commit') or '?')[:10]}{' (dirty)' * bool(prov.get('git_dirty'))}, "
+                                  f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
+                                  f"{(prov.get('load_average_start') or ['?'])[0]} -> {(prov.get('load_average_end') or ['?'])[0]}")
+    return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
 
 
 def _with_full_rate(pooled: list[dict]) -> list[tuple[dict, float | None]]:
@@ -105,7 +127,7 @@ def _eagle_pooled(pairs: list[tuple[dict, float | None]], detail: bool) -> str:
     header += ["== target greedy"] * detail
     out = []
     for r, full in pairs:
-        row = [r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
+        row = [r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", interval(r),
                f"{r['tokens_per_s'] / full:.2f}x" if full else ""]
         row += [f"{100 * r['draft_share']:.0f}%"] * detail
         row += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}",

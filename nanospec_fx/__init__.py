@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.state", "DEFAULT_CAPACITY": "nanospec_fx.state",
     "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
-    "NanoSpecOptions": "nanospec_fx.options", "compile": "nanospec_fx.integrations",
+    "NanoSpecOptions": "nanospec_fx.options",
     "POLICIES": "nanospec_fx.policies", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
     "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
     from nanospec_fx.cost_model import HeadCost
     from nanospec_fx.explain import explain
-    from nanospec_fx.integrations import attach, compile, speculative_pair
+    from nanospec_fx.integrations import attach, speculative_pair
     from nanospec_fx.options import NanoSpecOptions
     from nanospec_fx.policies import POLICIES, FrequencyTable
     from nanospec_fx.state import DEFAULT_CAPACITY, ActiveVocab, active_vocab
@@ -52,6 +52,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
+
+
+def compile(model, options: dict | None = None, *, in_place: bool = False, **keywords):
+    """``torch.compile(model, backend="nanospec", options=...)`` with the options checked at once
+    (:func:`nanospec_fx.integrations.compile`). The backend's options may also be given as keywords
+    (``nanospec_fx.compile(m, capacity=1024)``, as ``attach`` takes them); other keywords go to torch.compile."""
+    from nanospec_fx.integrations import compile as compile_checked
+    from nanospec_fx.options import split_keywords
+
+    options, keywords = split_keywords(options, keywords)
+    return compile_checked(model, options, in_place=in_place, **keywords)
 
 
 def register() -> None:

@@ -142,3 +142,16 @@ def mode_config(mode: str | None) -> dict[str, Any]:
     from torch._inductor import list_mode_options
 
     return dict(list_mode_options(mode))
+
+
+def split_keywords(options: dict | None, keywords: dict) -> tuple[dict | None, dict]:
+    """``(options, torch.compile keywords)``: the nanospec options passed as keywords (``capacity=64``, as
+    ``attach`` and ``speculative_pair`` take them) joined to ``options``; the other keywords are torch.compile's."""
+    names = ({f.name for f in fields(NanoSpecOptions)} - {"inductor_options"}) | set(DEPRECATED)
+    keywords = dict(keywords)
+    ours = {k: keywords.pop(k) for k in list(keywords) if k in names}
+    twice = sorted(set(ours) & set(options or {}))
+    if twice:
+        raise ValueError(f"nanospec option(s) {twice} given both in options= and as keywords: give each once")
+    return ({**(options or {}), **ours} if ours else options), keywords
+

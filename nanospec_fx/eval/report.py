@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,10 +16,68 @@ from rich.console import Console
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+_START_LOAD = _load_average()  # replaced when a measuring verb starts (set_threads)
+
+
 def set_threads(n: int | None) -> None:
+    """Torch's CPU threads for this verb; also the verb's start, whose load average the JSON records."""
     import torch
 
+    global _START_LOAD
+    _START_LOAD = _load_average()
     torch.set_num_threads(n or min(2, os.cpu_count() or 1))
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file (a drafter checkpoint), None when it is missing."""
+    if not Path(path).is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance() -> dict:
+    """What a results JSON needs to be traced and trusted: the code (git commit, and whether the tree had
+    uncommitted changes), the library versions, the threads, and how busy the machine was at start and end."""
+    import torch
+
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),
+            "nanospec_fx": _package_version(), "torch": torch.__version__, "transformers": tf_version,
+            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "load_average_start": _START_LOAD, "load_average_end": _load_average()}
+
+
+def _package_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanospec-fx")
+    except PackageNotFoundError:
+        return None
 
 
 def resolve_device(device: str) -> str:
@@ -45,10 +105,12 @@ def command_line() -> str:
     return "nanospec-fx " + " ".join(sys.argv[1:])
 
 
-def write_outputs(out: Path, name: str, rows: list[dict], meta: dict) -> None:
-    """``name.json`` (rows + how they were made) and ``name.csv`` (rows)."""
+def write_outputs(out: Path, name: str, rows: list[dict], meta: dict, **sections: list) -> None:
+    """``name.json`` (rows, how they were made with their provenance, and any further ``sections``, e.g. the
+    per-request measurements) and ``name.csv`` (rows)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {**meta, "provenance": provenance()}
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, **sections}, indent=1))
     if rows:
         with open(out / f"{name}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

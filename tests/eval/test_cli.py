@@ -38,7 +38,7 @@ def rows_of(path):
 
 
 def test_coverage_inputs_only(tmp_path):
-    run("coverage", "--tokenizer", "bytes", "--corpus", "sample", "--static-corpus", "sample[4:]",
+    run("coverage", "--tokenizer", "bytes", "--corpus", "sample[1:]", "--static-corpus", "sample[:1]",  # disjoint records
         "--static-sizes", "16,64", "--capacities", "32,0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
     rows = {(r["category"], r["policy"]): r for r in rows_of(tmp_path / "coverage.json")}
     assert {"conversation", "code", "literature", "all"} <= {c for c, _ in rows}
@@ -125,6 +125,13 @@ def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
     assert all(r["tokens"] == 24 for r in rows)
     nano = rows[-1]
     assert 0 < nano["active_size"] <= 64 and nano["rounds"] >= 2
+    # the full and static heads share the head weight, but keep no active set of their own: no |A| for them
+    assert all(r["active_size"] != r["active_size"] for r in rows[:-1])
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert len(data["requests"]) == 4 * 2 and all(r["identical"] and r["seconds"] > 0 for r in data["requests"])
+    (static,) = data["meta"]["static_table"].values()
+    assert static["records_dropped_as_requests"] == 2  # sample[:2] are the requests
+    assert data["meta"]["provenance"]["threads"] == 1
     assert (tmp_path / "e2e.png").exists()
 
 

@@ -1,4 +1,5 @@
 """What a newcomer meets first: install hints, error messages that name the option, fast --help, help texts."""
+import json
 import subprocess
 import sys
 
@@ -71,3 +72,18 @@ def test_every_option_has_a_help_text_and_out_says_where_results_go():
                 assert param.help, f"{command.name} {param.opts} has no help text"
             if param.name == "out":
                 assert "NANOSPEC_FX_RESULTS" in param.help and str(param.default) == str(cli.DEFAULT_OUT)
+
+
+def test_bench_head_caps_sizes_at_the_vocabulary(tmp_path):
+    result = CliRunner().invoke(cli.main, ["bench", "head", "--shapes", "16x200", "--active", "500", "--static-n", "300",
+                                           "--rows", "1", "--repeats", "1", "--sweep", "64,1000", "--no-compiled",
+                                           "--out", str(tmp_path), "--threads", "1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "bench-head.json").read_text())["rows"]
+    assert max(r["size"] for r in rows) == 200  # never more rows than the vocabulary has
+    assert sorted(r["size"] for r in rows if r["variant"] == "nanospec-ops compact") == [64, 200, 200]
+
+
+def test_tiny_llama_needs_no_tokenizer_option():
+    tok = loaders.load_tokenizer("tiny-llama")  # train-eagle --model tiny-llama uses the model's name
+    assert tok.vocab_size <= loaders.tiny_llama().config.vocab_size and tok.encode("ab") == [97, 98]

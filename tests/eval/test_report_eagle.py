@@ -47,3 +47,18 @@ def test_depth_sweep_lists_every_run_by_variant_then_depth(tmp_path):
     assert [line.split(" | ")[:2] for line in lines] == [["| full head", "1"], ["| full head", "2"],
                                                          ["| nanospec context@64", "1"], ["| nanospec context@64", "2"]]
     assert "| 2.00x | 4.00x |" in lines[3]  # depth 2: 20 tok/s = 2x the target, 4x the full head
+
+
+def test_paired_runs_show_intervals_comparisons_and_provenance(tmp_path):
+    rows = [_row("target only", 0, "all", 1.0, 10.0, 1.0),
+            {**_row("full head", 1, "all", 2.0, 12.0, 1.21), "speedup_low": 1.1, "speedup_high": 1.3}]
+    comparisons = [{"a": "full head", "a_depth": 1, "b": "target only", "b_depth": 0, "metric": "tokens_per_s",
+                    "median": 1.21, "low": 1.1, "high": 1.3, "requests": 5}]
+    meta = {"command": "c", "provenance": {"git_commit": "abcdef0123456789", "git_dirty": False, "torch": "2.13.0",
+                                           "threads": 2, "load_average_start": [0.5, 0, 0], "load_average_end": [0.7, 0, 0]}}
+    path = tmp_path / "e2e-eagle-p.json"
+    path.write_text(json.dumps({"rows": rows, "meta": meta, "comparisons": comparisons}))
+    text = _report().render(path)
+    assert "| full head | 1 | 2.00 | 12.00 | 1.21x [1.10, 1.30] |" in text
+    assert "| full head | 1 | target only |  | tokens per s | 1.21x [1.10, 1.30] | 5 |" in text
+    assert "commit abcdef0123, torch 2.13.0, 2 threads, load 0.5 -> 0.7" in text

@@ -113,3 +113,59 @@ def test_position_table_with_vocabulary_rows_is_not_observed():
     state = nanospec_fx.active_vocab(model)
     assert state.rewrites[-1].observers == 1
     assert sorted(state.token_ids().tolist()) == [9, 11]  # positions 0 and 1 did not join
+
+
+def _transpose_graph(op: str, target, *args, shape=(97, 8)):
+    """x @ <transpose of W> built by hand, the transpose spelt as ``op`` (call_method / call_function)."""
+    import operator
+
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["example_value"], w.meta["example_value"] = torch.empty(2, shape[-1]), torch.empty(shape)
+    t = g.create_node(op, target, (w, *args))
+    mm = g.call_function(operator.matmul, (x, t))
+    g.output(mm)
+    return x, w, t, mm
+
+
+# Every way Dynamo (torch 2.13 .. 2.15) or a hand-written graph spells a 2-D transpose of the head weight.
+TRANSPOSE_SPELLINGS = [
+    ("call_method", "t"), ("call_function", torch.t), ("call_function", torch.Tensor.t),
+    ("call_function", getattr, "T"), ("call_function", getattr, "mT"),
+    ("call_method", "numpy_T"), ("call_function", torch.ops.aten.numpy_T.default),
+    ("call_function", torch.ops.aten.mT.default), ("call_function", torch.ops.aten.t.default),
+    ("call_function", torch.ops.aten.numpy_T), ("call_function", torch.ops.aten.mT),  # torch 2.14/2.15 Dynamo: packets
+    ("call_method", "transpose", 0, 1), ("call_method", "transpose", -1, -2), ("call_function", torch.transpose, 1, 0),
+    ("call_function", torch.ops.aten.transpose.int, 0, 1), ("call_method", "swapaxes", 0, 1),
+    ("call_method", "permute", 1, 0), ("call_method", "permute", (1, 0)),
+    ("call_function", torch.permute, (1, 0)), ("call_function", torch.ops.aten.permute.default, [1, 0]),
+]
+
+
+@pytest.mark.parametrize("spelling", TRANSPOSE_SPELLINGS, ids=lambda s: "-".join(map(str, s)))
+def test_transposed_weight_reads_every_spelling(spelling):
+    from nanospec_fx.passes.patterns import match_projection, transposed_weight
+
+    x, w, t, mm = _transpose_graph(*spelling)
+    assert transposed_weight(t) is w
+    assert match_projection(mm) == (x, w, None)
+
+
+@pytest.mark.parametrize("spelling", [
+    ("call_method", "transpose", 0, 0), ("call_method", "permute", 0, 1), ("call_method", "contiguous"),
+    ("call_function", getattr, "shape"), ("call_function", torch.ops.aten.clone.default),
+])
+def test_not_a_transpose_is_not_read_as_one(spelling):
+    from nanospec_fx.passes.patterns import match_projection, transposed_weight
+
+    _, _, t, mm = _transpose_graph(*spelling)
+    assert transposed_weight(t) is None and match_projection(mm) is None
+
+
+def test_transpose_of_a_3d_weight_is_not_a_head_weight():
+    from nanospec_fx.passes.patterns import transposed_weight
+
+    _, _, t, _ = _transpose_graph("call_method", "transpose", 1, 2, shape=(4, 97, 8))
+    assert transposed_weight(t) is None

@@ -117,7 +117,8 @@ class E2EResult:
 
 
 def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.Module], max_new: int = 64,
-            draft_tokens: int = 6, observe_topk: int = 3, progress=None, pair: dict | None = None) -> list[E2EResult]:
+            draft_tokens: int = 6, observe_topk: int = 3, progress=None, pair: dict | None = None,
+            requests: list | None = None, active: set[str] | None = None) -> list[E2EResult]:
     """Target-only greedy decoding, then ``generate(assistant_model=d)`` for each drafter.
 
     Drafters whose head has an active vocabulary (compiled with nanospec) are reset before each
@@ -126,6 +127,10 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
 
     With ``pair`` (backend options) the last drafter is set up with ``nanospec_fx.speculative_pair``
     instead: the target is compiled in place as the observer (so it must come last).
+    ``requests`` (a list) receives one row per decoded request: variant, seconds, tokens, output check.
+    ``active``: the drafters with an active vocabulary (default: those named ``nanospec...``). Only they are
+    fed the target's top-k and report a mean |A|: the full and static heads share the head weight (and so
+    its active vocabulary) but must not be charged for keeping it.
     """
     from transformers import LogitsProcessorList
 
@@ -135,15 +140,20 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
         for p in prompts[:2]:  # warm-up, as for the drafters
             target.generate(torch.tensor([p]), **kw)
         n, watch = 0, Stopwatch()
-        for p in prompts:
+        per = requests if requests is not None else []
+        for i, p in enumerate(prompts):
+            before = watch.seconds
             with watch:
                 out = target.generate(torch.tensor([p]), **kw)[0, len(p):]
             reference.append(out)
             n += out.numel()
+            per.append({"variant": "target only", "request": i, "seconds": round(watch.seconds - before, 6),
+                        "new_tokens": out.numel(), "identical": True})
         secs = watch.seconds
         results.append(E2EResult("target only", n, secs, n / secs, n, 1.0, 0.0, True, float("nan")))
         if progress:
             progress("target only")
+        active = {n for n in drafters if n.startswith("nanospec")} if active is None else set(active)
         for name, drafter in drafters.items():
             g = drafter.generation_config
             g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = draft_tokens, "constant", 0.0
@@ -153,7 +163,7 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
                 timer = DraftTimer(drafter)
             else:
                 timer = DraftTimer(drafter)
-                procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk else [])
+                procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk and name in active else [])
             def run(p, drafter=drafter, procs=procs):
                 out = target.generate(torch.tensor([p]), assistant_model=drafter, logits_processor=procs, **kw)
                 return out[0, len(p):]
@@ -161,15 +171,19 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
                 run(p)
             timer.reset()
             same, n, watch, sizes = True, 0, Stopwatch(), []
-            for p, ref in zip(prompts, reference):
-                state = _state_or_none(drafter)
+            for i, (p, ref) in enumerate(zip(prompts, reference)):
+                state = _state_or_none(drafter) if name in active else None
                 if state is not None:
                     state.reset()
+                before, rounds_before = watch.seconds, timer.rounds
                 with watch:
                     out = run(p)
                 n += out.numel()
                 same &= torch.equal(out, ref)
-                state = _state_or_none(drafter)
+                per.append({"variant": name, "request": i, "seconds": round(watch.seconds - before, 6),
+                            "new_tokens": out.numel(), "rounds": timer.rounds - rounds_before,
+                            "identical": bool(torch.equal(out, ref))})
+                state = _state_or_none(drafter) if name in active else None
                 if state is not None:
                     sizes.append(len(state))
             secs = watch.seconds

@@ -20,6 +20,7 @@ from torch import nn
 
 from nanospec_fx.eagle import EagleDrafter
 from nanospec_fx.eval.bench.e2e import StaticHead
+from nanospec_fx.eval.stats import median_interval, paired_ratios
 from nanospec_fx.speculative import DecodeStats, HFTarget, eagle_generate
 
 TARGET_ONLY = "target only"
@@ -70,13 +71,19 @@ def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, c
 
 @dataclass
 class Run:
-    """One request decoded by one variant at one depth."""
+    """One request decoded by one variant at one depth, in one repeat (``order``: its place in that request's
+    rotated plan; ``head``/``setting``: the variant's head and how the target fed its active set)."""
 
     variant: str
     depth: int
     category: str
     stats: DecodeStats
     identical: bool
+    request: int = 0
+    repeat: int = 0
+    order: int = 0
+    head: str = ""
+    setting: str = ""
 
 
 @dataclass
@@ -88,7 +95,7 @@ class Summary:
     tokens: int
     seconds: float
     tokens_per_s: float
-    speedup: float
+    speedup: float  # median over requests of (this variant's tokens/s) / (the target alone's), same request
     tau: float
     draft_share: float
     verify_share: float
@@ -97,6 +104,10 @@ class Summary:
     draft_ms_per_round: float
     verify_ms_per_round: float
     tau_per_request: list[float] = field(default_factory=list)
+    speedup_low: float = float("nan")  # the 95% bootstrap interval of that median
+    speedup_high: float = float("nan")
+    repeats: int = 1
+    mismatches: int = 0  # runs whose output differed from the target alone's
 
 
 def _reset(drafter: nn.Module) -> None:
@@ -107,46 +118,118 @@ def _reset(drafter: nn.Module) -> None:
         state.reset()
 
 
+def setting_name(observe: str, prompt_topk: bool) -> str:
+    return f"observe {observe}" + (", prompt top-k" if prompt_topk else "")
+
+
 def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: list[tuple[str, list[int]]],
                   depths: list[int], max_new: int, observe: str = "verified", target_topk: int = 3,
-                  warmup: int = 1, progress: Callable[[str], None] | None = None, prompt_topk: bool = False) -> list[Run]:
-    """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth
-    (``prompt_topk``: seed the active set with the target's top-k at every prompt position too)."""
+                  warmup: int = 1, progress: Callable[[str], None] | None = None, prompt_topk: bool = False,
+                  repeats: int = 1, settings: list[tuple[str, bool]] | None = None) -> list[Run]:
+    """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth, ``repeats``
+    times. ``settings`` (default ``[(observe, prompt_topk)]``): the ways the target feeds a nanospec drafter's
+    active set (``prompt_topk``: its top-k at every prompt position too); with more than one, each nanospec
+    drafter runs under each, as its own variant, so settings are compared on the same requests in one run.
+    The order of the variants is rotated per request and repeat, so neither load drift nor a warm cache
+    favours one of them. Every output is checked against the target alone's, token for token."""
     runner = HFTarget(target)
     runs: list[Run] = []
+    settings = list(settings or [(observe, prompt_topk)])
     # One drafter cache length for every request and depth: a compiled drafter then keeps one graph per
     # call shape instead of recompiling per request (and hitting Dynamo's recompile limit: dense head).
     cache_len = -(-(max(len(ids) for _, ids in requests) + max_new + max(depths, default=0) + 2) // 64) * 64
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    plan = [(TARGET_ONLY, None, 0)] + [(n, d, k) for k in depths for n, d in drafters.items()]
+    plan = [(TARGET_ONLY, TARGET_ONLY, None, 0, settings[0])]
+    for k in depths:
+        for name, d in drafters.items():
+            stateful = isinstance(d, torch._dynamo.eval_frame.OptimizedModule)  # the nanospec variants
+            for s in settings if stateful else settings[:1]:
+                label = name + (f" [{setting_name(*s)}]" if stateful and len(settings) > 1 else "")
+                plan.append((label, name, d, k, s))
+
+    def decode(d, ids, k, s, n):
+        if d is not None:
+            _reset(d)
+        return eagle_generate(runner, d, torch.tensor([ids]), n, depth=k, observe=s[0], target_topk=target_topk,
+                              prompt_topk=s[1], cache_len=cache_len)
+
     for _, ids in requests[:warmup]:  # compile the nanospec drafters, warm the caches
-        for name, d, k in plan:
-            if d is not None:
-                _reset(d)
-            eagle_generate(runner, d, torch.tensor([ids]), min(16, max_new), depth=k, observe=observe, target_topk=target_topk,
-                           prompt_topk=prompt_topk, cache_len=cache_len)
-    for category, ids in requests:
-        prompt = torch.tensor([ids])
-        reference = None
-        for name, d, k in plan:
-            if d is not None:
-                _reset(d)
-            out, stats = eagle_generate(runner, d, prompt, max_new, depth=k, observe=observe, target_topk=target_topk,
-                                        prompt_topk=prompt_topk, cache_len=cache_len)
-            if reference is None:
-                reference = out
-            runs.append(Run(name, k, category, stats, bool(torch.equal(out, reference))))
-            if progress:
-                progress(f"{category}: {name}" + (f" depth {k}" if k else ""))
+        for _, _, d, k, s in plan:
+            decode(d, ids, k, s, min(16, max_new))
+    reference: dict[int, torch.Tensor] = {}
+    for r in range(repeats):
+        for i, (category, ids) in enumerate(requests):
+            shift = (r * len(requests) + i) % len(plan)
+            done = {}
+            for pos, (label, head, d, k, s) in enumerate(plan[shift:] + plan[:shift]):
+                done[(label, k)] = (*decode(d, ids, k, s, max_new), pos)
+                if progress:
+                    progress(f"{category}: {label}" + (f" depth {k}" if k else "") + (f" (repeat {r + 1})" if repeats > 1 else ""))
+            reference.setdefault(i, done[(TARGET_ONLY, 0)][0])  # the target's greedy output, first repeat
+            for label, head, d, k, s in plan:
+                out, stats, pos = done[(label, k)]
+                runs.append(Run(label, k, category, stats, bool(torch.equal(out, reference[i])), i, r, pos, head,
+                                setting_name(*s)))
     return runs
 
 
+def _per_request(runs: list[Run], metric: str) -> dict[int, float]:
+    """``metric`` per request, summed over its repeats: tokens_per_s or draft_ms_per_round."""
+    out = {}
+    for i in dict.fromkeys(r.request for r in runs):
+        rs = [r for r in runs if r.request == i]
+        if metric == "tokens_per_s":
+            secs = sum(r.stats.total_s for r in rs)
+            out[i] = sum(r.stats.new_tokens for r in rs) / secs if secs else float("nan")
+        else:
+            rounds = sum(r.stats.rounds for r in rs)
+            out[i] = 1e3 * sum(r.stats.draft_s for r in rs) / rounds if rounds else float("nan")
+    return out
+
+
+def paired(runs: list[Run], a: tuple[str, int], b: tuple[str, int], metric: str = "tokens_per_s",
+           category: str = "all") -> dict:
+    """``metric`` of variant ``a`` over variant ``b`` ((variant, depth) each), request by request in this run:
+    the median ratio and its 95% bootstrap interval over requests."""
+    def pick(key):
+        return [r for r in runs if (r.variant, r.depth) == key and category in (r.category, "all")]
+
+    ratios = paired_ratios(_per_request(pick(a), metric), _per_request(pick(b), metric))
+    median, low, high = median_interval(ratios)
+    return {"a": a[0], "a_depth": a[1], "b": b[0], "b_depth": b[1], "metric": metric, "category": category,
+            "median": median, "low": low, "high": high, "requests": len(ratios)}
+
+
+def comparisons(runs: list[Run]) -> list[dict]:
+    """The paired comparisons the docs make, each inside this one run: every variant against the target alone
+    and the full head (same depth); nanospec against FR-Spec's static head (tokens/s and draft ms per round);
+    a non-default setting against the same head's default; each depth against the first."""
+    keys = list(dict.fromkeys((r.variant, r.depth) for r in runs if r.depth))
+    info = {(r.variant, r.depth): (r.head, r.setting) for r in runs}
+    first_setting = next((r.setting for r in runs), "")
+    out = []
+    for v, d in keys:
+        head, setting = info[(v, d)]
+        out.append(paired(runs, (v, d), (TARGET_ONLY, 0)))
+        if head != "full head" and ("full head", d) in info:
+            out.append(paired(runs, (v, d), ("full head", d)))
+        if head.startswith("nanospec"):
+            for s in (k for k in keys if k[1] == d and k[0].startswith("static-")):
+                out += [paired(runs, (v, d), s), paired(runs, (v, d), s, "draft_ms_per_round")]
+        if setting != first_setting:
+            base = next(k for k in keys if k[1] == d and info[k] == (head, first_setting))
+            out.append(paired(runs, (v, d), base))
+        if d != keys[0][1] and (v, keys[0][1]) in info:
+            out.append(paired(runs, (v, d), (v, keys[0][1])))
+    return out
+
+
 def summarise(runs: list[Run]) -> list[Summary]:
-    """Per (variant, depth) and category, and pooled over categories ("all"); speedup vs the target alone."""
+    """Per (variant, depth) and category, and pooled over categories ("all"), over every repeat; the speedup
+    over the target alone is the median of the per-request ratios, with its 95% interval."""
     out = []
     keys = list(dict.fromkeys((r.variant, r.depth) for r in runs))
     categories = list(dict.fromkeys(r.category for r in runs)) + ["all"]
-    base = {c: _rate([r for r in runs if r.variant == TARGET_ONLY and c in (r.category, "all")]) for c in categories}
     for variant, depth in keys:
         for c in categories:
             rs = [r for r in runs if (r.variant, r.depth) == (variant, depth) and c in (r.category, "all")]
@@ -156,16 +239,22 @@ def summarise(runs: list[Run]) -> list[Summary]:
             secs = sum(r.stats.total_s for r in rs)
             rounds = sum(r.stats.rounds for r in rs)
             sizes = [r.stats.active_size for r in rs if r.stats.active_size is not None]
+            speed = paired(runs, (variant, depth), (TARGET_ONLY, 0), category=c)
             out.append(Summary(
-                variant, depth, c, len(rs), tokens, secs, tokens / secs, (tokens / secs) / base[c] if base[c] else float("nan"),
+                variant, depth, c, len({r.request for r in rs}), tokens, secs, tokens / secs, speed["median"],
                 sum(a + 1 for r in rs for a in r.stats.accepted) / max(rounds, 1),
                 sum(r.stats.draft_s for r in rs) / secs, sum(r.stats.verify_s for r in rs) / secs,
                 statistics.mean(sizes) if sizes else float("nan"), all(r.identical for r in rs),
                 1e3 * sum(r.stats.draft_s for r in rs) / max(rounds, 1), 1e3 * sum(r.stats.verify_s for r in rs) / max(rounds, 1),
-                [round(r.stats.mean_accept_length, 3) for r in rs]))
+                [round(r.stats.mean_accept_length, 3) for r in rs], speed["low"], speed["high"],
+                len({r.repeat for r in rs}), sum(not r.identical for r in rs)))
     return out
 
 
-def _rate(runs: list[Run]) -> float:
-    secs = sum(r.stats.total_s for r in runs)
-    return sum(r.stats.new_tokens for r in runs) / secs if secs else 0.0
+def request_rows(runs: list[Run]) -> list[dict]:
+    """One row per decoded request (variant, depth, repeat): what the JSON keeps besides the summaries."""
+    return [{"variant": r.variant, "depth": r.depth, "category": r.category, "request": r.request, "repeat": r.repeat,
+             "order": r.order, "identical": r.identical, "new_tokens": r.stats.new_tokens, "rounds": r.stats.rounds,
+             "accepted": list(r.stats.accepted), "drafted": r.stats.drafted, "total_s": round(r.stats.total_s, 6),
+             "draft_s": round(r.stats.draft_s, 6), "verify_s": round(r.stats.verify_s, 6),
+             "active_size": r.stats.active_size} for r in runs]

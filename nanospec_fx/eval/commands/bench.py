@@ -79,14 +79,15 @@ def bench_head(shapes, active, static_n, rows, repeats, dtype, compiled, inducto
     results = []
     with progress() as prog:
         task = prog.add_task("head", total=len(shape_list) * len(row_list) * (4 + compiled))
-        for shape, h, v in shape_list:
-            results += B.bench_head(shape, h, v, active, static_n, row_list, repeats, torch_dtype(dtype), compiled, device,
+        for shape, h, v in shape_list:  # sizes past the vocabulary mean the whole vocabulary
+            results += B.bench_head(shape, h, v, min(active, v), min(static_n, v), row_list, repeats, torch_dtype(dtype),
+                                    compiled, device,
                                     progress=lambda s: prog.update(task, advance=1, description=s), inductor=inductor)
         sweep_rows = []
         if ints(sweep):
             shape, h, v = shape_list[0]
             task = prog.add_task("sweep", total=len(row_list) * len(ints(sweep)))
-            sweep_rows = B.bench_head_sweep(shape, h, v, ints(sweep), row_list, repeats, torch_dtype(dtype), device,
+            sweep_rows = B.bench_head_sweep(shape, h, v, sorted({min(n, v) for n in ints(sweep)}), row_list, repeats, torch_dtype(dtype), device,
                                             progress=lambda s: prog.update(task, advance=1, description=s))
     t = Table(title=f"LM head, {dtype}, {device}, median of {repeats} (active {active}, static {static_n})")
     for col in ("shape", "rows", "variant", "rows computed", "median ms", "min ms", "speedup", "limit V/N", "of limit"):

@@ -65,6 +65,11 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
         target = _load("--model", loaders.load_model, model) if model else None
     except loaders.MissingAsset as e:
         fail(e)
+    static_info = None
+    if static_samples:
+        from nanospec_fx.eval.commands.e2e import disjoint_static_samples
+
+        static_samples, static_info = disjoint_static_samples(static_samples, samples, static_corpus)
     if not static_corpus:
         console.print(f"static and hybrid policies skipped: their frequency table is counted on {STATIC_CORPUS} "
                       "(needs the [eval] extra); pass --static-corpus SPEC to use another corpus", markup=False)
@@ -109,6 +114,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     rows = [dataclasses.asdict(r) for r in results]
     meta = {"command": command_line(), "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "model": model, "topk": k, "continuation": continuation, "static_corpus": static_corpus,
+            "static_table": static_info,
             "corpora": corpora, "requests": len(requests), "verify_every": verify_every,
             "max_prompt": max_prompt, "max_new": max_new, "machine": machine(),
             # how repetitive the scored text is (degenerate loops make any context set look good)

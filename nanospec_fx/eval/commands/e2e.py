@@ -26,9 +26,16 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="--drafter eagle: drafts per round (repeatable: each depth is measured).")
 @click.option("--variants", default="full,static,context,hybrid", show_default=True,
               help="--drafter eagle: drafter heads to measure (full, static, context, hybrid).")
-@click.option("--observe", type=click.Choice(["verified", "accepted", "none"]), default="verified", show_default=True,
+@click.option("--observe", default="verified", show_default=True,
               help="--drafter eagle: where the target's top-k joins the active set: every verified position "
-                   "(rejected drafts included, as in the paper), the accepted ones only, or nowhere.")
+                   "(rejected drafts included, as in the paper), the accepted ones only, or nowhere (none). A comma "
+                   "list (verified,accepted) runs each nanospec head under each, paired on the same requests.")
+@click.option("--paired-prompt-topk", is_flag=True, default=False,
+              help="--drafter eagle: run each nanospec head both without and with --prompt-topk, paired on the same "
+                   "requests (instead of comparing two separate runs).")
+@click.option("--repeats", default=1, show_default=True, type=int,
+              help="--drafter eagle: decode every request this many times (the order of the variants rotated per "
+                   "request and repeat); ratios are medians over requests with a 95% bootstrap interval.")
 @click.option("--prompt-topk/--no-prompt-topk", default=False, show_default=True,
               help="--drafter eagle: also seed the active set with the target's top-k at every prompt position (the "
                    "paper's seed; costs the target's head over the whole prompt at prefill, ~0.5 s per 256 tokens on 2 CPU cores).")
@@ -50,12 +57,15 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
 @out_option("e2e")
 @threads_option
-def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, prompt_topk, eagle_dir, static_corpus, static_n,
-        capacity, observe_topk, max_prompt, max_new, draft_tokens, observer, inductor, out, name, threads):
+def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, paired_prompt_topk, repeats, prompt_topk,
+        eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens, observer, inductor,
+        out, name, threads):
     """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
 
     --drafter truncated (default): generate(assistant_model=...) with a layer-truncated drafter.
     --drafter eagle: a trained EAGLE drafter (`nanospec-fx train-eagle`) on the target's KV cache.
+    An output that differs from the target's greedy output fails the run (exit status 2), after the JSON,
+    which lists every request, is written.
     """
     if drafter == "eagle":
         from nanospec_fx.eval.commands.e2e_eagle import run
@@ -64,7 +74,7 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
                    prompt_topk=prompt_topk,
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
                    observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
-                   name=name, threads=threads)
+                   name=name, threads=threads, repeats=repeats, paired_prompt_topk=paired_prompt_topk)
     corpora, max_new = corpora or ("sharegpt[:3]", "humaneval[:3]"), max_new or 64
     import torch
     from rich.table import Table
@@ -76,7 +86,7 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
     from nanospec_fx.eval.report import command_line, console, fail, machine, progress, set_threads, write_outputs
 
     set_threads(threads)
-    rows = []
+    rows, per_request, statics = [], [], {}
     for spec in models:
         try:
             target = _load("--model", loaders.load_model, spec)
@@ -88,6 +98,7 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
         vocab = target.get_output_embeddings().weight.shape[0]
         layers = draft_layers or max(1, target.config.num_hidden_layers // 3)
         prompts = [tok.encode(s.prompt, bos=True)[-max_prompt:] for s in samples]
+        static_samples, statics[spec] = disjoint_static_samples(static_samples, samples, static_corpus)
         n_static = min(static_n, vocab)
         table = FrequencyTable.from_token_ids(
             (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab).top(n_static)
@@ -105,7 +116,10 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
             task = prog.add_task(spec, total=len(drafters) + 1)
             res = B.run_e2e(target, prompts, drafters, max_new, draft_tokens, observe_topk,
                             progress=lambda s: prog.update(task, advance=1, description=f"{spec}: {s}"),
-                            pair=None if observer == "processor" else dict(capacity=capacity, inductor=inductor))
+                            pair=None if observer == "processor" else dict(capacity=capacity, inductor=inductor),
+                            requests=per_request)
+        for r in per_request:
+            r.setdefault("model", spec)
         t = Table(title=f"{spec} (V={vocab:,}), drafter = first {layers} of {target.config.num_hidden_layers} layers + "
                         f"shared head, {len(prompts)} prompts x {max_new} new tokens, greedy, {torch.get_num_threads()} CPU threads")
         for col in ("variant", "tok/s", "tokens/round", "draft share", "mean |A|", "== target greedy"):
@@ -123,8 +137,26 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
             "observer": observer, "target_observer": {
                 "processor": "LogitsProcessor on the target calling active_vocab(drafter).observe(top-k)",
                 "api": "nanospec_fx.speculative_pair(target, drafter) (target compiled in place as observer)"}[observer],
-            "machine": machine()}
-    write_outputs(out, name, rows, meta)
+            "static_table": statics, "machine": machine()}
+    write_outputs(out, name, rows, meta, requests=per_request)
+    bad = [r for r in per_request if not r["identical"]]
+    if bad:
+        fail(f"{len(bad)} request(s) decoded with a drafter differ from the target's greedy output (lossless decoding "
+             f"is broken), e.g. {bad[0]['variant']} on request {bad[0]['request']}; each is listed in the JSON")
+
+
+def disjoint_static_samples(static: list, requests: list, spec: str) -> tuple[list, dict]:
+    """The static-table samples that share no record (nor prompt) with an evaluation request, and what was
+    checked: FR-Spec's frequency table must not have counted the text it is evaluated on."""
+    from nanospec_fx.eval.report import fail
+
+    used_records = {s.record for s in requests if s.record}
+    used_prompts = {s.prompt for s in requests}
+    kept = [s for s in static if not (s.record and s.record in used_records) and s.prompt not in used_prompts]
+    if not kept:
+        fail(f"every record of --static-corpus {spec} is also an evaluation request: choose a disjoint slice")
+    return kept, {"corpus": spec, "records_counted": len(kept), "records_dropped_as_requests": len(static) - len(kept),
+                  "disjoint_by": "record id (and prompt text)", "unlabelled_records": sum(not s.record for s in kept)}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -10,7 +10,9 @@ EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-ma
 
 
 def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n, capacity,
-        observe_topk, max_prompt, max_new, inductor, out, name, threads):
+        observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False):
+    import itertools
+
     import torch
     from rich.table import Table
 
@@ -20,10 +22,12 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     from nanospec_fx.eval.bench import eagle_e2e as B
     from nanospec_fx.eval.commands.coverage import _load
     from nanospec_fx.eval.commands.train_eagle import eagle_dir as default_dir
+    from nanospec_fx.eval.commands.e2e import disjoint_static_samples
     from nanospec_fx.eval.report import (
         command_line,
         console,
         fail,
+        file_digest,
         machine,
         progress,
         set_threads,
@@ -37,7 +41,13 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
         fail(f"--variants takes a comma list of full, static, context, hybrid; got {variants!r}")
     if any(d < 1 for d in depths):
         fail(f"--depth must be >= 1, got {depths}")
-    rows, summaries_all, metas = [], [], {}
+    if repeats < 1:
+        fail(f"--repeats must be >= 1, got {repeats}")
+    observes = [o.strip() for o in observe.split(",") if o.strip()]
+    if not observes or not set(observes) <= {"verified", "accepted", "none"}:
+        fail(f"--observe takes verified, accepted, none or a comma list of them; got {observe!r}")
+    settings = list(itertools.product(dict.fromkeys(observes), (False, True) if paired_prompt_topk else (prompt_topk,)))
+    rows, summaries_all, metas, requests_all, compared, checks, statics = [], [], {}, [], [], {}, {}
     for spec in models[:1] if models == ("gemma3-270m", "smollm2-135m") else models:  # the default: Gemma only
         folder = eagle_dir or default_dir(spec)
         try:
@@ -48,31 +58,42 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
             drafter = T.load_drafter(target, folder)
         except (loaders.MissingAsset, FileNotFoundError, ValueError) as e:
             fail(e)
-        trained = (folder / "train-prompts.txt")
-        seen = set(trained.read_text().split()) if trained.exists() else set()
+        trained = folder / "train-prompts.txt"
+        if not trained.exists():
+            fail(f"{trained} is missing: without the list of the drafter's training prompts nothing proves the "
+                 "evaluation requests were not trained on. Retrain with `nanospec-fx train-eagle` (it writes the list) "
+                 "or restore the file.")
+        seen = set(trained.read_text().split())
         overlap = [s.prompt[:60] for s in samples if T.prompt_digest(s.prompt) in seen]
         if overlap:
             fail(f"{len(overlap)} evaluation request(s) were in the drafter's training text, e.g. {overlap[0]!r}: "
                  "choose other --corpus slices")
+        checks[spec] = {"list": str(trained), "training_prompts": len(seen), "requests_checked": len(samples),
+                        "overlap": 0, "passed": True}
+        static_samples, statics[spec] = disjoint_static_samples(static_samples, samples, static_corpus)
         vocab = target.get_output_embeddings().weight.shape[0]
         requests = [(s.category, tok.encode(s.prompt, bos=True)[-max_prompt:]) for s in samples]
         table = FrequencyTable.from_token_ids(
             (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)
         torch._dynamo.reset()
         drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor, which=kinds)
-        plan = len(requests) * (1 + len(drafters) * len(depths))
+        nano = sum(isinstance(d, torch._dynamo.eval_frame.OptimizedModule) for d in drafters.values())
+        plan = repeats * len(requests) * (1 + (len(drafters) + nano * (len(settings) - 1)) * len(depths))
         with progress() as prog:
             task = prog.add_task(spec, total=plan)
             def step(text, task=task, spec=spec):
                 prog.update(task, advance=1, description=f"{spec}: {text}")
                 if not console.is_terminal:  # a log file: one line per decoded request
                     console.print(f"{spec}: {text}")
-            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observe, observe_topk,
-                                     prompt_topk=prompt_topk, progress=step)
+            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observes[0], observe_topk,
+                                   prompt_topk=prompt_topk, progress=step, repeats=repeats, settings=settings)
         summaries = B.summarise(runs)
+        requests_all += [{"model": spec, **r} for r in B.request_rows(runs)]
+        compared += [{"model": spec, **c} for c in B.comparisons(runs)]
         _print(console, Table, spec, summaries, len(requests), max_new, observe, torch.get_num_threads())
         meta_path = folder / T.META
         metas[spec] = {k: v for k, v in json.loads(meta_path.read_text()).items() if k not in ("history", "config")}
+        metas[spec]["checkpoint_sha256"] = file_digest(folder / T.WEIGHTS)
         for s in summaries:
             rows.append({"model": spec, **dataclasses.asdict(s)})
         summaries_all += summaries
@@ -81,11 +102,30 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     _plot(rows, out / f"{name}.png")
     meta = {"command": command_line(), "max_new": max_new, "max_prompt": max_prompt, "depths": list(depths),
             "observe": observe, "observe_topk": observe_topk, "prompt_topk": prompt_topk, "capacity": capacity,
+            "repeats": repeats, "settings": [B.setting_name(*s) for s in settings],
+            "order": "variants rotated per request and repeat; ratios: median over requests, 95% bootstrap interval",
+            "training_text_check": checks, "static_table": statics,
             "static_n": static_n,
             "static_corpus": static_corpus, "inductor": inductor, "drafter_training": metas,
             "draft": "chain (EAGLE drafter, greedy), target verifies [last token] + drafts on its KV cache",
             "machine": machine()}
-    write_outputs(out, name, rows, meta)
+    write_outputs(out, name, rows, meta, requests=requests_all, comparisons=compared)
+    _print_comparisons(console, Table, compared)
+    bad = [r for r in requests_all if not r["identical"]]
+    if bad:
+        fail(f"{len(bad)} decoded request(s) differ from the target's greedy output (lossless decoding is broken), "
+             f"e.g. {bad[0]['variant']} depth {bad[0]['depth']} on request {bad[0]['request']} ({bad[0]['category']}); "
+             "every one is listed under \"requests\" in the JSON")
+
+
+def _print_comparisons(console, Table, compared):
+    t = Table(title="paired ratios (same requests, this run): median over requests [95% bootstrap interval]")
+    for col in ("model", "variant", "against", "metric", "ratio", "requests"):
+        t.add_column(col, justify="left" if col in ("model", "variant", "against", "metric") else "right")
+    for c in compared:
+        t.add_row(c["model"], f"{c['a']} d{c['a_depth']}", f"{c['b']}" + (f" d{c['b_depth']}" if c["b_depth"] else ""),
+                  c["metric"], f"{c['median']:.3f} [{c['low']:.3f}, {c['high']:.3f}]", str(c["requests"]))
+    console.print(t)
 
 
 def _print(console, Table, spec, summaries, n_requests, max_new, observe, threads):
@@ -97,7 +137,8 @@ def _print(console, Table, spec, summaries, n_requests, max_new, observe, thread
     for s in summaries:
         if s.category != "all":
             continue
-        t.add_row(s.variant, str(s.depth or ""), f"{s.tau:.2f}", f"{s.tokens_per_s:.2f}", f"{s.speedup:.2f}x",
+        t.add_row(s.variant, str(s.depth or ""), f"{s.tau:.2f}", f"{s.tokens_per_s:.2f}",
+                  f"{s.speedup:.2f}x [{s.speedup_low:.2f}, {s.speedup_high:.2f}]",
                   f"{100 * s.draft_share:.0f}%", f"{s.draft_ms_per_round:.1f}", f"{s.verify_ms_per_round:.1f}",
                   "" if s.active_size != s.active_size else f"{s.active_size:,.0f}",
                   "yes" if s.identical else "NO")
