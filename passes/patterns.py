@@ -388,15 +388,9 @@ def _product(dims) -> Any:
     return out
 
 
-def _op_name(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        t = node.target
-        if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            return t.__name__.split(".")[0]
-        return getattr(t, "__name__", None)
-    return None
+def _call_name(node: fx.Node) -> str | None:
+    """:func:`_op_name`, or the bare name of any other called function (``torch.movedim``)."""
+    return _op_name(node) or (getattr(node.target, "__name__", None) if node.op == "call_function" else None)
 
 
 def _ints(args) -> list | None:
@@ -407,7 +401,7 @@ def _ints(args) -> list | None:
 
 def _permutation(node: fx.Node, ndim: int) -> list[int] | None:
     """``perm`` with ``out axis i = in axis perm[i]`` when ``node`` only permutes axes, else None."""
-    name = _op_name(node)
+    name = _call_name(node)
     args = node.args[1:]
     if node.op == "call_function" and node.target is getattr:
         attr = node.args[1]
@@ -491,7 +485,7 @@ def vocab_axis_after(node: fx.Node, src: fx.Node, axis: int) -> int | None:
         return axis
     if not is_call(node, RESHAPE_FUNCTIONS, RESHAPE_METHODS):
         return None
-    if _op_name(node) in ("expand", "expand_as"):
+    if _call_name(node) in ("expand", "expand_as"):
         shift = len(out_shape) - len(in_shape)
         return axis + shift if shift >= 0 and _known_equal(out_shape[axis + shift], in_shape[axis]) else None
     prefix = _product(in_shape[:axis])
