@@ -375,3 +375,58 @@ def test_each_step_of_a_draft_loop_reads_the_set_as_it_is_at_that_step(capacity)
                 assert finite[0, tok].all()
             tok = (out[:, k].argmax(-1) + 1) % V
             h = torch.tanh(model.body(model.embed(tok)))
+
+
+# ----------------------------------------------------------------------------- several models in one process (class 1)
+class Plain(Drafter):
+    def forward(self, ids, mask=None):
+        return _chain_end(self.lm_head(self.hidden(ids)), mask)
+
+
+def _fresh_plain(seed):
+    torch.manual_seed(seed)
+    model = Plain().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("reset_between", [False, True])
+def test_instances_and_models_called_alternately_keep_their_own_sets(reset_between):
+    a, b = _fresh_plain(1), _fresh_plain(2)  # two instances of one class: they share compiled graphs
+    c = Lookup("index").eval()  # another model
+    torch._dynamo.reset()
+    compiled = {m: torch.compile(m, backend="nanospec", options={"inductor": False, "capacity": 32}) for m in (a, b, c)}
+    feeds = {a: [[1, 2]], b: [[30, 31]], c: [[40, 41]]}
+    with torch.no_grad():
+        for _ in range(2):
+            for m in (a, b, c):
+                if reset_between:
+                    torch._dynamo.reset()
+                out = compiled[m](torch.tensor(feeds[m]))
+                _close(out, m(torch.tensor(feeds[m]), mask=_active(m)))
+    for m in (a, b, c):
+        others = [t for o in (a, b, c) if o is not m for t in feeds[o][0]]
+        state = nanospec_fx.active_vocab(m)
+        assert state.contains(feeds[m][0]).all()
+        assert not state.contains(others).any(), "ids of another model or instance joined this one's set"
+
+
+def test_a_compiled_free_function_shared_by_two_drafters_feeds_each_its_own_set():
+    a, b = _fresh_plain(3), _fresh_plain(4)
+
+    @torch.compile(backend="nanospec", options={"inductor": False, "capacity": 32})
+    def draft(model, ids):
+        return torch.softmax(model.lm_head(model.hidden(ids)) / 0.5, -1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        pa = draft(a, torch.tensor([[5, 6]]))
+        pb = draft(b, torch.tensor([[7, 8]]))
+    for m, p, ids in ((a, pa, [5, 6]), (b, pb, [7, 8])):
+        state = nanospec_fx.active_vocab(m)
+        assert state.contains(ids).all()
+        with torch.no_grad():
+            ref = torch.softmax(_chain_end(m.lm_head(m.hidden(torch.tensor([ids]))) / 0.5, _active(m)), -1)
+        _close(p, ref)
