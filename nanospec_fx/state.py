@@ -69,8 +69,9 @@ class ActiveVocab:
         if not 0 <= num_pinned < capacity:
             raise ValueError(f"num_pinned must be in [0, capacity={capacity}), got {num_pinned}")
         dev = weight.device
-        # Weakly: the registry maps the weight to this state, so a strong reference would keep both alive forever.
-        self._weight_ref = weakref.ref(weight)
+        # A state of the registry (state_for) holds its weight weakly: the registry maps the weight to the
+        # state, so a strong reference back would keep both alive forever. A state built directly holds it.
+        self._weight_ref, self._weight_strong = weakref.ref(weight), weight
         self.bias = bias
         self.rows, self.hidden_size, self.capacity, self.num_pinned = rows, hidden, capacity, num_pinned
         self.policy, self.observes = policy, observes
@@ -103,7 +104,7 @@ class ActiveVocab:
     @property
     def weight(self) -> torch.Tensor:
         """The head weight this state caches rows of (held weakly: the state does not keep it alive)."""
-        weight = self._weight_ref()
+        weight = self._weight_strong if self._weight_strong is not None else self._weight_ref()
         if weight is None:
             raise RuntimeError(
                 "nanospec: the head weight of this active vocabulary was freed (its model was deleted or its head "
@@ -313,7 +314,8 @@ class ActiveVocab:
         handle the user holds stays valid. The new configuration is validated before anything changes."""
         fresh = ActiveVocab(weight, bias, **config)
         kept = self.token_ids() if self.observes else None
-        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites}
+        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
+                "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(keep)
         if kept is not None and kept.numel():
@@ -419,6 +421,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, nu
         state = registered_state(weight)
         if state is None:
             state = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
+            state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state
         if bias is not state.bias and state.fits(weight) and state.bias_fits(bias):
