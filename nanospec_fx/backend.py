@@ -210,10 +210,11 @@ class _DrafterBinding(_Binding):
         return _state_inputs(self.state)
 
     def update(self, args: tuple) -> bool:
-        if self.weight_pos is None or args[self.weight_pos] is self.state.weight:
+        bias = args[self.bias_pos] if self.bias_pos is not None else self.state.bias
+        if self.weight_pos is None or self.state.is_weight(args[self.weight_pos]):
+            self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
             return self.sync()
         old = self.state
-        bias = args[self.bias_pos] if self.bias_pos is not None else old.bias
         self.track(state_for(args[self.weight_pos], bias, old.capacity, old.num_pinned, seed_ids=old.seed_ids,
                              observes=old.observes, policy=old.policy, token_to_row=old.token_to_row))
         if not self.state.rewrites:
@@ -225,6 +226,14 @@ class _DrafterBinding(_Binding):
 # ----------------------------------------------------------------------------- target role
 def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     state = resolve_vocab(opts.vocab, opts)
+    compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
+    if not isinstance(compiled, _StatefulCall):
+        return compiled
+    return _TargetObserverCall(compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches))
+
+
+def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
+                           config_patches: dict) -> Callable:
     heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")
@@ -250,11 +259,37 @@ def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: Nan
     return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
 
 
+class _TargetObserverCall:
+    """A target observer that follows its drafter's state to a new dtype or device.
+
+    The observer copies the drafter's head rows into the drafter's ActiveVocab, so its graph is made for the
+    state's dtype; ``drafter.to(dtype)`` changes the weight (Dynamo recompiles the drafter, not the target).
+    Before each call: a weight that no longer fits the state rebuilds it in place (same object, tokens kept,
+    as the drafter's own recompile would), and a state whose layout changed rebuilds this graph for it.
+    """
+
+    def __init__(self, compiled: "_StatefulCall", build: Callable[[], Callable]):
+        self.compiled, self.build = compiled, build
+        self.binding = compiled.bindings[0]
+        self.state = self.binding.state
+
+    def __call__(self, *args: Any) -> Any:
+        state = self.state
+        if not state.fits(state.weight):
+            state_for(state.weight, state.bias, **state.config())
+        if state.layout() != self.binding.layout:
+            self.compiled = self.build()
+            self.binding = self.compiled.bindings[0]
+        return self.compiled(*args)
+
+
 class _TargetBinding(_Binding):
     """Extra inputs of a target observer: the drafter's head weight, bias and ActiveVocab tensors."""
 
     def __init__(self, state: ActiveVocab):
         self.track(state)
+        # The state holds its weight weakly; this graph reads it, so it keeps it alive while it can run.
+        self.weight = state.weight
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.state

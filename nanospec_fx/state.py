@@ -1,6 +1,8 @@
 """ActiveVocab: the device-resident active vocabulary of one LM head.
 
-One ``ActiveVocab`` exists per head weight and lives as long as that weight. The compiled
+One ``ActiveVocab`` exists per head weight and lives as long as that weight: a registry weakly
+keyed by the weight holds it, and the state holds its weight weakly, so nothing hangs on the
+tensor (a drafter stays picklable, saveable and copyable) and nothing keeps a dropped model alive. The compiled
 graph receives its tensors as extra inputs and the nanospec ops update them in place, so
 their addresses never change (CUDA graphs keep working) and no step needs the host.
 """
@@ -15,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from nanospec_fx.kernels import ops
 # The state tensors a compiled graph receives, in order (declared once, with the op schemas).
@@ -66,7 +69,10 @@ class ActiveVocab:
         if not 0 <= num_pinned < capacity:
             raise ValueError(f"num_pinned must be in [0, capacity={capacity}), got {num_pinned}")
         dev = weight.device
-        self.weight, self.bias = weight, bias
+        # A state of the registry (state_for) holds its weight weakly: the registry maps the weight to the
+        # state, so a strong reference back would keep both alive forever. A state built directly holds it.
+        self._weight_ref, self._weight_strong = weakref.ref(weight), weight
+        self.bias = bias
         self.rows, self.hidden_size, self.capacity, self.num_pinned = rows, hidden, capacity, num_pinned
         self.policy, self.observes = policy, observes
         self.rewrites: list = []  # what the pass did for this head (passes.RewriteReport), for explain()
@@ -95,6 +101,46 @@ class ActiveVocab:
         self._seed()
 
     # ----------------------------------------------------------------- tensors
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head weight this state caches rows of (held weakly: the state does not keep it alive)."""
+        weight = self._weight_strong if self._weight_strong is not None else self._weight_ref()
+        if weight is None:
+            raise RuntimeError(
+                "nanospec: the head weight of this active vocabulary was freed (its model was deleted or its head "
+                "replaced); get the current one with nanospec_fx.active_vocab(model)"
+            )
+        return weight
+
+    def is_weight(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is this state's head weight (False once that weight was freed)."""
+        return tensor is not None and self._weight_ref() is tensor
+
+    def bias_fits(self, bias: torch.Tensor | None) -> bool:
+        """Whether ``bias`` can replace this state's bias in place: both absent, or same shape, dtype and device."""
+        if bias is None or self.bias is None:
+            return bias is None and self.bias is None
+        return tuple(bias.shape) == (self.rows,) and bias.dtype == self.bias.dtype and bias.device == self.bias.device
+
+    def set_bias(self, bias: torch.Tensor | None) -> None:
+        """Follow a head bias replaced by another tensor (``head.bias = nn.Parameter(...)``,
+        ``load_state_dict(assign=True)``): re-copy the active rows' bias from it, as for a weight written in
+        place. A bias of another shape, dtype or device, or adding/removing one, changes what the compiled
+        graph was made for: a ``ValueError`` that says what to do."""
+        if bias is self.bias:
+            return
+        if not self.bias_fits(bias):
+            def describe(b):
+                return "no bias" if b is None else f"a bias {tuple(b.shape)} {b.dtype} on {b.device}"
+            raise ValueError(
+                f"nanospec: the head bias was replaced by {describe(bias)}, but this active vocabulary and the graphs "
+                f"compiled for it have {describe(self.bias)}; replace the head's weight and bias together (a new head "
+                "weight gets its own active vocabulary), or call torch._dynamo.reset() and compile again"
+            )
+        self.bias = bias
+        self.refresh()
+        self.generation += 1  # compiled graphs that pass the bias as an input (target observers) take the new one
+
     def tensors(self) -> list[torch.Tensor]:
         """The state tensors the compiled graph receives, in the order the ops take them (:data:`STATE_TENSORS`)."""
         return [getattr(self, name) for name in STATE_TENSORS]
@@ -268,7 +314,8 @@ class ActiveVocab:
         handle the user holds stays valid. The new configuration is validated before anything changes."""
         fresh = ActiveVocab(weight, bias, **config)
         kept = self.token_ids() if self.observes else None
-        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites}
+        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
+                "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(keep)
         if kept is not None and kept.numel():
@@ -351,10 +398,12 @@ def _check_token_map(token_to_row: torch.Tensor, rows: int, device) -> tuple[tor
 
 
 # --------------------------------------------------------------------- registry
-# The ActiveVocab of a head weight hangs on the weight tensor itself: it lives exactly as long
-# as the weight (the weight <-> state cycle is collected with it), and no global table leaks.
-_ATTR = "_nanospec_active_vocab"
-_LOCK = threading.Lock()
+# The ActiveVocab of each head weight, weakly keyed by the weight's identity: an entry lives exactly
+# as long as its weight (the state holds the weight weakly, so the entry never keeps its own key
+# alive), and nothing is stored on the tensor, so pickling, torch.save and deepcopy of a drafter,
+# its state_dict(keep_vars=True) or the weight alone never meet it. A copy gets its own state.
+_REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LOCK = threading.RLock()
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, *,
@@ -372,8 +421,11 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, nu
         state = registered_state(weight)
         if state is None:
             state = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
-            setattr(weight, _ATTR, state)
+            state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
+            _REGISTRY[weight] = state
             return state
+        if bias is not state.bias and state.fits(weight) and state.bias_fits(bias):
+            state.set_bias(bias)  # the head's bias was replaced by a tensor of the same shape: follow it
         if state.matches(weight, bias, capacity, num_pinned, **config):
             return state
         diffs = state.differences(capacity, num_pinned, **config)
@@ -404,7 +456,8 @@ def _running_users(state: ActiveVocab, weight: torch.Tensor) -> bool:
 
 
 def registered_state(weight: torch.Tensor) -> ActiveVocab | None:
-    return getattr(weight, _ATTR, None)
+    """The ActiveVocab of ``weight``, or None when it has none."""
+    return _REGISTRY.get(weight)
 
 
 def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

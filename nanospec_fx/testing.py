@@ -14,7 +14,10 @@ alone, by a chi-square test at a fixed significance (docs/sampling.md).
 """
 from __future__ import annotations
 
+import copy
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,10 +34,12 @@ TOLERANCES = {  # (rtol, atol): logits from a compact GEMM round differently fro
     torch.bfloat16: (2e-2, 5e-2),
 }
 
-# The last compiled drafter, reused while the same module and options come back (hypothesis
-# calls assert_equivalent once per example; recompiling each time would be slow, and Dynamo
-# silently falls back to eager after too many recompiles of one function).
-_last: tuple[nn.Module, str, nn.Module] | None = None
+# The last compiled configuration, reused while the same drafter (unchanged) and options come back:
+# hypothesis calls assert_equivalent once per example, and recompiling each time would be slow.
+_last: "_Compiled | None" = None
+# While the checker runs, Dynamo may compile this many graphs per function before it silently runs
+# eager; every configuration is its own backend, and earlier ones (and the user's) stay cached.
+RECOMPILE_LIMIT = 256
 
 
 def assert_equivalent(
@@ -47,6 +52,7 @@ def assert_equivalent(
     rtol: float | None = None,
     atol: float | None = None,
     token_inputs: Sequence[int | str] | None = None,
+    reset_dynamo: bool = False,
 ) -> ActiveVocab:
     """Assert that ``drafter`` compiled with nanospec keeps the correctness contract on ``example_inputs``.
 
@@ -64,22 +70,33 @@ def assert_equivalent(
         token_inputs: positions (or keyword names) of the inputs holding token ids, which must
             all be active. By default every integer tensor input; pass this when the drafter
             also takes positions or attention masks.
+        reset_dynamo: call ``torch._dynamo.reset()`` before compiling a new configuration (drops
+            every compiled graph of the process, yours included); off by default.
 
-    Returns the drafter's :class:`ActiveVocab` after the checked call. Compiling a new drafter
-    calls ``torch._dynamo.reset()``, as between tests.
+    The check runs on a copy of the drafter (``copy.deepcopy``), compiled with its own backend for
+    these options, so your drafter, its active vocabulary and your compiled wrappers are untouched.
+    Returns the copy's :class:`ActiveVocab` after the checked call.
     """
     options = {"inductor": False, **(options or {})}
     args, kwargs = _split_inputs(example_inputs)
     module = getattr(drafter, "_orig_mod", drafter)
-    compiled = _compile(module, options)
+    checked = _compile(module, options, reset_dynamo)
 
-    with torch.inference_mode():
-        compiled(*args, **kwargs)  # the first call creates the state
-        state = _state_of(module, options)
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        checked.compiled(*args, **kwargs)  # the first call creates the state
+        if not checked.backend.compiles:
+            global _last
+            _last = None  # not reused: the next check compiles afresh
+            raise AssertionError(
+                f"Dynamo did not hand {type(module).__name__} to the nanospec backend (it ran eager: a recompile "
+                "limit, or a frame Dynamo skips), so nothing was checked; pass reset_dynamo=True or call "
+                "torch._dynamo.reset() before the check"
+            )
+        state = _state_of(checked.module, options)
         if active_ids is not None:
             state.reset()
             state.observe(torch.as_tensor(active_ids, dtype=torch.int64))
-        actual = compiled(*args, **kwargs)
+        actual = checked.compiled(*args, **kwargs)
         mask = state.contains(torch.arange(state.vocab_size, device=state.ids.device))
         eager = _eager(module)(*args, **kwargs)
         expected = reference(mask) if reference is not None else None
@@ -109,15 +126,98 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def _compile(module: nn.Module, options: dict) -> nn.Module:
+class _Backend:
+    """The nanospec backend with one configuration; a new object per configuration, so Dynamo never reuses
+    another configuration's graphs for it (its cache entries are checked against the backend that made them)."""
+
+    def __init__(self, options: dict):
+        self.options, self.compiles = dict(options), 0
+
+    def __call__(self, gm, example_inputs, **_):
+        from nanospec_fx.backend import nanospec_backend
+
+        self.compiles += 1
+        return nanospec_backend(gm, example_inputs, options=self.options)
+
+
+@dataclass
+class _Compiled:
+    """One checked configuration: the user's drafter, a copy of it compiled with ``backend``, and the keys it was
+    made for (what the options hold, by value, and the identity and version of the drafter's tensors)."""
+
+    source: nn.Module
+    key: Any
+    tensors: Any
+    module: nn.Module
+    compiled: Callable
+    backend: _Backend
+    options: dict  # keeps the option objects keyed by identity alive, so their ids are not reused
+
+
+def _compile(module: nn.Module, options: dict, reset_dynamo: bool = False) -> _Compiled:
     global _last
-    key = repr(sorted(options.items()))
-    if _last is not None and _last[0] is module and _last[1] == key:
-        return _last[2]
-    torch._dynamo.reset()
-    compiled = torch.compile(module, backend="nanospec", options=dict(options))
-    _last = (module, key, compiled)
-    return compiled
+    key, tensors = options_key(options), _tensor_versions(module)
+    if _last is not None and _last.source is module and _last.key == key and _last.tensors == tensors:
+        return _last
+    _last = None
+    if reset_dynamo:
+        torch._dynamo.reset()
+    copy_ = _copy(module)
+    backend = _Backend(options)
+    _last = _Compiled(module, key, tensors, copy_, torch.compile(copy_, backend=backend), backend, dict(options))
+    return _last
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    """A deep copy to compile, detached from any ``module.compile()`` of the original (whose compiled
+    ``_call_impl`` a deep copy would still call)."""
+    try:
+        copy_ = copy.deepcopy(module)
+    except Exception as exc:  # noqa: BLE001 - say what to do, whatever the drafter holds
+        raise TypeError(
+            f"assert_equivalent checks a copy of the drafter, and copy.deepcopy({type(module).__name__}) failed: {exc}"
+        ) from exc
+    for sub in copy_.modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            sub._compiled_call_impl = None
+    return copy_
+
+
+def _tensor_versions(module: nn.Module) -> tuple:
+    """What changes when the drafter's parameters or buffers are replaced or written in place."""
+    found = []
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: compare its values
+            version = _tensor_key(t)
+        found.append((name, id(t), t.data_ptr(), version))
+    return tuple(found)
+
+
+def options_key(value: Any) -> Any:
+    """A hashable key equal for two option values exactly when they configure the same compile: tensors and
+    arrays by dtype, shape, device and bytes (never by their printout), containers item by item, plain values
+    by type and value, any other object by identity."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, np.ascontiguousarray(value).tobytes())
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), options_key(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(options_key(v) for v in value))
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if value is None or isinstance(value, (bool, int, str, bytes, torch.dtype, torch.device, Path)):
+        return (type(value).__name__, str(value) if isinstance(value, (torch.device, Path)) else value)
+    return ("object", type(value).__qualname__, id(value))
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return ("tensor", str(t.dtype), tuple(t.shape), str(t.device), flat.view(torch.uint8).numpy().tobytes())
 
 
 def _eager(module: nn.Module) -> Callable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch.nn as nn
 
 import nanospec_fx
 from helpers import tiny_llama
@@ -99,3 +100,47 @@ def test_static_state_is_not_fed_by_the_target():
     with torch.inference_mode():
         observer(torch.tensor([[1, 2, 3]]))
     assert sorted(state.token_ids().tolist()) == [45, 46, 47, 48, 49]
+
+
+class _Target(nn.Module):
+    """A target of its own class (Dynamo caches graphs per code object: not the drafter's class)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, hidden), nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).tanh())
+
+
+@pytest.mark.parametrize("observer_first", [True, False])
+def test_the_observer_follows_the_drafter_to_another_dtype(observer_first):
+    """``drafter.to(dtype)`` rebuilds the shared state in the new dtype: the observer keeps feeding it (no
+    error), and the drafter's logits stay equal to its masked eager logits, in each dtype and back."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    vocab = 50
+    target, drafter = _Target(vocab, 8).eval(), TinyDrafter(vocab, 8).eval()
+    state = nanospec_fx.attach(drafter, head="lm_head.weight", capacity=16)
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": state, "inductor": False})
+    compiled = torch.compile(drafter, backend="nanospec",
+                             options={"head": "lm_head.weight", "capacity": 16, "inductor": False})
+    batches = iter(torch.arange(3, 48).view(-1, 1, 3))
+
+    def step(first):
+        calls = [lambda: observer(next(batches)), lambda: compiled(next(batches))]
+        for call in calls if first else calls[::-1]:
+            call()
+        ids = next(batches)
+        out, eager = compiled(ids), drafter(ids)
+        active = torch.zeros(vocab, dtype=torch.bool)
+        active[state.token_ids()] = True  # the oracle: eager logits, -inf outside the set
+        torch.testing.assert_close(out, eager.masked_fill(~active, float("-inf")))
+        return out
+
+    with torch.no_grad():
+        step(observer_first)
+        for dtype in (torch.float64, torch.float32):
+            drafter.to(dtype)
+            assert step(observer_first).dtype == dtype
+            assert nanospec_fx.active_vocab(drafter) is state and state.cache_w.dtype == dtype

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from helpers import tiny_llama
 from drafters import EagleLikeDrafter, HiddenOnlyDrafter, NoHead, TinyDrafter
+import nanospec_fx
 from nanospec_fx import NanoSpecWarning
 from nanospec_fx.testing import active_sets, assert_equivalent, token_ids
 
@@ -148,3 +149,79 @@ def test_transformers_probe_does_not_load_a_second_copy_of_the_ops():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "[]"]
+
+
+# ----------------------------------------------------------------------------- isolation (issue 16, class 7)
+def test_options_whose_tensors_print_alike_are_compiled_separately():
+    """Two static policies whose frequency tensors print alike (summarised) but rank other tokens first:
+    each check must run its own configuration, judged by a reference built from the frequencies."""
+    vocab, static = 1200, 5
+    torch.manual_seed(0)
+    model, x = TinyDrafter(vocab, 8).eval(), torch.tensor([[1, 2, 3]])
+    for first in (1100, 1105):
+        freqs = torch.zeros(vocab, dtype=torch.int64)
+        freqs[first:first + static] = 7
+        expected = torch.zeros(vocab, dtype=torch.bool)
+        expected[first:first + static] = True  # the oracle: the 'static_size' most frequent tokens
+        options = {"policy": "static", "frequencies": freqs, "static_size": static, "capacity": 8}
+        assert repr(options) == repr({**options, "frequencies": torch.zeros(vocab, dtype=torch.int64)})
+        state = assert_equivalent(model, (x,), options=options, token_inputs=[],
+                                  reference=lambda mask: model(x, _mask=expected))
+        assert sorted(state.token_ids().tolist()) == list(range(first, first + static))
+
+
+def test_options_are_keyed_by_value_not_by_printout():
+    from nanospec_fx.testing import options_key
+
+    a, b = torch.zeros(2000), torch.zeros(2000)
+    b[1000] = 1.0
+    assert repr(a) == repr(b) and options_key({"f": a}) != options_key({"f": b})
+    assert options_key({"f": a, "k": 1}) == options_key({"k": 1, "f": a.clone()})
+    assert options_key({"k": 1}) != options_key({"k": 1.0}) != options_key({"k": True})
+
+
+def test_the_check_leaves_dynamo_and_the_users_drafter_alone():
+    """No torch._dynamo.reset() behind the user's back: the user's compiled drafter keeps its graph, its
+    state and its options while assert_equivalent checks the same drafter with other options."""
+    from nanospec_fx.backend import nanospec_backend
+
+    torch._dynamo.reset()  # a fresh process for this test: the earlier checks' graphs count toward Dynamo's limit
+    compiles = []
+
+    def backend(gm, example_inputs, **_):
+        compiles.append(1)
+        return nanospec_backend(gm, example_inputs, options={"capacity": 16, "inductor": False})
+
+    model, x = tiny(seed=11), ids()
+    users = torch.compile(model, backend=backend)
+    with torch.inference_mode():
+        before = users(x)
+    mine = nanospec_fx.active_vocab(model)
+    assert_equivalent(model, (x,), options={"capacity": 64})
+    assert_equivalent(model, (x,), options={"capacity": 32})
+    with torch.inference_mode():
+        after = users(x)
+    assert len(compiles) == 1, "the user's compiled graph was dropped (a global Dynamo reset)"
+    assert nanospec_fx.active_vocab(model) is mine and mine.capacity == 16
+    assert torch.equal(before, after)
+
+
+def test_a_drafter_written_in_place_is_compiled_again():
+    model, x = tiny(seed=12), ids()
+    assert_equivalent(model, (x,), options={"capacity": 32})
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # the checked copy must follow the drafter, not keep the old weights
+    assert_equivalent(model, (x,), options={"capacity": 32})
+
+
+def test_a_check_dynamo_does_not_compile_fails_instead_of_passing(monkeypatch):
+    """Past Dynamo's recompile limit the drafter would run eager: nothing checked, so it must not pass."""
+    import nanospec_fx.testing as testing
+
+    torch._dynamo.reset()
+    model, x = tiny(seed=13), ids()
+    assert_equivalent(model, (x,), options={"capacity": 32})
+    monkeypatch.setattr(testing, "RECOMPILE_LIMIT", 1)
+    with pytest.raises(AssertionError, match="did not hand TinyDrafter to the nanospec backend"):
+        assert_equivalent(model, (x,), options={"capacity": 48})
+    assert_equivalent(model, (x,), options={"capacity": 48}, reset_dynamo=True)
