@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.options import NanoSpecOptions, mode_config
 from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
@@ -47,6 +48,7 @@ def warn_once(message: str) -> None:
 def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any) -> Callable:
     """torch.compile backend: rewrite the LM head to the active vocabulary, compile the rest."""
     opts = NanoSpecOptions.parse(options)
+    record_compiled_frame()
     config_patches = {**mode_config(mode), **opts.inductor_options}
     if opts.observe_topk is not None:
         return _compile_target_observer(gm, example_inputs, opts, config_patches)

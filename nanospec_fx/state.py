@@ -543,7 +543,9 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
         raise LookupError(
             f"{type(module).__name__} has no active vocabulary yet: compile it with "
             "torch.compile(module, backend='nanospec') and call it once, or create it now with "
-            "nanospec_fx.attach(module, head='<weight name>')"
+            "nanospec_fx.attach(module, head='<weight name>'). If the compiled module was called, Dynamo did not "
+            "hand its forward to nanospec, so its head ran dense: a first call that ran no tensor op (an early "
+            "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
         )
     if len(found) > 1:
         raise LookupError(f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
