@@ -194,7 +194,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
     for node in graph.nodes:
         if node not in ancestors or node in lookups or node.op not in ("call_function", "call_method", "call_module"):
             continue
-        if any(a in integer for a in node.all_input_nodes) and any(_has_dim_at_least(a, vocab)
+        if any(a in integer for a in node.all_input_nodes) and any(a not in integer and _vocabulary_wide(a, vocab)
                                                                    for a in node.all_input_nodes):
             return (f"its input is computed by {_describe(node)} ({_where(node)}), which reads integer data and a "
                     "tensor as wide as the vocabulary but is not a lookup nanospec can observe (nn.Embedding, "
@@ -235,9 +235,22 @@ def _integer_data(graph: fx.Graph, lookups: dict) -> set[fx.Node]:
     return found
 
 
-def _has_dim_at_least(node: fx.Node, vocab: int) -> bool:
+def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
+    """A table the ids could index: a parameter or buffer with V rows or more, or any tensor with an axis of
+    exactly V (``torch.arange(V)`` compared with the ids: a one-hot written by hand). A mask or activation that
+    merely has a long axis (a sequence as long as the vocabulary) is computed from integer data itself, or
+    is not exactly V wide."""
     shape = patterns.tensor_shape(node)
-    return bool(shape) and any(isinstance(d, int) and d >= vocab for d in shape)
+    if not shape:
+        return False
+    if any(isinstance(d, int) and d == vocab for d in shape):
+        return True
+    source = node
+    while source.op in ("call_function", "call_method") and patterns.is_reshape_or_permute(source) and source.args:
+        source = source.args[0]
+    weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
+        isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in _source(source)))
+    return weight_like and any(isinstance(d, int) and d >= vocab for d in shape)
 
 
 def _describe(node: fx.Node) -> str:

@@ -187,6 +187,8 @@ class Lookup(Drafter):
             return self.embed(ids) + self.embed(self.held).sum(1, keepdim=True)
         if k == "take":
             return torch.take(E, ids * H)[..., None].expand(*ids.shape, H)
+        if k == "eq_one_hot":  # a one-hot written by hand: nanospec cannot read its ids
+            return (ids[..., None] == torch.arange(V)).to(E.dtype) @ E
         raise AssertionError(k)
 
     def forward(self, ids, mask=None):
@@ -205,10 +207,11 @@ def test_every_lookup_kind_is_observed_before_the_head_reads_the_set(kind):
     _close(out, oracle)
 
 
-def test_a_lookup_nanospec_cannot_read_leaves_the_head_dense_and_says_which():
-    model = Lookup("take").eval()
+@pytest.mark.parametrize("kind, op", [("take", "take"), ("eq_one_hot", "matmul")])
+def test_a_lookup_nanospec_cannot_read_leaves_the_head_dense_and_says_which(kind, op):
+    model = Lookup(kind).eval()
     compiled = compile_nanospec(model, capacity=32)
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"runs dense: its input is computed by take"):
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=rf"runs dense: its input is computed by {op}"):
         out = compiled(IDS)
     torch.testing.assert_close(out, model(IDS))
 
