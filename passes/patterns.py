@@ -52,6 +52,7 @@ backend runs keeps ops with side effects (``effects.has_side_effect``).
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -87,6 +88,46 @@ CONSUMER_FUNCTIONS = {
     torch.topk, torch.argmax, torch.max, torch.sort, torch.argsort, torch.multinomial,
 }
 CONSUMER_METHODS = {"softmax", "log_softmax", "topk", "argmax", "max", "sort", "argsort"}
+
+
+def is_elementwise(node: fx.Node) -> bool:
+    """An elementwise step with a floating result: the listed post-ops, or any op torch tags ``pointwise``
+    (``log1p``, ``F.softplus``, ``F.silu``, ...), looked up by name among the ATen ops. Comparisons and
+    other ops with a bool or integer result are not steps of the logits chain."""
+    if is_call(node, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS):
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    value = example_value(node)
+    if not isinstance(name, str) or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        return False
+    return _aten_pointwise(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    try:
+        return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+    except Exception:  # noqa: BLE001 - an overload that cannot be read: not known to be pointwise
+        return False
+
+
+def is_comparison(node: fx.Node) -> bool:
+    """An elementwise op with a bool result (``z > 0``, ``torch.isinf(z)``): computed from the logits
+    column by column, but not a step of the chain nanospec can run compact."""
+    value = example_value(node)
+    if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+        return False
+    if node.op == "call_function" and node.target in (operator.lt, operator.le, operator.gt, operator.ge, operator.eq,
+                                                      operator.ne, operator.and_, operator.or_, operator.xor,
+                                                      operator.invert, operator.not_):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return isinstance(name, str) and _aten_pointwise(name)
 
 
 def example_value(node: Any) -> Any:
@@ -228,7 +269,7 @@ def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: i
     axis last); every other operand is a number or dtype, or a tensor outside the region whose
     last dim is 1 or V (V-sized ones are gathered).
     """
-    if not is_call(node, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS):
+    if not is_elementwise(node):
         return False
     inputs = set(logits) if isinstance(logits, (list, tuple, set)) else {logits}
     operands = list(node.args) + list(node.kwargs.values())

@@ -91,6 +91,7 @@ class _Region:
         self.derived: set[fx.Node] = set()  # every node computed from the head's output (before the rewrite)
         self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
         self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
+        self.side: set[fx.Node] = set()  # computed column by column from chain values, outside the chain (z > 0)
         self.capacity = 0
         self._inactive: fx.Node | None = None
         self._mask_views: dict[tuple, fx.Node] = {}
@@ -204,15 +205,23 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
             if a in region.members and region.members[a].root in region.materialised:
                 n.replace_input_with(a, region.dense(a, n))
         _check_aliases(region, n)
+        chain_inputs = [a for a in n.all_input_nodes if a in region.members or a in region.dense_masks
+                        or a in region.side]
+        # column by column from chain values only (z > 0), not after a reduction (z < z.max(-1, keepdim=True))
+        reads_chain = bool(chain_inputs) and not any(a in region.derived and a not in chain_inputs
+                                                     for a in n.all_input_nodes)
         compact_inputs = [a for a in n.all_input_nodes if a in region.members]
         if n.op == "output" and (compact_inputs or any(a in region.dense_masks for a in n.all_input_nodes)):
             report.chain_outputs += 1
         if compact_inputs:
             _visit(region, n, compact_inputs, capacity, report, erased)
-            continue
-        dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
-        if dense_inputs:
-            _visit_dense(region, n, dense_inputs)
+        else:
+            dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
+            if dense_inputs:
+                _visit_dense(region, n, dense_inputs)
+        if reads_chain and n not in erased and n not in region.members and n not in region.dense_masks and (
+                patterns.is_comparison(n) or patterns.is_elementwise(n) or patterns.is_reshape_or_permute(n)):
+            region.side.add(n)
     scatters = [u for u in compact.users if u.target is torch.ops.nanospec.scatter_logits.default]
     if len(compact.users) == 1 and scatters:
         _fuse_plain_head(graph, compact, scatters[0], vocab)
@@ -229,7 +238,8 @@ def _downstream(node: fx.Node) -> set[fx.Node]:
 
 
 _METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
-                  "new_full", "size", "dim", "numel", "sym_size", "sym_numel", "stride"}
+                  "new_full", "size", "dim", "numel", "sym_size", "sym_numel", "stride", "rand_like", "randn_like",
+                  "randint_like"}
 
 
 def _value_downstream(node: fx.Node) -> set[fx.Node]:
@@ -252,6 +262,13 @@ def _chain_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, va
         return False
     out = n.kwargs.get("out")
     others = [a for a in n.all_input_nodes if a not in inputs and a is not out]
+    side = next((a for a in others if a in region.side), None)
+    if side is not None:
+        raise DenseFallback(
+            f"{describe(n)} ({where(n)}) combines the logits with {describe(side)} ({where(side)}), which is computed "
+            "from the logits column by column but is no step nanospec runs compact (a comparison such as z > 0, or an "
+            "op it does not know): it cannot prove what inactive tokens hold after it. Use masked_fill/clamp/where "
+            "with a mask that does not depend on the logits")
     return not any(a in region.derived for a in others)
 
 
@@ -272,7 +289,7 @@ def _check_aliases(region: _Region, n: fx.Node) -> None:
     if written & set(selections + unknown):
         raise DenseFallback(f"{describe(n)} ({where(n)}) writes through a view of the logits that does not keep the "
                             "vocabulary axis whole; write the logits themselves (z[..., ids] = v, masked_fill_)")
-    if unknown and patterns.is_call(n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS):
+    if unknown and patterns.is_elementwise(n):
         origin = next(iter(unknown))
         raise DenseFallback(f"{describe(n)} ({where(n)}) is an elementwise step on the result of {describe(origin)} "
                             f"({where(origin)}), which may be a view of the logits nanospec cannot map to the "
@@ -325,8 +342,7 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
 
 def _elementwise_into(n: fx.Node) -> bool:
     """An elementwise post-op writing its result into ``out=`` (another tensor)."""
-    return isinstance(n.kwargs.get("out"), fx.Node) and patterns.is_call(
-        n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS)
+    return isinstance(n.kwargs.get("out"), fx.Node) and patterns.is_elementwise(n)
 
 
 def _region_written_out(region: _Region, n: fx.Node, mask: Mask) -> None:
@@ -396,7 +412,7 @@ def _dense_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, tr
     """An elementwise chain step on [..., V] values whose vocabulary axis has ``trailing`` axes after it."""
     if not trailing:
         return _chain_operands_ok(region, n, inputs, width, set(region.dense_masks))
-    if not patterns.is_call(n, patterns.ELEMENTWISE_FUNCTIONS, patterns.ELEMENTWISE_METHODS):
+    if not patterns.is_elementwise(n):
         return False
     out = patterns.tensor_shape(n)
     for arg in n.all_input_nodes:

@@ -433,3 +433,42 @@ def test_a_compiled_free_function_shared_by_two_drafters_feeds_each_its_own_set(
         with torch.no_grad():
             ref = torch.softmax(_chain_end(m.lm_head(m.hidden(torch.tensor([ids]))) / 0.5, _active(m)), -1)
         _close(p, ref)
+
+
+# ----------------------------------------------------------------------------- elementwise steps by name (class 5)
+class ElementwiseSteps(Drafter):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))
+        if self.kind == "softplus":  # an elementwise op outside nanospec's list: torch tags it pointwise
+            return _chain_end(F.softplus(z) * 2.0, mask)
+        if self.kind == "log1p_then_cap":
+            return _chain_end(3.0 * torch.tanh(torch.log1p(z.abs()) / 3.0), mask)
+        if self.kind == "min_p":  # a threshold from a reduction: the chain ends at z, plain arithmetic after
+            z = _chain_end(z, mask)
+            return z.masked_fill(z < z.max(-1, keepdim=True).values - 1.0, NEG)
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["softplus", "log1p_then_cap", "min_p"])
+def test_elementwise_steps_torch_tags_pointwise_are_steps_of_the_chain(kind):
+    out, oracle, warned = _run(ElementwiseSteps(kind).eval(), IDS)
+    assert not warned
+    _close(out, oracle)
+
+
+class WhereOnItsOwnComparison(Drafter):
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))
+        return torch.where(z > 0, z, 0.5 * z)  # the chain goes on through the comparison: not provable here
+
+
+def test_a_step_combining_the_logits_with_a_comparison_of_them_leaves_the_head_dense():
+    model = WhereOnItsOwnComparison().eval()
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: where"):
+        out = compiled(IDS)
+    torch.testing.assert_close(out, model(IDS))
