@@ -194,8 +194,9 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
     for node in graph.nodes:
         if node not in ancestors or node in lookups or node.op not in ("call_function", "call_method", "call_module"):
             continue
-        if any(a in integer for a in node.all_input_nodes) and any(a not in integer and _vocabulary_wide(a, vocab)
-                                                                   for a in node.all_input_nodes):
+        mixes = any(a in integer for a in node.all_input_nodes) and any(
+            a not in integer and _vocabulary_wide(a, vocab) for a in node.all_input_nodes)
+        if mixes or _soft_lookup(node, vocab):
             return (f"its input is computed by {_describe(node)} ({_where(node)}), which reads integer data and a "
                     "tensor as wide as the vocabulary but is not a lookup nanospec can observe (nn.Embedding, "
                     "F.embedding, E[ids], index_select, "
@@ -224,15 +225,29 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _integer_data(graph: fx.Graph, lookups: dict) -> set[fx.Node]:
-    """Integer tensors and everything computed from them, except through a recognised lookup (its
-    result is rows of the table: the ids it read are observed)."""
+    """Integer and bool tensors (ids, masks and what is computed from them while it stays integer), except
+    the results of recognised lookups. Floats computed from integers (rotary angles from positions) are
+    not ids."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         if node in lookups:
             continue
-        if _is_int_tensor(node) or any(a in found for a in node.all_input_nodes):
+        value = patterns.example_value(node)
+        if isinstance(value, torch.Tensor) and (value.dtype in INT_DTYPES or value.dtype == torch.bool):
             found.add(node)
     return found
+
+
+def _soft_lookup(node: fx.Node, vocab: int) -> bool:
+    """``x @ E`` contracting a vocabulary table's rows (a one-hot or a mixture of rows built by hand): which
+    rows it reads depends on values nanospec cannot see."""
+    if not (patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm, torch.bmm}, {"matmul", "mm", "bmm", "__matmul__"})
+            and len(node.args) == 2):
+        return False
+    table = node.args[1]
+    shape = patterns.tensor_shape(table)
+    return isinstance(table, fx.Node) and bool(shape) and len(shape) == 2 and _vocabulary_wide(table, vocab) \
+        and isinstance(shape[0], int) and shape[0] >= vocab
 
 
 def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
