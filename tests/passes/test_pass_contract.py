@@ -472,3 +472,40 @@ def test_a_step_combining_the_logits_with_a_comparison_of_them_leaves_the_head_d
     with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: where"):
         out = compiled(IDS)
     torch.testing.assert_close(out, model(IDS))
+
+
+# ----------------------------------------------------------------------------- more shapes of the classes (class 14)
+class HookedAndCopied(Drafter):
+    """A forward hook on the head that edits its output, and ids copied into a buffer before the lookup."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+        self.register_buffer("slot", torch.zeros(1, 4, dtype=torch.long))
+        self.lm_head.register_forward_hook(lambda mod, inp, out: out * 0.5 + 1.0)
+        self.pre = nn.Linear(H, H)
+
+    def forward(self, ids, prev=None, mask=None):
+        if self.order == "head_first":
+            z = _chain_end(self.lm_head(self.pre(prev)), mask)
+            self.slot.copy_(ids)
+            return z, self.hidden(self.slot)
+        self.slot.copy_(ids)
+        return _chain_end(self.lm_head(self.hidden(self.slot)), mask)
+
+
+def test_a_forward_hook_on_the_head_is_a_step_of_the_chain_and_ids_copied_into_a_buffer_are_observed():
+    model = HookedAndCopied("embed_first").eval()
+    out, oracle, warned = _run(model, IDS)
+    assert not warned
+    assert nanospec_fx.active_vocab(model).contains(IDS).all()
+    _close(out, oracle)
+
+
+def test_ids_copied_into_a_buffer_after_the_head_read_leave_it_dense():
+    model = HookedAndCopied("head_first").eval()
+    prev = torch.randn(1, 4, H)
+    compiled = compile_nanospec(model, capacity=32)
+    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: the ids looked up"):
+        out = compiled(IDS, prev)
+    _close(out, model(IDS, prev))
