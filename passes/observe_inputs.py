@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import effects, patterns
-from .rewrite_head import DenseFallback, StateNodes, set_example_value
+from .rewrite_head import DenseFallback, StateNodes, describe, set_example_value, where
 
 
 @dataclass
@@ -183,7 +183,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
     for node in graph.nodes:
         written = set(effects.mutated_inputs(node)) & params
         if written or any(lk.writes_table and lk.table in params for lk in _lookups_at(node)):
-            return (f"{_describe(node)} ({_where(node)}) writes the head's weight in place (an embedding with max_norm "
+            return (f"{describe(node)} ({where(node)}) writes the head's weight in place (an embedding with max_norm "
                     "tied to the head renormalises the rows it looks up); untie them or drop max_norm")
     vocab = head.vocab_size
     lookups = {lk.node: lk for lk in table_lookups(graph)}
@@ -197,7 +197,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
         mixes = any(a in integer for a in node.all_input_nodes) and any(
             a not in integer and _vocabulary_wide(a, vocab) for a in node.all_input_nodes)
         if mixes or _soft_lookup(node, vocab):
-            return (f"its input is computed by {_describe(node)} ({_where(node)}), which reads integer data and a "
+            return (f"its input is computed by {describe(node)} ({where(node)}), which reads integer data and a "
                     "tensor as wide as the vocabulary but is not a lookup nanospec can observe (nn.Embedding, "
                     "F.embedding, E[ids], index_select, "
                     "gather, embedding_bag, a one-hot matmul), so the ids it reads would not join the active set. "
@@ -266,20 +266,6 @@ def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
         isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in _source(source)))
     return weight_like and any(isinstance(d, int) and d >= vocab for d in shape)
-
-
-def _describe(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
-def _where(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace")
-    if trace:
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-        if lines:
-            return lines[-1]
-    return f"graph node {node.name}"
 
 
 def _depends_on_user_input(node: fx.Node) -> bool:
@@ -380,15 +366,15 @@ def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node
     late = sorted((n for n in _ancestors([ids]) if order[n] >= order[before]), key=order.__getitem__)
     inputs = _ancestors([ids])
     for n in late:
-        name = _describe(n).lower()
+        name = describe(n).lower()
         if n.op not in ("call_function", "call_method") or effects.has_side_effect(n) or any(r in name for r in _RANDOM):
-            raise DenseFallback(f"the ids looked up at {_where(lookup)} are computed after the head reads the active "
-                                f"set, by {_describe(n)} ({_where(n)}), which cannot be moved before it; look the "
+            raise DenseFallback(f"the ids looked up at {where(lookup)} are computed after the head reads the active "
+                                f"set, by {describe(n)} ({where(n)}), which cannot be moved before it; look the "
                                 "ids up before the head")
     nodes = list(graph.nodes)
     for n in nodes[order[before]:order[lookup]]:
         if set(effects.mutated_inputs(n)) & inputs:
-            raise DenseFallback(f"the ids looked up at {_where(lookup)} are written by {_describe(n)} ({_where(n)}) "
+            raise DenseFallback(f"the ids looked up at {where(lookup)} are written by {describe(n)} ({where(n)}) "
                                 "after the head reads the active set; look the ids up before the head")
     copies: dict[fx.Node, fx.Node] = {}
     with graph.inserting_before(before):

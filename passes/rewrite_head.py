@@ -227,16 +227,6 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
         _fuse_plain_head(graph, compact, scatters[0], vocab)
 
 
-def _downstream(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
-
 _METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
                   "new_full", "size", "dim", "numel", "sym_size", "sym_numel", "stride", "rand_like", "randn_like",
                   "randint_like"}
