@@ -19,16 +19,13 @@ class KeyedDrafter(nn.Module):
         return self.lm_head(self.embed(ids)) * (1.0 + len(key) * 0.0)  # a new Python string: a recompile
 
 
-def test_reaching_the_recompile_limit_warns_that_the_head_runs_dense(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    torch._dynamo.reset()
+def test_reaching_the_recompile_limit_warns_that_the_head_runs_dense():
     model = KeyedDrafter().eval()
     compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 8})
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 5):
             out = compiled(torch.tensor([[1] * n]), "k" * n)
     messages = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
     assert any("recompile_limit" in m and "'forward'" in m for m in messages), messages
     assert torch.isfinite(out).all()  # the last call ran the original code: a dense head
-    torch._dynamo.reset()
