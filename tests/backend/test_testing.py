@@ -222,6 +222,7 @@ def test_a_check_dynamo_does_not_compile_fails_instead_of_passing(monkeypatch):
     model, x = tiny(seed=13), ids()
     assert_equivalent(model, (x,), options={"capacity": 32})
     monkeypatch.setattr(testing, "RECOMPILE_LIMIT", 1)
-    with pytest.raises(AssertionError, match="did not hand TinyDrafter to the nanospec backend"):
+    with pytest.raises(AssertionError, match="did not hand TinyDrafter to the nanospec backend"), \
+            pytest.warns(nanospec_fx.NanoSpecWarning, match="recompile_limit"):
         assert_equivalent(model, (x,), options={"capacity": 48})
     assert_equivalent(model, (x,), options={"capacity": 48}, reset_dynamo=True)
