@@ -81,33 +81,8 @@ class FrequencyTable:
         return cls(counts)
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    """What a policy means for an ActiveVocab: its seed tokens, pinned slots and whether it observes."""
-
-    name: str
-    capacity: int
-    num_pinned: int
-    seed_ids: torch.Tensor | None
-    observes: bool
-
-
-def resolve_policy(name: str, capacity: int, frequencies=None, static_size: int = 32768, pinned_size: int = 1024,
-                   num_pinned: int = 0) -> PolicyConfig:
-    """Turn policy options into an ActiveVocab configuration (validated, with clear errors)."""
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-    if name == "context":
-        return PolicyConfig(name, capacity, num_pinned, None, True)
-    table = as_frequency_table(frequencies, name)
-    if name == "static":
-        return PolicyConfig(name, static_size, 0, table.top(static_size), False)
-    if not 0 < pinned_size < capacity:
-        raise ValueError(f"hybrid policy: pinned_size must be in (0, capacity={capacity}), got {pinned_size}")
-    return PolicyConfig(name, capacity, pinned_size, table.top(pinned_size), True)
-
-
 def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
+    """The ``frequencies`` option as a FrequencyTable; a clear error when the policy needs one and has none."""
     if frequencies is None:
         raise ValueError(
             f"the {policy!r} policy needs token frequencies: options={{'frequencies': FrequencyTable | path | counts}}; "
