@@ -22,7 +22,7 @@ _EXPORTS = {
     "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
     "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
     "NanoSpecOptions": "nanospec_fx.options",
-    "POLICIES": "nanospec_fx.policies", "FrequencyTable": "nanospec_fx.policies",
+    "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
     "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
 }
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from nanospec_fx.integrations import attach, speculative_pair
     from nanospec_fx.lookup import active_vocab
     from nanospec_fx.options import NanoSpecOptions
-    from nanospec_fx.policies import POLICIES, FrequencyTable
+    from nanospec_fx.policies import FrequencyTable
     from nanospec_fx.state import ActiveVocab
-    from nanospec_fx.vocab_config import DEFAULT_CAPACITY, VocabConfig
+    from nanospec_fx.vocab_config import DEFAULT_CAPACITY, POLICIES, VocabConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -32,6 +32,7 @@ from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import token_tables
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
+from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import StateConfig
 
 BACKEND_NAME = "nanospec"
@@ -58,7 +59,7 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
-    config = opts.vocab_config.resolve()  # validates policy options before anything else
+    config = resolve(opts.vocab_config)  # validates policy options before anything else
     position = graph_position(gm)
     notes: list[str] = []
     # A head over a draft vocabulary (EAGLE-3 d2t) has one output per draft token, not the embedding's width.

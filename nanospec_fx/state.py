@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nanospec_fx.kernels import ops
 # The state tensors a compiled graph receives, in order (declared once, with the op schemas).
 from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
+from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
@@ -399,7 +400,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
     """
     if isinstance(config, VocabConfig):
-        config = config.resolve()
+        config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:

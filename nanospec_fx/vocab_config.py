@@ -2,17 +2,17 @@
 
 The backend's options (``options={"capacity": 1024}``) and the keywords of ``attach`` and
 ``speculative_pair`` spell these options by the names of :class:`VocabConfig`'s fields.
-:meth:`VocabConfig.resolve` applies the policy and gives the :class:`StateConfig` that one
+``nanospec_fx.policies.resolve`` applies the policy and gives the :class:`StateConfig` that one
 ``ActiveVocab`` is built from and compared by (seed tokens, pinned slots, token -> row map).
+Importing this module imports no torch: the CLI shows these defaults in its ``--help``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from nanospec_fx.policies import POLICIES, as_frequency_table
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CAPACITY = 3072
 """Slots of the active vocabulary (the NanoSpec paper's 3072)."""
@@ -20,6 +20,7 @@ DEFAULT_STATIC_SIZE = 32768
 """Tokens of the ``static`` policy (FR-Spec's 32k)."""
 DEFAULT_PINNED_SIZE = 1024
 """Pinned frequent tokens of the ``hybrid`` policy."""
+POLICIES = ("context", "static", "hybrid")
 DEFAULT_POLICY = "context"
 
 
@@ -70,36 +71,6 @@ class VocabConfig:
         """The option names that belong to the vocabulary configuration."""
         return frozenset(f.name for f in fields(cls))
 
-    def resolve(self) -> StateConfig:
-        """The policy applied: what an ActiveVocab is built from (reads the frequencies; clear errors)."""
-        if self.policy == "context":
-            config = StateConfig(self.capacity, self.num_pinned, policy=self.policy)
-        else:
-            table = as_frequency_table(self.frequencies, self.policy)
-            if self.policy == "static":
-                config = StateConfig(self.static_size, 0, seed_ids=table.top(self.static_size), observes=False,
-                                     policy=self.policy)
-            else:
-                require(0 < self.pinned_size < self.capacity, f"hybrid policy: pinned_size must be in (0, capacity="
-                        f"{self.capacity}), got {self.pinned_size}")
-                config = StateConfig(self.capacity, self.pinned_size, seed_ids=table.top(self.pinned_size),
-                                     policy=self.policy)
-        return replace(config, token_to_row=self.token_to_row())
-
-    def token_to_row(self) -> torch.Tensor | None:
-        """The token -> head-row map built from ``draft_to_target`` (None without one)."""
-        if self.draft_to_target is None:
-            return None
-        d2t = torch.as_tensor(self.draft_to_target, dtype=torch.int64).flatten().cpu()
-        if d2t.numel() == 0 or int(d2t.min()) < 0:
-            raise ValueError("draft_to_target must hold non-negative target token ids, one per head row")
-        size = self.target_vocab_size or int(d2t.max()) + 1
-        if int(d2t.max()) >= size:
-            raise ValueError(f"draft_to_target has ids >= target_vocab_size={size}")
-        t2r = torch.full((size,), -1, dtype=torch.int64)
-        t2r[d2t] = torch.arange(d2t.numel())
-        return t2r
-
 
 @dataclass(frozen=True, eq=False)
 class StateConfig:
@@ -131,10 +102,13 @@ class StateConfig:
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    import torch
+
     if a is None or b is None:
         return a is None and b is None
     a = torch.as_tensor(a, dtype=torch.int64).flatten().to(b.device)
     return a.shape == b.shape and torch.equal(a, b)
 
 
-__all__ = ["DEFAULT_CAPACITY", "DEFAULT_PINNED_SIZE", "DEFAULT_STATIC_SIZE", "StateConfig", "VocabConfig"]
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_PINNED_SIZE", "DEFAULT_POLICY", "DEFAULT_STATIC_SIZE", "POLICIES", "StateConfig",
+           "VocabConfig"]
