@@ -84,5 +84,6 @@ def register() -> None:
 
 __all__ = [
     "ActiveVocab", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable", "POLICIES",
-    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME", "compile",
+    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register",
+    "BACKEND_NAME", "compile",
 ]

@@ -107,7 +107,8 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
         )
     if len(found) > 1:
-        raise LookupError(f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
+        raise LookupError(
+            f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
     return next(iter(found))
 
 

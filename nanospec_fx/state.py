@@ -246,7 +246,8 @@ class ActiveVocab:
     def __repr__(self) -> str:
         return (
             f"ActiveVocab(active={len(self)}, capacity={self.capacity}, vocab_size={self.vocab_size}, "
-            f"hidden={self.hidden_size}, policy={self.policy!r}, num_pinned={self.num_pinned}, device={self.ids.device})"
+            f"hidden={self.hidden_size}, policy={self.policy!r}, num_pinned={self.num_pinned}, "
+            f"device={self.ids.device})"
         )
 
     # ----------------------------------------------------------------- internals
@@ -351,7 +352,8 @@ def _flatten(items, out: list) -> None:
     for t in items:
         if isinstance(t, (list, tuple, range)):
             _flatten(t, out)
-        elif isinstance(t, bool) or not (isinstance(t, (int, torch.Tensor)) or (np is not None and isinstance(t, (np.ndarray, np.generic)))):
+        elif isinstance(t, bool) or not (isinstance(t, (int, torch.Tensor))
+                                         or (np is not None and isinstance(t, (np.ndarray, np.generic)))):
             raise TypeError(f"{_ACCEPTED}; got an element of type {type(t).__name__} ({t!r})")
         else:
             out.append(t)

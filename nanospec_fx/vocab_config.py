@@ -92,8 +92,9 @@ class StateConfig:
 
     def differences(self, other: StateConfig) -> list[str]:
         """What ``other`` changes, as ``name: mine -> theirs`` (tensors named by the options they come from)."""
-        out = [f"{name}: {getattr(self, name)!r} -> {getattr(other, name)!r}"
-               for name in ("capacity", "num_pinned", "policy", "observes") if getattr(self, name) != getattr(other, name)]
+        scalars = ("capacity", "num_pinned", "policy", "observes")
+        out = [f"{n}: {getattr(self, n)!r} -> {getattr(other, n)!r}"
+               for n in scalars if getattr(self, n) != getattr(other, n)]
         if not _same(self.seed_ids, other.seed_ids):
             out.append("the policy's seed tokens (frequencies/static_size/pinned_size)")
         if not _same(self.token_to_row, other.token_to_row):
@@ -110,5 +111,5 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-__all__ = ["DEFAULT_CAPACITY", "DEFAULT_PINNED_SIZE", "DEFAULT_POLICY", "DEFAULT_STATIC_SIZE", "POLICIES", "StateConfig",
-           "VocabConfig"]
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_PINNED_SIZE", "DEFAULT_POLICY", "DEFAULT_STATIC_SIZE", "POLICIES",
+           "StateConfig", "VocabConfig"]

@@ -105,8 +105,8 @@ def _import_graph() -> dict[str, set[str]]:
     modules, graph = _package_modules(), {}
     for module, (path, is_package) in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for statement in node.body for n in ast.walk(statement)}
+        guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
+        skipped = {id(n) for node in guarded for statement in node.body for n in ast.walk(statement)}
         package = module if is_package else module.rpartition(".")[0]
         edges = set()
         for node in ast.walk(tree):

@@ -89,7 +89,8 @@ def random_drafter(config: EagleConfig, dtype=torch.float32, device: str = "cpu"
     return body
 
 
-def bench_draft(config: EagleConfig, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE, depth: int = 6, topk: int = 10,
+def bench_draft(config: EagleConfig, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE,
+                depth: int = 6, topk: int = 10,
                 prefix: int = 512, repeats: int = 5, dtype=torch.float32, device: str = "cpu", compiled: bool = True,
                 progress=None, inductor: bool = True) -> list[dict]:
     """Draft-round time with each head variant (same drafter body, same random weights)."""

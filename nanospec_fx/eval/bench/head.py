@@ -76,7 +76,8 @@ class HeadTiming:
     min_ms: float = float("nan")  # fastest call: the least disturbed by other processes
 
 
-def bench_head(shape: str, hidden: int, vocab: int, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE, rows=(1, 10),
+def bench_head(shape: str, hidden: int, vocab: int, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE,
+               rows=(1, 10),
                repeats: int = 10, dtype=torch.float32, compiled: bool = True, device: str = "cpu",
                progress: Callable[[str], None] | None = None, inductor: bool = True) -> list[HeadTiming]:
     """Every head variant at one shape; the weight is allocated once."""

@@ -34,7 +34,8 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               help="Context set capacities (comma-separated; 0: unbounded).")
 @click.option("--cores", default="256,512,1024,2048", show_default=True,
               help="Hybrid: static core sizes (comma-separated), each with --capacity slots in all.")
-@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True, help="Capacity of the headline context/hybrid policies.")
+@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
+              help="Capacity of the headline context/hybrid policies.")
 @click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
 @click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")

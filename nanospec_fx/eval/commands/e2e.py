@@ -45,7 +45,8 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 @click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
               help="Where the FR-Spec static head's frequency table is counted.")
 @click.option("--static-n", default=DEFAULT_STATIC_SIZE, show_default=True, help="Rows of the FR-Spec static head.")
-@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True, help="Capacity of the nanospec drafter's active vocabulary.")
+@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
+              help="Capacity of the nanospec drafter's active vocabulary.")
 @click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
 @click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
 @click.option("--max-new", default=None, type=int, help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")

@@ -74,7 +74,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
         if corpus == TRAIN_CORPUS:
             conversations = T.sharegpt_training_conversations()
         else:
-            conversations = ((s.prompt, s.prompt + s.continuation) for s in load_option("--corpus", loaders.load_corpus, corpus))
+            conversations = ((s.prompt, s.prompt + s.continuation)
+                             for s in load_option("--corpus", loaders.load_corpus, corpus))
     except loaders.MissingAsset as e:
         fail(e)
     vocab = target.get_output_embeddings().weight.shape[0]
