@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.state", "DEFAULT_CAPACITY": "nanospec_fx.state",
+    "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.lookup",
+    "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
     "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
     "NanoSpecOptions": "nanospec_fx.options",
-    "POLICIES": "nanospec_fx.policies", "FrequencyTable": "nanospec_fx.policies",
+    "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
     "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
 }
@@ -31,9 +32,11 @@ if TYPE_CHECKING:
     from nanospec_fx.cost_model import HeadCost
     from nanospec_fx.explain import explain
     from nanospec_fx.integrations import attach, speculative_pair
+    from nanospec_fx.lookup import active_vocab
     from nanospec_fx.options import NanoSpecOptions
-    from nanospec_fx.policies import POLICIES, FrequencyTable
-    from nanospec_fx.state import DEFAULT_CAPACITY, ActiveVocab, active_vocab
+    from nanospec_fx.policies import FrequencyTable
+    from nanospec_fx.state import ActiveVocab
+    from nanospec_fx.vocab_config import DEFAULT_CAPACITY, POLICIES, VocabConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -81,5 +84,6 @@ def register() -> None:
 
 __all__ = [
     "ActiveVocab", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable", "POLICIES",
-    "DEFAULT_CAPACITY", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register", "BACKEND_NAME", "compile",
+    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register",
+    "BACKEND_NAME", "compile",
 ]

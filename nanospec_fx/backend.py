@@ -30,8 +30,10 @@ from nanospec_fx.passes import (
 )
 from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import token_tables
-from nanospec_fx.integrations import head_parameters
-from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_states, state_for
+from nanospec_fx.lookup import head_parameters, registered_states, unwrap
+from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
+from nanospec_fx.policies import resolve
+from nanospec_fx.vocab_config import StateConfig
 
 BACKEND_NAME = "nanospec"
 
@@ -57,13 +59,13 @@ def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None 
 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
-    config = opts.state_config()  # validates policy options before anything else
+    config = resolve(opts.vocab_config)  # validates policy options before anything else
     position = graph_position(gm)
     notes: list[str] = []
     # A head over a draft vocabulary (EAGLE-3 d2t) has one output per draft token, not the embedding's width.
     width = opts.vocab_size
-    if width is None and opts.draft_to_target is not None:
-        width = torch.as_tensor(opts.draft_to_target).numel()
+    if width is None and opts.vocab_config.draft_to_target is not None:
+        width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
     heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
     if not heads:
         if position.whole_call or notes:  # a piece of a call without a head: the head's own graph says why
@@ -118,7 +120,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, name=head.name, **config)
+        state = state_for(weight, bias, config, name=head.name)
         mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
         try:
@@ -164,7 +166,7 @@ class _Binding:
     state: ActiveVocab
 
     layout: list | None = None  # of the state tensors this graph was compiled for
-    config: dict | None = None  # and the vocabulary options it was compiled with
+    config: StateConfig | None = None  # and the vocabulary options it was compiled with
 
     def track(self, state: ActiveVocab) -> None:
         """Read ``state`` from now on (another instance's head: the compiled graph is shared)."""
@@ -184,7 +186,7 @@ class _Binding:
         if changed:
             if self.state.layout() != self.layout and self.config is not None and not self.state.fits(self.state.weight):
                 # The weight changed dtype/device back to this graph's (Dynamo guards chose it): rebuild for it.
-                state_for(self.state.weight, self.state.bias, **self.config)
+                state_for(self.state.weight, self.state.bias, self.config)
             if self.state.layout() != self.layout:
                 raise RuntimeError(
                     f"nanospec: the active vocabulary this compiled graph reads was rebuilt with another capacity, "
@@ -217,8 +219,7 @@ class _DrafterBinding(_Binding):
             self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
             return self.sync()
         old = self.state
-        self.track(state_for(args[self.weight_pos], bias, old.capacity, old.num_pinned, seed_ids=old.seed_ids,
-                             observes=old.observes, policy=old.policy, token_to_row=old.token_to_row))
+        self.track(state_for(args[self.weight_pos], bias, old.config()))
         if not self.state.rewrites:
             self.state.rewrites = list(old.rewrites)
         self.sync()
@@ -278,7 +279,7 @@ class _TargetObserverCall:
     def __call__(self, *args: Any) -> Any:
         state = self.state
         if not state.fits(state.weight):
-            state_for(state.weight, state.bias, **state.config())
+            state_for(state.weight, state.bias, state.config())
         if state.layout() != self.binding.layout:
             self.compiled = self.build()
             self.binding = self.compiled.bindings[0]
@@ -308,7 +309,7 @@ def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
         return vocab
     if not isinstance(vocab, nn.Module):
         raise TypeError(f"options['vocab'] must be the drafter module or its ActiveVocab, got {type(vocab).__name__}")
-    states = list({id(s): s for s in registered_states(getattr(vocab, "_orig_mod", vocab)).values()}.values())
+    states = list({id(s): s for s in registered_states(unwrap(vocab)).values()}.values())
     if len(states) == 1:
         return states[0]
     if len(states) > 1:
@@ -320,7 +321,7 @@ def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
             "nanospec: the drafter has no active vocabulary yet and no get_output_embeddings(); compile and call the "
             "drafter first, or pass options['vocab'] = nanospec_fx.attach(drafter, ...)"
         ) from None
-    return state_for(weight, bias, **opts.state_config())
+    return state_for(weight, bias, opts.vocab_config)
 
 
 # ----------------------------------------------------------------------------- shared mechanics

@@ -33,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanospec_fx.sampling import SpeculativeSampler
-from nanospec_fx.state import ActiveVocab, active_vocab
+from nanospec_fx.lookup import active_vocab, unwrap
+from nanospec_fx.state import ActiveVocab
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -406,7 +407,7 @@ def _commit_round(drafter, cache, state, stats, seq, n, accepted, logits, featur
 
 
 def drafter_cache(drafter, max_len: int) -> KVCache:
-    return getattr(drafter, "_orig_mod", drafter).new_cache(max_len)
+    return unwrap(drafter).new_cache(max_len)
 
 
 def _observe_topk(state: ActiveVocab, logits: torch.Tensor, k: int) -> None:

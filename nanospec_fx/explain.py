@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.cost_model import HeadCost
-from nanospec_fx.state import ActiveVocab, state_names
+from nanospec_fx.lookup import state_names, unwrap
+from nanospec_fx.state import ActiveVocab
 
 
 @dataclass
@@ -61,7 +62,7 @@ def explain(module: nn.Module) -> Explanation:
     """Report every head of ``module`` (compiled or original) that has an active vocabulary, wherever
     its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
     consumers kept in compact space, the active set, and the cost model."""
-    module = getattr(module, "_orig_mod", module)
+    module = unwrap(module)
     heads = []
     for state, names in state_names(module).items():
         name = names[0]

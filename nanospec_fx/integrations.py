@@ -13,28 +13,9 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
+from nanospec_fx.lookup import head_parameters
 from nanospec_fx.options import NanoSpecOptions
-from nanospec_fx.state import ActiveVocab, module_tensors, state_for
-
-
-def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, bias)`` of a model's LM head: the parameter or buffer named ``head`` (``"lm_head.weight"``,
-    or the module ``"lm_head"``; its bias beside it) or, without a name, ``get_output_embeddings()``
-    (transformers models)."""
-    module = getattr(module, "_orig_mod", module)
-    if head is not None:
-        tensors = dict(module_tensors(module))
-        name = head if head in tensors and tensors[head].dim() == 2 else f"{head}.weight"
-        if name not in tensors:
-            two_d = sorted(n for n, t in tensors.items() if t.dim() == 2)
-            raise KeyError(f"{type(module).__name__} has no 2-D parameter or buffer {head!r}; its 2-D tensors: {two_d}")
-        bias = tensors.get(name.rsplit(".", 1)[0] + ".bias") if name.endswith(".weight") else None
-        return tensors[name], bias
-    get_head = getattr(module, "get_output_embeddings", None)
-    layer = get_head() if callable(get_head) else None
-    if layer is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
-        raise ValueError(f"{type(module).__name__} has no get_output_embeddings(); pass head='<weight parameter name>'")
-    return layer.weight, getattr(layer, "bias", None)
+from nanospec_fx.state import ActiveVocab, state_for
 
 
 def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> ActiveVocab:
@@ -45,7 +26,7 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
     (capacity, policy, frequencies, ...); compile the drafter with the same ones.
     """
     weight, bias = head_parameters(drafter, head)
-    return state_for(weight, bias, **NanoSpecOptions.parse(vocab_options).state_config())
+    return state_for(weight, bias, NanoSpecOptions.parse(vocab_options).vocab_config)
 
 
 def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, observe_prompt: bool = True,
@@ -93,4 +74,4 @@ def _check_not_wrapped(module: nn.Module, caller: str) -> None:
         )
 
 
-__all__ = ["attach", "compile", "head_parameters", "speculative_pair"]
+__all__ = ["attach", "compile", "speculative_pair"]

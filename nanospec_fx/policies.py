@@ -8,17 +8,19 @@
   the context set in the remaining slots.
 
 Frequencies come from a :class:`FrequencyTable`, counted once on a corpus with a tokenizer
-and saved as a plain text file (``token_id count`` per line).
+and saved as a plain text file (``token_id count`` per line). :func:`resolve` turns the vocabulary
+options (a ``VocabConfig``) into what an ActiveVocab is built from (a ``StateConfig``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-POLICIES = ("context", "static", "hybrid")
+from nanospec_fx.vocab_config import StateConfig, VocabConfig, require
+
 _HEADER = "# nanospec-fx frequency table"
 
 
@@ -81,33 +83,8 @@ class FrequencyTable:
         return cls(counts)
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    """What a policy means for an ActiveVocab: its seed tokens, pinned slots and whether it observes."""
-
-    name: str
-    capacity: int
-    num_pinned: int
-    seed_ids: torch.Tensor | None
-    observes: bool
-
-
-def resolve_policy(name: str, capacity: int, frequencies=None, static_size: int = 32768, pinned_size: int = 1024,
-                   num_pinned: int = 0) -> PolicyConfig:
-    """Turn policy options into an ActiveVocab configuration (validated, with clear errors)."""
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-    if name == "context":
-        return PolicyConfig(name, capacity, num_pinned, None, True)
-    table = as_frequency_table(frequencies, name)
-    if name == "static":
-        return PolicyConfig(name, static_size, 0, table.top(static_size), False)
-    if not 0 < pinned_size < capacity:
-        raise ValueError(f"hybrid policy: pinned_size must be in (0, capacity={capacity}), got {pinned_size}")
-    return PolicyConfig(name, capacity, pinned_size, table.top(pinned_size), True)
-
-
 def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
+    """The ``frequencies`` option as a FrequencyTable; a clear error when the policy needs one and has none."""
     if frequencies is None:
         raise ValueError(
             f"the {policy!r} policy needs token frequencies: options={{'frequencies': FrequencyTable | path | counts}}; "
@@ -118,3 +95,35 @@ def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
     if isinstance(frequencies, (str, Path)):
         return FrequencyTable.load(frequencies)
     return FrequencyTable(torch.as_tensor(frequencies))
+
+
+def resolve(config: VocabConfig) -> StateConfig:
+    """What ``config`` asks of an ActiveVocab once its policy is applied (reads the frequencies; clear errors)."""
+    if config.policy == "context":
+        state = StateConfig(config.capacity, config.num_pinned, policy=config.policy)
+    else:
+        table = as_frequency_table(config.frequencies, config.policy)
+        if config.policy == "static":
+            state = StateConfig(config.static_size, 0, seed_ids=table.top(config.static_size), observes=False,
+                                policy=config.policy)
+        else:
+            require(0 < config.pinned_size < config.capacity,
+                    f"hybrid policy: pinned_size must be in (0, capacity={config.capacity}), got {config.pinned_size}")
+            state = StateConfig(config.capacity, config.pinned_size, seed_ids=table.top(config.pinned_size),
+                                policy=config.policy)
+    return replace(state, token_to_row=token_to_row(config.draft_to_target, config.target_vocab_size))
+
+
+def token_to_row(draft_to_target, target_vocab_size: int | None = None) -> torch.Tensor | None:
+    """The token -> head-row map of a head over a draft vocabulary (None without ``draft_to_target``)."""
+    if draft_to_target is None:
+        return None
+    d2t = torch.as_tensor(draft_to_target, dtype=torch.int64).flatten().cpu()
+    if d2t.numel() == 0 or int(d2t.min()) < 0:
+        raise ValueError("draft_to_target must hold non-negative target token ids, one per head row")
+    size = target_vocab_size or int(d2t.max()) + 1
+    if int(d2t.max()) >= size:
+        raise ValueError(f"draft_to_target has ids >= target_vocab_size={size}")
+    t2r = torch.full((size,), -1, dtype=torch.int64)
+    t2r[d2t] = torch.arange(d2t.numel())
+    return t2r

@@ -13,17 +13,17 @@ import gc
 import sys
 import threading
 import weakref
+from dataclasses import fields, replace
 from typing import Any, Iterator
 
 import torch
-import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanospec_fx.kernels import ops
 # The state tensors a compiled graph receives, in order (declared once, with the op schemas).
 from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
-
-DEFAULT_CAPACITY = 3072
+from nanospec_fx.policies import resolve
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
 class ActiveVocab:
@@ -55,7 +55,7 @@ class ActiveVocab:
         *,
         seed_ids: torch.Tensor | None = None,
         observes: bool = True,
-        policy: str = "context",
+        policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
     ):
         if weight.dim() != 2:
@@ -246,7 +246,8 @@ class ActiveVocab:
     def __repr__(self) -> str:
         return (
             f"ActiveVocab(active={len(self)}, capacity={self.capacity}, vocab_size={self.vocab_size}, "
-            f"hidden={self.hidden_size}, policy={self.policy!r}, num_pinned={self.num_pinned}, device={self.ids.device})"
+            f"hidden={self.hidden_size}, policy={self.policy!r}, num_pinned={self.num_pinned}, "
+            f"device={self.ids.device})"
         )
 
     # ----------------------------------------------------------------- internals
@@ -270,35 +271,23 @@ class ActiveVocab:
         if self.seed_ids is not None:
             self._insert(self.seed_ids)
 
-    def matches(self, weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, *,
-                seed_ids=None, observes: bool = True, policy: str = "context", token_to_row=None) -> bool:
-        """Whether this state is what ``ActiveVocab(weight, bias, ...)`` would build, so it can be reused."""
-        return self.fits(weight) and bias is self.bias and not self.differences(
-            capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy, token_to_row=token_to_row)
+    def matches(self, weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig) -> bool:
+        """Whether this state is what ``config`` would build for ``weight`` and ``bias``, so it can be reused."""
+        return self.fits(weight) and bias is self.bias and not self.differences(config)
 
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether the cache still has ``weight``'s shape, dtype and device."""
         return (tuple(weight.shape) == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
                 and weight.device == self.cache_w.device)
 
-    def differences(self, capacity: int, num_pinned: int = 0, *, seed_ids=None, observes: bool = True,
-                    policy: str = "context", token_to_row=None) -> list[str]:
-        """The vocabulary options that differ from this state's, as ``name: mine -> theirs``."""
-        out = []
-        for name, mine, theirs in (("capacity", self.capacity, min(capacity, self.rows)), ("num_pinned", self.num_pinned, num_pinned),
-                                   ("policy", self.policy, policy), ("observes", self.observes, observes)):
-            if mine != theirs:
-                out.append(f"{name}: {mine!r} -> {theirs!r}")
-        if not _same(seed_ids, self.seed_ids):
-            out.append("the policy's seed tokens (frequencies/static_size/pinned_size)")
-        if not _same(token_to_row, self.token_to_row):
-            out.append("draft_to_target/target_vocab_size")
-        return out
+    def differences(self, config: StateConfig) -> list[str]:
+        """The vocabulary options in which ``config`` differs from this state's, as ``name: mine -> theirs``."""
+        return self.config().differences(replace(config, capacity=min(config.capacity, self.rows)))
 
-    def config(self) -> dict:
-        """The vocabulary options this state was built with (keyword arguments of :func:`state_for`)."""
-        return dict(capacity=self.capacity, num_pinned=self.num_pinned, seed_ids=self.seed_ids, observes=self.observes,
-                    policy=self.policy, token_to_row=self.token_to_row)
+    def config(self) -> StateConfig:
+        """The configuration this state was built with (``state_for`` rebuilds a state from it)."""
+        return StateConfig(self.capacity, self.num_pinned, seed_ids=self.seed_ids, observes=self.observes,
+                           policy=self.policy, token_to_row=self.token_to_row)
 
     def bind(self, user: object) -> None:
         """Record a compiled wrapper that reads this state's tensors (held weakly)."""
@@ -309,10 +298,10 @@ class ActiveVocab:
         tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
         return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
 
-    def _reconfigure(self, weight, bias, **config) -> None:
+    def _reconfigure(self, weight, bias, config: StateConfig) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
-        fresh = ActiveVocab(weight, bias, **config)
+        fresh = ActiveVocab(weight, bias, **config.keywords())
         kept = self.token_ids() if self.observes else None
         keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
                 "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
@@ -363,7 +352,8 @@ def _flatten(items, out: list) -> None:
     for t in items:
         if isinstance(t, (list, tuple, range)):
             _flatten(t, out)
-        elif isinstance(t, bool) or not (isinstance(t, (int, torch.Tensor)) or (np is not None and isinstance(t, (np.ndarray, np.generic)))):
+        elif isinstance(t, bool) or not (isinstance(t, (int, torch.Tensor))
+                                         or (np is not None and isinstance(t, (np.ndarray, np.generic)))):
             raise TypeError(f"{_ACCEPTED}; got an element of type {type(t).__name__} ({t!r})")
         else:
             out.append(t)
@@ -374,13 +364,6 @@ def _int64_tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
     except (RuntimeError, OverflowError, ValueError):
         raise ValueError("a token id does not fit in int64, so it is outside the vocabulary") from None
-
-
-def _same(a, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    a = torch.as_tensor(a, dtype=torch.int64).flatten().to(b.device)
-    return a.shape == b.shape and torch.equal(a, b)
 
 
 def _check_token_map(token_to_row: torch.Tensor, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,11 +387,12 @@ def _check_token_map(token_to_row: torch.Tensor, rows: int, device) -> tuple[tor
 # its state_dict(keep_vars=True) or the weight alone never meet it. A copy gets its own state.
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.RLock()
+VOCAB_OPTIONS = ", ".join(f.name for f in fields(VocabConfig))
 
 
-def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, num_pinned: int = 0, *,
-              name: str | None = None, **config) -> ActiveVocab:
-    """The ActiveVocab of ``weight`` for this configuration. One state per head weight:
+def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig | VocabConfig, *,
+              name: str | None = None) -> ActiveVocab:
+    """The ActiveVocab of ``weight`` for ``config`` (a VocabConfig is resolved first). One state per head weight:
 
     * the existing one when it matches;
     * the existing one rebuilt in place (the same object, so handles stay valid, with its active
@@ -417,18 +401,20 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, nu
     * otherwise a ``ValueError``: two compiled wrappers of one head asked for different
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
     """
+    if isinstance(config, VocabConfig):
+        config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:
-            state = ActiveVocab(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
+            state = ActiveVocab(weight, bias, **config.keywords())
             state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state
         if bias is not state.bias and state.fits(weight) and state.bias_fits(bias):
             state.set_bias(bias)  # the head's bias was replaced by a tensor of the same shape: follow it
-        if state.matches(weight, bias, capacity, num_pinned, **config):
+        if state.matches(weight, bias, config):
             return state
-        diffs = state.differences(capacity, num_pinned, **config)
+        diffs = state.differences(config)
         if bias is not state.bias:
             diffs.append("the head's bias tensor")
         if diffs and _running_users(state, weight):
@@ -436,11 +422,10 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, capacity: int, nu
             raise ValueError(
                 f"nanospec: {what} already has an active vocabulary read by another compiled wrapper, with other "
                 f"vocabulary options ({'; '.join(diffs)}). One ActiveVocab exists per head weight: compile every "
-                "wrapper (and target observer) of this head with the same vocabulary options (capacity, num_pinned, "
-                "policy, frequencies, static_size, pinned_size, draft_to_target), or drop the other wrapper first "
-                "(torch._dynamo.reset())."
+                f"wrapper (and target observer) of this head with the same vocabulary options ({VOCAB_OPTIONS}), "
+                "or drop the other wrapper first (torch._dynamo.reset())."
             )
-        state._reconfigure(weight, bias, capacity=capacity, num_pinned=num_pinned, **config)
+        state._reconfigure(weight, bias, config)
         return state
 
 
@@ -458,104 +443,3 @@ def _running_users(state: ActiveVocab, weight: torch.Tensor) -> bool:
 def registered_state(weight: torch.Tensor) -> ActiveVocab | None:
     """The ActiveVocab of ``weight``, or None when it has none."""
     return _REGISTRY.get(weight)
-
-
-def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor a module holds, under every name: parameters, buffers (tied ones under each
-    of their names) and plain tensor attributes. The pass can rewrite a head held in any of them."""
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for attr, value in vars(sub).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not attr.startswith("_"):
-                yield (f"{prefix}.{attr}" if prefix else attr), value
-
-
-def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
-    """Every ActiveVocab reachable from ``module``, with all the names it can be asked by: each name
-    of its weight tensor (tied heads have several) and that name without ``.weight`` (the module)."""
-    found: dict[ActiveVocab, list[str]] = {}
-    for name, tensor in module_tensors(module):
-        state = registered_state(tensor)
-        if state is not None:
-            names = found.setdefault(state, [])
-            for n in (name, name[: -len(".weight")] if name.endswith(".weight") else None):
-                if n and n not in names:
-                    names.append(n)
-    for state, names in found.items():
-        for report in state.rewrites:
-            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
-            if head in names:  # the name the pass reported first (explain shows it)
-                names.insert(0, names.pop(names.index(head)))
-            if path and path not in names:
-                names.append(path)
-    return found
-
-
-def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
-    """The ActiveVocab of every head of ``module`` (parameters, buffers and tensor attributes),
-    once each, under the first name of its weight."""
-    return {names[0]: state for state, names in state_names(module).items()}
-
-
-def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
-    """The ActiveVocab of ``module``'s head (``module`` may be the compiled or the original one).
-
-    ``head`` picks one when there are several: any name of the head's weight (for a tied head the
-    embedding's name works too), its module path, or a dotted suffix of one (``"lm_head"``).
-    Before the first compiled call, a head that can be found without tracing (``head`` names a
-    parameter or buffer, or ``get_output_embeddings()``) gets its ActiveVocab now, with the
-    default options (a later compile with other options rebuilds it in place, keeping this object).
-    ``module`` may also be the head's weight tensor itself (a head weight passed to ``forward`` as
-    an argument, or a global, is not held by any module).
-    """
-    wrapper = module if hasattr(module, "_orig_mod") else None
-    module = getattr(module, "_orig_mod", module)
-    if isinstance(module, torch.Tensor):
-        state = registered_state(module)
-        if state is None:
-            raise LookupError("this tensor is not the weight of a head with an active vocabulary (yet)")
-        return state
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"active_vocab expects an nn.Module or a head weight tensor, got {type(module).__name__}")
-    found = state_names(module)
-    if head is not None:
-        hits = [s for s, names in found.items() if any(n == head or n.endswith("." + head) for n in names)]
-        if len(hits) == 1:
-            return hits[0]
-        if not hits and not found:
-            created = _create_on_demand(module, head)
-            if created is not None:
-                return created
-        known = sorted(n for names in found.values() for n in names)
-        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}")
-    if not found:
-        if wrapper is not None:
-            raise LookupError(
-                f"{type(module).__name__} has no active vocabulary: its torch.compile wrapper was not called. "
-                "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses the "
-                "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
-                "To create the set before the first call: nanospec_fx.attach(drafter)"
-            )
-        created = _create_on_demand(module, None)
-        if created is not None:
-            return created
-        raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: compile it with "
-            "torch.compile(module, backend='nanospec') and call it once, or create it now with "
-            "nanospec_fx.attach(module, head='<weight name>'). If the compiled module was called, Dynamo did not "
-            "hand its forward to nanospec, so its head ran dense: a first call that ran no tensor op (an early "
-            "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
-        )
-    if len(found) > 1:
-        raise LookupError(f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
-    return next(iter(found))
-
-
-def _create_on_demand(module: nn.Module, head: str | None) -> ActiveVocab | None:
-    from nanospec_fx.integrations import attach
-
-    try:
-        return attach(module, head=head)
-    except (KeyError, ValueError):
-        return None

@@ -25,7 +25,8 @@ import torch._dynamo
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from nanospec_fx.state import ActiveVocab, active_vocab
+from nanospec_fx.lookup import active_vocab, unwrap
+from nanospec_fx.state import ActiveVocab
 
 TOLERANCES = {  # (rtol, atol): logits from a compact GEMM round differently from the full one
     torch.float64: (1e-7, 1e-7),
@@ -79,7 +80,7 @@ def assert_equivalent(
     """
     options = {"inductor": False, **(options or {})}
     args, kwargs = _split_inputs(example_inputs)
-    module = getattr(drafter, "_orig_mod", drafter)
+    module = unwrap(drafter)
     checked = _compile(module, options, reset_dynamo)
 
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):

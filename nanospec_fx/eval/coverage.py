@@ -29,6 +29,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY
+
 
 @dataclass
 class Request:
@@ -140,7 +142,7 @@ def static(ids: Sequence[int], n: int) -> Policy:
     return Policy(f"static-{n}", "static", static=tuple(ids[:n]), param=n)
 
 
-def context(capacity: int | None = 3072, topk: int = 0, eviction: str = "fifo") -> Policy:
+def context(capacity: int | None = DEFAULT_CAPACITY, topk: int = 0, eviction: str = "fifo") -> Policy:
     """NanoSpec: prompt + committed tokens (+ the target's top-k at verified positions).
 
     ``eviction="lru"`` (a measured alternative, not what ActiveVocab does) gets its own family.
@@ -151,7 +153,7 @@ def context(capacity: int | None = 3072, topk: int = 0, eviction: str = "fifo") 
                   eviction=eviction)
 
 
-def hybrid(ids: Sequence[int], core: int, capacity: int | None = 3072, topk: int = 0) -> Policy:
+def hybrid(ids: Sequence[int], core: int, capacity: int | None = DEFAULT_CAPACITY, topk: int = 0) -> Policy:
     """A pinned static core of the ``core`` most frequent tokens + the context set."""
     family = f"hybrid+top{topk}" if topk else "hybrid"
     cap = capacity if capacity else "inf"

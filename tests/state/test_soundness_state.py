@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from nanospec_fx.state import ActiveVocab, state_for
+from nanospec_fx.vocab_config import VocabConfig
 from helpers import compile_nanospec
 
 V, H = 40, 8
@@ -320,7 +321,7 @@ def test_recompiling_with_other_options_after_a_reset_keeps_the_users_handle():
 
 def test_state_for_rebuilds_in_place_only_when_nothing_running_reads_it():
     w = nn.Parameter(torch.randn(V, H), requires_grad=False)
-    state = state_for(w, None, capacity=8)
+    state = state_for(w, None, VocabConfig(capacity=8))
 
     class Reader:  # stands in for a live compiled wrapper
         pass
@@ -328,11 +329,11 @@ def test_state_for_rebuilds_in_place_only_when_nothing_running_reads_it():
     reader = Reader()
     state.bind(reader)
     with pytest.raises(ValueError, match="capacity: 8 -> 9"):
-        state_for(w, None, capacity=9)
-    assert state_for(w, None, capacity=8) is state
+        state_for(w, None, VocabConfig(capacity=9))
+    assert state_for(w, None, VocabConfig(capacity=8)) is state
     del reader
     gc.collect()
-    assert state_for(w, None, capacity=9) is state and state.capacity == 9 and state.generation == 1
+    assert state_for(w, None, VocabConfig(capacity=9)) is state and state.capacity == 9 and state.generation == 1
 
 
 # ----------------------------------------------------------------------------- 8. gradients with a frozen head

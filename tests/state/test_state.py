@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import nanospec_fx
 from nanospec_fx.state import ActiveVocab, state_for
+from nanospec_fx.vocab_config import VocabConfig
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 
@@ -117,10 +118,10 @@ def test_capacity_is_clamped_to_the_vocabulary_and_validated():
 
 def test_state_for_reuses_and_rebuilds():
     w = nn.Parameter(torch.randn(10, 4))
-    a = state_for(w, None, capacity=4)
-    assert state_for(w, None, capacity=4) is a
+    a = state_for(w, None, VocabConfig(capacity=4))
+    assert state_for(w, None, VocabConfig(capacity=4)) is a
     a.observe([3, 1])
-    b = state_for(w, None, capacity=5)  # no compiled wrapper reads it: rebuilt in place, tokens kept
+    b = state_for(w, None, VocabConfig(capacity=5))  # no compiled wrapper reads it: rebuilt in place, tokens kept
     assert b is a and b.capacity == 5 and b.token_ids().tolist() == [3, 1]
 
 

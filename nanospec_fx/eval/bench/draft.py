@@ -28,6 +28,7 @@ from nanospec_fx.eval.bench.e2e import StaticHead
 from nanospec_fx.eval.bench.head import Head, active_ids, filled_state
 from nanospec_fx.eval.bench.timing import Stopwatch, time_call
 from nanospec_fx.kernels import ops
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 DRAFTER_SHAPES = {
     "llama3-8b": EagleConfig.llama3_8b,  # EAGLE's drafter of Llama-3.1-8B
@@ -88,7 +89,8 @@ def random_drafter(config: EagleConfig, dtype=torch.float32, device: str = "cpu"
     return body
 
 
-def bench_draft(config: EagleConfig, active: int = 3072, static_n: int = 32768, depth: int = 6, topk: int = 10,
+def bench_draft(config: EagleConfig, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE,
+                depth: int = 6, topk: int = 10,
                 prefix: int = 512, repeats: int = 5, dtype=torch.float32, device: str = "cpu", compiled: bool = True,
                 progress=None, inductor: bool = True) -> list[dict]:
     """Draft-round time with each head variant (same drafter body, same random weights)."""

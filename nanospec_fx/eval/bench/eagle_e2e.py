@@ -22,6 +22,7 @@ from nanospec_fx.eagle import EagleDrafter
 from nanospec_fx.eval.bench.e2e import StaticHead
 from nanospec_fx.eval.stats import median_interval, paired_ratios
 from nanospec_fx.speculative import DecodeStats, HFTarget, eagle_generate
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
 TARGET_ONLY = "target only"
 
@@ -33,8 +34,8 @@ def _sibling(drafter: EagleDrafter, lm_head: nn.Module) -> EagleDrafter:
     return d.eval()
 
 
-def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, capacity: int = 3072,
-                     frequencies=None, pinned: int = 1024, inductor: bool = False,
+def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, capacity: int = DEFAULT_CAPACITY,
+                     frequencies=None, pinned: int = DEFAULT_PINNED_SIZE, inductor: bool = False,
                      which: tuple[str, ...] = ("full", "static", "context", "hybrid")) -> dict[str, nn.Module]:
     """``{name: drafter}`` for the heads in ``which``. Each nanospec variant gets its own copy of the
     head weight: an active vocabulary hangs on its weight tensor, and the full-head drafter (and the

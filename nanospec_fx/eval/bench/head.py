@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import nanospec_fx
 from nanospec_fx.eval.bench.timing import timings
 from nanospec_fx.kernels import ops
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 # hidden size H, vocabulary V of the LM heads of real models
 SHAPES = {
@@ -75,7 +76,8 @@ class HeadTiming:
     min_ms: float = float("nan")  # fastest call: the least disturbed by other processes
 
 
-def bench_head(shape: str, hidden: int, vocab: int, active: int = 3072, static_n: int = 32768, rows=(1, 10),
+def bench_head(shape: str, hidden: int, vocab: int, active: int = DEFAULT_CAPACITY, static_n: int = DEFAULT_STATIC_SIZE,
+               rows=(1, 10),
                repeats: int = 10, dtype=torch.float32, compiled: bool = True, device: str = "cpu",
                progress: Callable[[str], None] | None = None, inductor: bool = True) -> list[HeadTiming]:
     """Every head variant at one shape; the weight is allocated once."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import device_option, out_option, threads_option
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 DTYPES = ("fp32", "bf16", "fp16")
 DRAFTER_SHAPES = ("llama3-8b", "tiny")
@@ -41,8 +42,10 @@ def _shapes(names: str) -> list[tuple[str, int, int]]:
 def head_variant_options(fn):
     """The options both benchmarks share: which heads are timed, in which dtype."""
     for option in reversed([
-        click.option("--active", default=3072, show_default=True, help="Active vocabulary size (= capacity)."),
-        click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head."),
+        click.option("--active", default=DEFAULT_CAPACITY, show_default=True,
+                     help="Active vocabulary size (= capacity)."),
+        click.option("--static-n", default=DEFAULT_STATIC_SIZE, show_default=True,
+                     help="Rows of the FR-Spec static head."),
         click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
                      help="Weight and activation dtype."),
         click.option("--compiled/--no-compiled", default=True, show_default=True,

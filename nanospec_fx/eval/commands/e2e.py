@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import out_option, threads_option
-from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
+from nanospec_fx.eval.commands.sources import STATIC_CORPUS, disjoint_static_samples, load_option
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 
 @click.command()
@@ -43,8 +44,9 @@ from nanospec_fx.eval.commands.coverage import STATIC_CORPUS
               help="--drafter eagle: folder of the trained drafter (default: train-eagle's cache for --model).")
 @click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
               help="Where the FR-Spec static head's frequency table is counted.")
-@click.option("--static-n", default=32768, show_default=True, help="Rows of the FR-Spec static head.")
-@click.option("--capacity", default=3072, show_default=True, help="Capacity of the nanospec drafter's active vocabulary.")
+@click.option("--static-n", default=DEFAULT_STATIC_SIZE, show_default=True, help="Rows of the FR-Spec static head.")
+@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
+              help="Capacity of the nanospec drafter's active vocabulary.")
 @click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
 @click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
 @click.option("--max-new", default=None, type=int, help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")
@@ -82,17 +84,16 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
     from nanospec_fx import FrequencyTable
     from nanospec_fx.eval import loaders
     from nanospec_fx.eval.bench import e2e as B
-    from nanospec_fx.eval.commands.coverage import _load
     from nanospec_fx.eval.report import command_line, console, fail, machine, progress, set_threads, write_outputs
 
     set_threads(threads)
     rows, per_request, statics = [], [], {}
     for spec in models:
         try:
-            target = _load("--model", loaders.load_model, spec)
-            tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
-            samples = [s for c in corpora for s in _load("--corpus", loaders.load_corpus, c)]
-            static_samples = _load("--static-corpus", loaders.load_corpus, static_corpus)
+            target = load_option("--model", loaders.load_model, spec)
+            tok = load_option("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
+            samples = [s for c in corpora for s in load_option("--corpus", loaders.load_corpus, c)]
+            static_samples = load_option("--static-corpus", loaders.load_corpus, static_corpus)
         except loaders.MissingAsset as e:
             fail(e)
         vocab = target.get_output_embeddings().weight.shape[0]
@@ -143,20 +144,6 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
     if bad:
         fail(f"{len(bad)} request(s) decoded with a drafter differ from the target's greedy output (lossless decoding "
              f"is broken), e.g. {bad[0]['variant']} on request {bad[0]['request']}; each is listed in the JSON")
-
-
-def disjoint_static_samples(static: list, requests: list, spec: str) -> tuple[list, dict]:
-    """The static-table samples that share no record (nor prompt) with an evaluation request, and what was
-    checked: FR-Spec's frequency table must not have counted the text it is evaluated on."""
-    from nanospec_fx.eval.report import fail
-
-    used_records = {s.record for s in requests if s.record}
-    used_prompts = {s.prompt for s in requests}
-    kept = [s for s in static if not (s.record and s.record in used_records) and s.prompt not in used_prompts]
-    if not kept:
-        fail(f"every record of --static-corpus {spec} is also an evaluation request: choose a disjoint slice")
-    return kept, {"corpus": spec, "records_counted": len(kept), "records_dropped_as_requests": len(static) - len(kept),
-                  "disjoint_by": "record id (and prompt text)", "unlabelled_records": sum(not s.record for s in kept)}
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -20,9 +20,9 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     from nanospec_fx.eval import loaders
     from nanospec_fx.eval import train_eagle as T
     from nanospec_fx.eval.bench import eagle_e2e as B
-    from nanospec_fx.eval.commands.coverage import _load
+    from nanospec_fx.eval.commands.sources import load_option
     from nanospec_fx.eval.commands.train_eagle import eagle_dir as default_dir
-    from nanospec_fx.eval.commands.e2e import disjoint_static_samples
+    from nanospec_fx.eval.commands.sources import disjoint_static_samples
     from nanospec_fx.eval.report import (
         command_line,
         console,
@@ -51,10 +51,10 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     for spec in models[:1] if models == ("gemma3-270m", "smollm2-135m") else models:  # the default: Gemma only
         folder = eagle_dir or default_dir(spec)
         try:
-            target = _load("--model", loaders.load_model, spec)
-            tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
-            samples = [s for c in (corpora or EAGLE_CORPORA) for s in _load("--corpus", loaders.load_corpus, c)]
-            static_samples = _load("--static-corpus", loaders.load_corpus, static_corpus)
+            target = load_option("--model", loaders.load_model, spec)
+            tok = load_option("--tokenizer", loaders.load_tokenizer, tokenizer or spec)
+            samples = [s for c in (corpora or EAGLE_CORPORA) for s in load_option("--corpus", loaders.load_corpus, c)]
+            static_samples = load_option("--static-corpus", loaders.load_corpus, static_corpus)
             drafter = T.load_drafter(target, folder)
         except (loaders.MissingAsset, FileNotFoundError, ValueError) as e:
             fail(e)

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import click
 
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY
+
 
 @click.command()
 @click.option("--model", default="tiny-llama", show_default=True,
               help="gemma3-270m, smollm2-135m, a HF directory, a .gguf file, or tiny-llama (random weights, offline).")
-@click.option("--capacity", default=3072, show_default=True, help="Slots of the active vocabulary.")
+@click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True, help="Slots of the active vocabulary.")
 @click.option("--prompt-tokens", default=32, show_default=True, help="Random prompt tokens fed once (they become active).")
 @click.option("--rows", default="1,10", show_default=True, help="Rows for the predicted head speedup.")
 @click.option("--inductor/--no-inductor", default=False, show_default=True, help="Compile the rest with inductor (slow on CPU).")
@@ -17,11 +19,11 @@ def explain(model, capacity, prompt_tokens, rows, inductor):
 
     import nanospec_fx
     from nanospec_fx.eval import loaders
-    from nanospec_fx.eval.commands.coverage import _load
+    from nanospec_fx.eval.commands.sources import load_option
     from nanospec_fx.eval.report import console, fail, ints
 
     try:
-        lm = _load("--model", loaders.load_model, model)
+        lm = load_option("--model", loaders.load_model, model)
     except loaders.MissingAsset as e:
         fail(e)
     torch._dynamo.reset()

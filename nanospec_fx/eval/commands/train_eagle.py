@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import threads_option
+from nanospec_fx.vocab_config import DEFAULT_STATIC_SIZE
 
 TRAIN_CORPUS = "sharegpt-train"
 
@@ -52,7 +53,7 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
 
     from nanospec_fx.eval import loaders
     from nanospec_fx.eval import train_eagle as T
-    from nanospec_fx.eval.commands.coverage import _load
+    from nanospec_fx.eval.commands.sources import load_option
     from nanospec_fx.eval.report import (
         command_line,
         console,
@@ -68,12 +69,13 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     folder = eagle_dir(model, cache_dir)
     features = folder / "features"
     try:
-        target = _load("--model", loaders.load_model, model)
-        tok = _load("--tokenizer", loaders.load_tokenizer, tokenizer or model)
+        target = load_option("--model", loaders.load_model, model)
+        tok = load_option("--tokenizer", loaders.load_tokenizer, tokenizer or model)
         if corpus == TRAIN_CORPUS:
             conversations = T.sharegpt_training_conversations()
         else:
-            conversations = ((s.prompt, s.prompt + s.continuation) for s in _load("--corpus", loaders.load_corpus, corpus))
+            conversations = ((s.prompt, s.prompt + s.continuation)
+                             for s in load_option("--corpus", loaders.load_corpus, corpus))
     except loaders.MissingAsset as e:
         fail(e)
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -123,7 +125,7 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
                 console.print(f"{text}, {log.seconds:.0f} s")
         log = T.train(drafter, ids, feats, cfg, frequent[: cfg.frequent], state, show)
     console.print(f"trained {log.steps} steps ({log.positions:,} positions) in {log.seconds / 60:.1f} min; validating...")
-    val = T.validate(drafter, val_ids, val_feats, static_rows=frequent[: min(32768, vocab)])
+    val = T.validate(drafter, val_ids, val_feats, static_rows=frequent[: min(DEFAULT_STATIC_SIZE, vocab)])
     meta = {"model": model, "command": command_line(), "corpus": corpus, "window": window,
             "feature_tokens": shards * per_shard * window, "train_tokens": ids.numel(), "val_tokens": val_ids.numel(),
             "train": {**cfg.__dict__, "steps_done": log.steps, "seconds": round(log.seconds, 1), "positions": log.positions},

@@ -1,0 +1,143 @@
+"""The state of a head: which ActiveVocab belongs to a model's LM head, found by module, name or weight.
+
+The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; this module walks a model
+(compiled wrapper or not) to its head weights and names, and creates a head's state on demand.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from nanospec_fx.state import ActiveVocab, registered_state, state_for
+from nanospec_fx.vocab_config import VocabConfig
+
+
+def unwrap(module):
+    """The module a ``torch.compile`` wrapper compiles (``module`` itself when it is no wrapper)."""
+    return getattr(module, "_orig_mod", module)
+
+
+def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a module holds, under every name: parameters, buffers (tied ones under each
+    of their names) and plain tensor attributes. The pass can rewrite a head held in any of them."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not attr.startswith("_"):
+                yield (f"{prefix}.{attr}" if prefix else attr), value
+
+
+def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
+    """Every ActiveVocab reachable from ``module``, with all the names it can be asked by: each name
+    of its weight tensor (tied heads have several) and that name without ``.weight`` (the module)."""
+    found: dict[ActiveVocab, list[str]] = {}
+    for name, tensor in module_tensors(module):
+        state = registered_state(tensor)
+        if state is not None:
+            names = found.setdefault(state, [])
+            for n in (name, name[: -len(".weight")] if name.endswith(".weight") else None):
+                if n and n not in names:
+                    names.append(n)
+    for state, names in found.items():
+        for report in state.rewrites:
+            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
+            if head in names:  # the name the pass reported first (explain shows it)
+                names.insert(0, names.pop(names.index(head)))
+            if path and path not in names:
+                names.append(path)
+    return found
+
+
+def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
+    """The ActiveVocab of every head of ``module`` (parameters, buffers and tensor attributes),
+    once each, under the first name of its weight."""
+    return {names[0]: state for state, names in state_names(module).items()}
+
+
+def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
+    """The ActiveVocab of ``module``'s head (``module`` may be the compiled or the original one).
+
+    ``head`` picks one when there are several: any name of the head's weight (for a tied head the
+    embedding's name works too), its module path, or a dotted suffix of one (``"lm_head"``).
+    Before the first compiled call, a head that can be found without tracing (``head`` names a
+    parameter or buffer, or ``get_output_embeddings()``) gets its ActiveVocab now, with the
+    default options (a later compile with other options rebuilds it in place, keeping this object).
+    ``module`` may also be the head's weight tensor itself (a head weight passed to ``forward`` as
+    an argument, or a global, is not held by any module).
+    """
+    wrapper = module if unwrap(module) is not module else None
+    module = unwrap(module)
+    if isinstance(module, torch.Tensor):
+        state = registered_state(module)
+        if state is None:
+            raise LookupError("this tensor is not the weight of a head with an active vocabulary (yet)")
+        return state
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"active_vocab expects an nn.Module or a head weight tensor, got {type(module).__name__}")
+    found = state_names(module)
+    if head is not None:
+        hits = [s for s, names in found.items() if any(n == head or n.endswith("." + head) for n in names)]
+        if len(hits) == 1:
+            return hits[0]
+        if not hits and not found:
+            created = _create_on_demand(module, head)
+            if created is not None:
+                return created
+        known = sorted(n for names in found.values() for n in names)
+        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}")
+    if not found:
+        if wrapper is not None:
+            raise LookupError(
+                f"{type(module).__name__} has no active vocabulary: its torch.compile wrapper was not called. "
+                "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses the "
+                "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
+                "To create the set before the first call: nanospec_fx.attach(drafter)"
+            )
+        created = _create_on_demand(module, None)
+        if created is not None:
+            return created
+        raise LookupError(
+            f"{type(module).__name__} has no active vocabulary yet: compile it with "
+            "torch.compile(module, backend='nanospec') and call it once, or create it now with "
+            "nanospec_fx.attach(module, head='<weight name>'). If the compiled module was called, Dynamo did not "
+            "hand its forward to nanospec, so its head ran dense: a first call that ran no tensor op (an early "
+            "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
+        )
+    if len(found) > 1:
+        raise LookupError(
+            f"several heads have an active vocabulary: {sorted(n[0] for n in found.values())}; pass head=<name>")
+    return next(iter(found))
+
+
+def _create_on_demand(module: nn.Module, head: str | None) -> ActiveVocab | None:
+    """The head's ActiveVocab with the default vocabulary options, when the head can be found without tracing."""
+    try:
+        return state_for(*head_parameters(module, head), VocabConfig())
+    except (KeyError, ValueError):
+        return None
+
+
+def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of a model's LM head: the parameter or buffer named ``head`` (``"lm_head.weight"``,
+    or the module ``"lm_head"``; its bias beside it) or, without a name, ``get_output_embeddings()``
+    (transformers models)."""
+    module = unwrap(module)
+    if head is not None:
+        tensors = dict(module_tensors(module))
+        name = head if head in tensors and tensors[head].dim() == 2 else f"{head}.weight"
+        if name not in tensors:
+            two_d = sorted(n for n, t in tensors.items() if t.dim() == 2)
+            raise KeyError(f"{type(module).__name__} has no 2-D parameter or buffer {head!r}; its 2-D tensors: {two_d}")
+        bias = tensors.get(name.rsplit(".", 1)[0] + ".bias") if name.endswith(".weight") else None
+        return tensors[name], bias
+    get_head = getattr(module, "get_output_embeddings", None)
+    layer = get_head() if callable(get_head) else None
+    if layer is None or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(module).__name__} has no get_output_embeddings(); pass head='<weight parameter name>'")
+    return layer.weight, getattr(layer, "bias", None)
+
+
+__all__ = ["active_vocab", "head_parameters", "module_tensors", "registered_states", "state_names", "unwrap"]
