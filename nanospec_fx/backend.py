@@ -15,7 +15,6 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from nanospec_fx.dynamo_limits import record_compiled_frame
+from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, mode_config
 from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
@@ -36,15 +36,6 @@ from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import StateConfig
 
 BACKEND_NAME = "nanospec"
-
-
-class NanoSpecWarning(UserWarning):
-    """Something nanospec could not do; the model still runs, unchanged where it says so."""
-
-
-def warn_once(message: str) -> None:
-    """Warn at compile time (not per call); Python's default filter shows each message once."""
-    warnings.warn(message, NanoSpecWarning, stacklevel=3)
 
 
 def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any) -> Callable:

@@ -13,6 +13,8 @@ import threading
 import warnings
 from types import CodeType
 
+from nanospec_fx.warning import NanoSpecWarning
+
 _LOGGER = "torch._dynamo.convert_frame"
 _compiled: set[str] = set()  # "'name' (file:first line)" of every frame nanospec compiled
 _installed = threading.Event()
@@ -44,8 +46,6 @@ class _LimitHandler(logging.Handler):
         function = next((a for a in record.args if isinstance(a, str) and a in _compiled), None)
         if function is None:
             return
-        from nanospec_fx.backend import NanoSpecWarning
-
         limit = record.args[0] if record.args else "recompile_limit"
         warnings.warn(
             f"nanospec: Dynamo reached torch._dynamo.config.{limit} for {function}, so it runs that function's later "

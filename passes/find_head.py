@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import patterns
+from .observe_inputs import embedding_lookups
 
 
 class HeadSelectionError(ValueError):
@@ -41,7 +42,7 @@ class HeadMatch:
 
 def parameter_name(node: fx.Node) -> str:
     """A readable dotted name for a parameter placeholder, e.g. ``lm_head.weight``."""
-    text = parameter_name_raw(node)
+    text = patterns.source_name(node)
     text = re.sub(r"^[LG]\['[^']+'\](\[\d+\])?\.?", "", text)  # the frame local (self, args[0], ...)
     text = re.sub(r"\._(modules|parameters|buffers)\['([^']+)'\]", r".\2", text)
     text = re.sub(r"^_(modules|parameters|buffers)\['([^']+)'\]", r"\2", text)
@@ -66,16 +67,7 @@ def _is_weight_like(node: fx.Node, example: object) -> bool:
         return False
     if isinstance(example, torch.nn.Parameter):
         return True
-    return "_buffers[" in parameter_name_raw(node)
-
-
-def parameter_name_raw(node: fx.Node) -> str:
-    """Dynamo's source expression for a placeholder (``L['self']._modules['lm_head']...``), or ''."""
-    source = node.meta.get("grapharg").source if "grapharg" in node.meta else None
-    if source is None:
-        return ""
-    n = source.name
-    return n() if callable(n) else str(n)
+    return "_buffers[" in patterns.source_name(node)
 
 
 LOGIT_CARRIERS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
@@ -117,8 +109,6 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
 
 def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Embedding tables the graph looks token ids up in (ids from a user input): node -> rows."""
-    from .observe_inputs import embedding_lookups  # (observe_inputs imports this module)
-
     return {table: rows for _, _, table, rows in embedding_lookups(gm.graph)}
 
 

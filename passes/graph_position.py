@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from . import patterns
+
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<fn>.+)_at_(?P<line>\d+)$")
 
 
@@ -84,17 +86,9 @@ def graph_position(gm: fx.GraphModule) -> GraphPosition:
 def _resumed_from_placeholders(gm: fx.GraphModule) -> str | None:
     """Dynamo passes a resumed frame's stack values as ``L['___stack0']`` inputs."""
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and "___stack" in _source_name(node):
-            return f"an earlier graph (input {_source_name(node)})"
+        if node.op == "placeholder" and "___stack" in patterns.source_name(node):
+            return f"an earlier graph (input {patterns.source_name(node)})"
     return None
-
-
-def _source_name(node: fx.Node) -> str:
-    source = node.meta["grapharg"].source if "grapharg" in node.meta else None
-    if source is None:
-        return ""
-    name = source.name
-    return name() if callable(name) else str(name)
 
 
 def _compiled_caller(resumed_fn: str | None) -> str | None:

@@ -264,7 +264,7 @@ def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     while source.op in ("call_function", "call_method") and patterns.is_reshape_or_permute(source) and source.args:
         source = source.args[0]
     weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
-        isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in _source(source)))
+        isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in patterns.source_name(source)))
     return weight_like and any(isinstance(d, int) and d >= vocab for d in shape)
 
 
@@ -283,19 +283,13 @@ def _depends_on_user_input(node: fx.Node) -> bool:
         if cur.op == "placeholder":
             value = patterns.example_value(cur)
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
-                    and "_buffers[" not in _source(cur):
+                    and "_buffers[" not in patterns.source_name(cur):
                 return True
             continue
         if cur is not node and not isinstance(patterns.example_value(cur), torch.Tensor):
             continue  # a number (a shape, a size): not data of the input
         stack.extend(cur.all_input_nodes)
     return False
-
-
-def _source(node: fx.Node) -> str:
-    from .find_head import parameter_name_raw
-
-    return parameter_name_raw(node)
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:

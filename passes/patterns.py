@@ -130,6 +130,15 @@ def is_comparison(node: fx.Node) -> bool:
     return isinstance(name, str) and _aten_pointwise(name)
 
 
+def source_name(node: fx.Node) -> str:
+    """Dynamo's source expression for a placeholder (``L['self']._modules['lm_head']...``), or ''."""
+    source = node.meta["grapharg"].source if "grapharg" in node.meta else None
+    if source is None:
+        return ""
+    name = source.name
+    return name() if callable(name) else str(name)
+
+
 def example_value(node: Any) -> Any:
     """The FakeTensor (or value) Dynamo recorded for ``node``; numbers pass through."""
     if isinstance(node, fx.Node):

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from . import effects, patterns
-from .find_head import HeadMatch
+
+if TYPE_CHECKING:
+    from .find_head import HeadMatch
 
 
 @dataclass
