@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from nanospec_fx.eval.bench.timing import Stopwatch
+from nanospec_fx.speculative import drafter_state
 
 
 class StaticHead(nn.Module):
@@ -172,7 +173,7 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
             timer.reset()
             same, n, watch, sizes = True, 0, Stopwatch(), []
             for i, (p, ref) in enumerate(zip(prompts, reference)):
-                state = _state_or_none(drafter) if name in active else None
+                state = drafter_state(drafter) if name in active else None
                 if state is not None:
                     state.reset()
                 before, rounds_before = watch.seconds, timer.rounds
@@ -183,7 +184,7 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
                 per.append({"variant": name, "request": i, "seconds": round(watch.seconds - before, 6),
                             "new_tokens": out.numel(), "rounds": timer.rounds - rounds_before,
                             "identical": bool(torch.equal(out, ref))})
-                state = _state_or_none(drafter) if name in active else None
+                state = drafter_state(drafter) if name in active else None
                 if state is not None:
                     sizes.append(len(state))
             secs = watch.seconds
@@ -193,10 +194,3 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
             if progress:
                 progress(name)
     return results
-
-
-def _state_or_none(drafter: nn.Module):
-    try:
-        return nanospec_fx.active_vocab(drafter)
-    except LookupError:
-        return None
