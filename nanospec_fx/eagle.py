@@ -374,7 +374,8 @@ def draft_sampled(drafter: Callable, cache: KVCache, root_logits, root_hidden, s
 
 
 def verify_sampled(draft: SampledDraft, target_probs: Callable[[list[int]], torch.Tensor],
-                   sampler: SpeculativeSampler, generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+                   sampler: SpeculativeSampler,
+                   generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Walk the draft from the root: at each node, recursive rejection over its children.
 
     ``target_probs(nodes)`` gives p ``[V]`` after the path ending at ``nodes[-1]`` (``[]``: the
