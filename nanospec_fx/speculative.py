@@ -22,17 +22,17 @@ accepted ones (``observe="accepted"``). :func:`eagle_generate`, :func:`speculati
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nanospec_fx.eagle import DraftTree, SampledDraft, draft_chain, draft_sampled, draft_tree, drafter_cache, feed
-from nanospec_fx.eagle import verify_sampled
+from nanospec_fx.eagle import (
+    DraftTree, SampledDraft, draft_chain, draft_sampled, draft_tree, drafter_cache, feed, verify_sampled,
+)
 from nanospec_fx.sampling import SpeculativeSampler
 from nanospec_fx.state import ActiveVocab, active_vocab
 
@@ -248,7 +248,7 @@ class DecodeStats:
 
 
 def _untimed(phase: str) -> AbstractContextManager:
-    return contextlib.nullcontext()
+    return nullcontext()
 
 
 @torch.inference_mode()
@@ -267,7 +267,9 @@ def decode(
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Decode ``prompt [1, P]`` with ``rule``; returns ``([1, P + max_new_tokens], stats)``.
 
-    ``drafter=None`` or ``rule.depth = 0`` decodes with the target alone (the baseline). ``prompt_topk``:
+    ``drafter=None`` or ``rule.depth = 0`` decodes with the target alone (the baseline). ``observe``: where the
+    target's top-k joins the active set (``"verified"``: every position of the verified row the round kept, which
+    with one path per round is every verified position; ``"accepted"``: the accepted ones). ``prompt_topk``:
     the target's top-k at every prompt position seeds the active set (a head over the whole prompt on a
     cached target). ``cache_len`` fixes the drafter's cache length (default: the request's length rounded
     up to 64); one length for every request keeps a compiled drafter at one graph per call shape.
