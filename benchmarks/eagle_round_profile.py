@@ -18,6 +18,7 @@ from nanospec_fx import FrequencyTable
 from nanospec_fx.eval import loaders
 from nanospec_fx.eval import train_eagle as T
 from nanospec_fx.eval.bench import eagle_e2e as B
+from nanospec_fx.eval.bench.timing import PhaseTimer
 from nanospec_fx.eval.commands.train_eagle import eagle_dir
 from nanospec_fx.speculative import HFTarget, eagle_generate
 
@@ -44,8 +45,10 @@ def main() -> None:
         B._reset(d)
         eagle_generate(runner, d, torch.tensor([ids]), 16, depth=args.depth, cache_len=512)  # compile, warm up
         B._reset(d)
+        phases = PhaseTimer()
         with torch.profiler.profile() as prof:
-            _, stats = eagle_generate(runner, d, torch.tensor([ids]), args.max_new, depth=args.depth, cache_len=512)
+            _, stats = eagle_generate(runner, d, torch.tensor([ids]), args.max_new, depth=args.depth, cache_len=512,
+                                      timer=phases)
         events = {e.key: e for e in prof.key_averages()}
         n = stats.rounds
 
@@ -54,8 +57,8 @@ def main() -> None:
             return e.cpu_time_total / 1e3 / n if e else 0.0
 
         observe, topk = ms("nanospec::observe"), ms("aten::topk")
-        draft = 1e3 * stats.draft_s / n
-        print(f"{name:<24}{n:>7}{draft:>8.1f}{1e3 * stats.verify_s / n:>8.1f}{observe:>9.1f}{topk:>7.1f}"
+        draft = 1e3 * phases.seconds("draft") / n
+        print(f"{name:<24}{n:>7}{draft:>8.1f}{1e3 * phases.seconds('verify') / n:>8.1f}{observe:>9.1f}{topk:>7.1f}"
               f"{draft - observe - topk:>7.1f}")
     print("(profiler on: every figure is somewhat above the unprofiled e2e run's; top-k includes the prefill's)")
 

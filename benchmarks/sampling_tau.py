@@ -20,7 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import nanospec_fx
 from nanospec_fx import FrequencyTable
-from nanospec_fx.eagle import EagleConfig, EagleDrafter, hf_target_forward, speculative_sample
+from nanospec_fx.eagle import EagleConfig, EagleDrafter
+from nanospec_fx.speculative import hf_target_forward, speculative_sample
 from nanospec_fx.sampling import SpeculativeSampler
 
 

@@ -22,8 +22,8 @@ import time
 import torch
 
 import nanospec_fx
-from nanospec_fx.eagle import EagleConfig, EagleDrafter, greedy_generate, hf_target_forward
-from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm
+from nanospec_fx.eagle import EagleConfig, EagleDrafter
+from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm, greedy_generate, hf_target_forward
 
 PROMPTS = [
     "User: Explain what a hash table is and when to use one.\nAssistant: ",

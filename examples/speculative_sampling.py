@@ -19,7 +19,8 @@ import torch._dynamo
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nanospec_fx
-from nanospec_fx.eagle import EagleConfig, EagleDrafter, hf_target_forward, speculative_sample
+from nanospec_fx.eagle import EagleConfig, EagleDrafter
+from nanospec_fx.speculative import hf_target_forward, speculative_sample
 from nanospec_fx.sampling import SpeculativeSampler
 from nanospec_fx.testing import chi_square_test, sequence_distribution
 

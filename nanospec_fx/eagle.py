@@ -1,4 +1,4 @@
-"""An EAGLE-2-style drafter, its draft loop, and a plain greedy verifier.
+"""An EAGLE-2-style drafter and its draft rounds (greedy chain and tree, sampled chain and tree).
 
 The drafter predicts the target's next feature from (token embedding, target feature):
 ``fc(cat(embed(x[t+1]), f[t])) -> one Llama-style decoder layer -> target's LM head``, and
@@ -13,28 +13,23 @@ A draft round starts from the drafter's output at the last committed position (t
 
 Shapes are static within a round (``top_k`` rows per depth, a KV cache of fixed length masked by
 slot), all selection runs on the device, and the host reads the tree once per round, when it is
-verified. :func:`speculative_generate` is the whole greedy loop: verify every root-to-leaf path
-with the target over the full vocabulary, accept the longest prefix matching the target's greedy
-choice plus the target's own next token. It recomputes the target over the whole sequence each
-round (no target cache): simple and obviously lossless, meant for tiny targets and tests.
-
-:func:`speculative_sample` is the sampling loop (temperature/top-k/top-p): drafts are drawn from
-the drafter's pruned distribution and verified by speculative sampling, recursive rejection
-sampling for trees (nanospec_fx/sampling.py, docs/sampling.md); the output follows the target's
-sampling distribution exactly.
+verified. :func:`draft_sampled` and :func:`verify_sampled` are the sampling counterparts: drafts
+drawn from the drafter's pruned distribution, verified by speculative (recursive rejection)
+sampling (nanospec_fx/sampling.py, docs/sampling.md). The decode loop that drives all of them, for
+either kind of target, is :func:`nanospec_fx.speculative.decode`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanospec_fx.lookup import unwrap
 from nanospec_fx.sampling import SpeculativeSampler
-from nanospec_fx.lookup import active_vocab, unwrap
-from nanospec_fx.state import ActiveVocab
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -302,127 +297,8 @@ def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
     return torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores)
 
 
-# ----------------------------------------------------------------------------- verifying
-TargetForward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def hf_target_forward(model) -> TargetForward:
-    """``ids [P, T] -> (logits, features)`` for a transformers causal LM (features: the final-norm output)."""
-    def forward(ids):
-        features = model.model(input_ids=ids).last_hidden_state
-        return model.lm_head(features), features
-    return forward
-
-
-@dataclass
-class GenerationStats:
-    rounds: int = 0
-    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per round
-    drafted: int = 0  # path tokens the target verified (summed over rounds)
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens committed per round (accepted drafts + the target's token), EAGLE's tau."""
-        return sum(a + 1 for a in self.accepted) / max(self.rounds, 1)
-
-
-def _state(drafter) -> ActiveVocab | None:
-    try:
-        return active_vocab(drafter)
-    except (LookupError, TypeError):
-        return None  # not compiled with nanospec: drafts over the full vocabulary
-
-
-@torch.inference_mode()
-def speculative_generate(
-    target: TargetForward,
-    drafter: Callable,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    depth: int = 4,
-    top_k: int = 4,
-    num_nodes: int | None = 16,
-    chain: bool = False,
-    target_topk: int = 3,
-    on_draft: Callable[[DraftTree], None] | None = None,
-) -> tuple[torch.Tensor, GenerationStats]:
-    """Greedy speculative decoding of ``prompt [1, P]``; returns ``([1, P + max_new_tokens], stats)``.
-
-    ``target(ids [P, T]) -> (logits [P, T, V], features [P, T, H])``. With a nanospec drafter, the
-    active vocabulary is seeded with the prompt and gets the target's ``target_topk`` predictions
-    at every committed position (README, "Where the active tokens come from"). ``on_draft`` sees
-    each round's tree before it is verified.
-    """
-    p = prompt.shape[-1]
-    # Room for the sequence and one round's tree; rounded up so calls of similar length share one
-    # cache length (the mask's width), and so one compiled graph.
-    need = p + max_new_tokens + depth * (1 if chain else top_k) + 2
-    cache = drafter_cache(drafter, -(-need // 64) * 64)
-    logits, features = target(prompt)
-    seq = prompt[0].tolist() + [int(logits[0, -1].argmax())]
-    # The drafter reads (x[j+1], f[j]) at position j: positions 0..P-1 now, then n = len(seq) - 1.
-    root_logits, root_hidden = feed(drafter, cache, torch.tensor(seq[1:], device=prompt.device), features[0], 0)
-    state = _state(drafter)
-    if state is not None:
-        state.observe(prompt, validate=False)
-        _observe_topk(state, logits[0], target_topk)
-    n, stats = p, GenerationStats()
-    while len(seq) - p < max_new_tokens:
-        if chain:
-            tree = draft_chain(drafter, cache, root_logits, root_hidden, n, depth)
-        else:
-            tree = draft_tree(drafter, cache, root_logits, root_hidden, n, depth, top_k)
-        if on_draft is not None:
-            on_draft(tree)
-        paths = tree.paths(num_nodes) or [[]]  # no candidate at all: the target adds one token
-        longest = max(len(path) for path in paths)
-        batch = torch.tensor([seq + path + [0] * (longest - len(path)) for path in paths], device=prompt.device)
-        logits, features = target(batch)
-        greedy = logits[:, n:].argmax(-1).tolist()  # the target's choice after seq + path[:j]
-        row, accepted = 0, -1
-        for i, path in enumerate(paths):
-            m = 0
-            while m < len(path) and path[m] == greedy[i][m]:
-                m += 1
-            if m > accepted:
-                row, accepted = i, m
-        seq += paths[row][:accepted] + [greedy[row][accepted]]
-        root_logits, root_hidden = _commit_round(drafter, cache, state, stats, seq, n, accepted, logits[row],
-                                                 features[row], paths, target_topk)
-        n += accepted + 1
-    return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
-
-
-def _commit_round(drafter, cache, state, stats, seq, n, accepted, logits, features, paths, target_topk):
-    """After verification: feed the committed tokens (``seq[n + 1:]``) with the target's features at their
-    positions, observe the target's top-k there, and count the round; returns the next root."""
-    new = torch.tensor(seq[n + 1:], device=logits.device)
-    root = feed(drafter, cache, new, features[n:n + accepted + 1], n)
-    if state is not None:
-        _observe_topk(state, logits[n:n + accepted + 1], target_topk)
-    stats.rounds += 1
-    stats.accepted.append(accepted)
-    stats.drafted += sum(len(path) for path in paths)
-    return root
-
-
 def drafter_cache(drafter, max_len: int) -> KVCache:
     return unwrap(drafter).new_cache(max_len)
-
-
-def _observe_topk(state: ActiveVocab, logits: torch.Tensor, k: int) -> None:
-    if k > 0:
-        state.observe(logits.topk(k, dim=-1).indices, validate=False)
-
-
-@torch.inference_mode()
-def greedy_generate(target: TargetForward, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The target alone, greedy, recomputing the whole sequence each step (the reference output)."""
-    ids = prompt
-    for _ in range(max_new_tokens):
-        next_id = target(ids)[0][:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=-1)
-    return ids
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -447,6 +323,21 @@ class SampledDraft:
     probs: torch.Tensor
     source: torch.Tensor
 
+    @cached_property
+    def leaf_paths(self) -> list[list[int]]:
+        """The candidate nodes from the root to every existing leaf (``[[]]``: no candidate at all)."""
+        children = self.children()
+        existing = sorted(node for kids in children.values() for node in kids)
+        return [self.path_to(node) for node in existing if node not in children] or [[]]
+
+    def path_to(self, node: int) -> list[int]:
+        """The candidate nodes from the root down to ``node``."""
+        parents, path = self.parents.tolist(), []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
     def children(self) -> dict[int, list[int]]:
         """Existing candidates by parent (-1: the root), each list in draw order."""
         exists = torch.isfinite(self.scores).tolist()
@@ -458,7 +349,7 @@ class SampledDraft:
 
 
 def draft_sampled(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, top_k: int,
-                  sampler: "SpeculativeSampler", generator: torch.Generator | None = None) -> SampledDraft:
+                  sampler: SpeculativeSampler, generator: torch.Generator | None = None) -> SampledDraft:
     """Sample a draft of ``depth`` levels: ``top_k = 1`` is a chain, ``top_k > 1`` EAGLE-2's tree.
 
     Every expanded node draws ``top_k`` children without replacement from ``q = sampler.draft_probs
@@ -484,7 +375,8 @@ def draft_sampled(drafter: Callable, cache: KVCache, root_logits, root_hidden, s
 
 
 def verify_sampled(draft: SampledDraft, target_probs: Callable[[list[int]], torch.Tensor],
-                   sampler: "SpeculativeSampler", generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+                   sampler: SpeculativeSampler,
+                   generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Walk the draft from the root: at each node, recursive rejection over its children.
 
     ``target_probs(nodes)`` gives p ``[V]`` after the path ending at ``nodes[-1]`` (``[]``: the
@@ -501,75 +393,3 @@ def verify_sampled(draft: SampledDraft, target_probs: Callable[[list[int]], torc
         if index < 0:
             return path, [tokens[c] for c in path] + [token]
         path.append(kids[index])
-
-
-@torch.inference_mode()
-def speculative_sample(
-    target: TargetForward,
-    drafter: Callable,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    sampler: "SpeculativeSampler",
-    generator: torch.Generator | None = None,
-    depth: int = 4,
-    top_k: int = 1,
-    target_topk: int = 3,
-    on_draft: Callable[[SampledDraft], None] | None = None,
-) -> tuple[torch.Tensor, GenerationStats]:
-    """Speculative sampling of ``prompt [1, P]``: the output follows the target's sampling distribution.
-
-    ``sampler`` (a :class:`~nanospec_fx.sampling.SpeculativeSampler`) sets temperature, top-k and
-    top-p for the target and the drafter; every random draw uses ``generator``, so a seeded
-    generator reproduces the output. ``top_k = 1`` drafts a chain of ``depth`` tokens, ``top_k > 1``
-    a tree verified by recursive rejection sampling (all ``top_k + (depth - 1) top_k^2`` candidates;
-    there is no ``num_nodes`` reranking, which would bias sampling). Target calls, the active
-    vocabulary and ``stats`` are as in :func:`speculative_generate`.
-    """
-    if not (isinstance(depth, int) and depth >= 1 and isinstance(top_k, int) and top_k >= 1):
-        raise ValueError(f"depth and top_k must be ints >= 1, got depth={depth!r}, top_k={top_k!r}")
-    if not isinstance(sampler, SpeculativeSampler):
-        raise TypeError(f"sampler must be a nanospec_fx.sampling.SpeculativeSampler (e.g. SpeculativeSampler("
-                        f"temperature=0.7, top_p=0.9)), got {type(sampler).__name__}")
-    if generator is not None and generator.device.type != prompt.device.type:
-        raise ValueError(f"generator is on {generator.device}, the prompt on {prompt.device}: "
-                         "create it on the models' device, torch.Generator(device=...)")
-    p = prompt.shape[-1]
-    need = p + max_new_tokens + depth * top_k + 2
-    cache = drafter_cache(drafter, -(-need // 64) * 64)
-    logits, features = target(prompt)
-    seq = prompt[0].tolist() + [int(sampler.sample(sampler.probs(logits[0, -1]), generator))]
-    root_logits, root_hidden = feed(drafter, cache, torch.tensor(seq[1:], device=prompt.device), features[0], 0)
-    state = _state(drafter)
-    if state is not None:
-        state.observe(prompt, validate=False)
-        _observe_topk(state, logits[0], target_topk)
-    n, stats = p, GenerationStats()
-    while len(seq) - p < max_new_tokens:
-        draft = draft_sampled(drafter, cache, root_logits, root_hidden, n, depth, top_k, sampler, generator)
-        if on_draft is not None:
-            on_draft(draft)
-        children, tokens = draft.children(), draft.tokens.tolist()
-        existing = sorted(node for kids in children.values() for node in kids)
-        paths = [_path_to(draft, node) for node in existing if node not in children] or [[]]  # to every leaf
-        longest = max(len(path) for path in paths)
-        batch = torch.tensor([seq + [tokens[c] for c in path] + [0] * (longest - len(path)) for path in paths],
-                             device=prompt.device)
-        logits, features = target(batch)
-        row_of = {tuple(path[:j]): i for i, path in enumerate(paths) for j in range(len(path) + 1)}
-        accepted, committed = verify_sampled(
-            draft, lambda nodes: sampler.probs(logits[row_of[tuple(nodes)], n + len(nodes)]), sampler, generator)
-        row = row_of[tuple(accepted)]
-        seq += committed
-        m = len(accepted)
-        root_logits, root_hidden = _commit_round(drafter, cache, state, stats, seq, n, m, logits[row], features[row],
-                                                 paths, target_topk)
-        n += m + 1
-    return torch.tensor([seq[: p + max_new_tokens]], device=prompt.device), stats
-
-
-def _path_to(draft: SampledDraft, node: int) -> list[int]:
-    parents, path = draft.parents.tolist(), []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]

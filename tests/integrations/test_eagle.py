@@ -14,10 +14,8 @@ import torch._dynamo
 transformers = pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.eagle import (  # noqa: E402
-    DraftTree, EagleConfig, EagleDrafter, draft_chain, draft_tree, feed, greedy_generate, hf_target_forward,
-    speculative_generate,
-)
+from nanospec_fx.eagle import DraftTree, EagleConfig, EagleDrafter, draft_chain, draft_tree, feed  # noqa: E402
+from nanospec_fx.speculative import greedy_generate, hf_target_forward, speculative_generate  # noqa: E402
 from nanospec_fx.testing import assert_equivalent  # noqa: E402
 from helpers import tiny_llama  # noqa: E402
 

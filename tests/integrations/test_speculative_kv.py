@@ -8,6 +8,9 @@ and crop paths all run.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 import torch._dynamo
@@ -15,13 +18,11 @@ import torch._dynamo
 transformers = pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.eagle import (  # noqa: E402
-    EagleConfig,
-    EagleDrafter,
-    greedy_generate,
-    hf_target_forward,
+from nanospec_fx.eagle import EagleConfig, EagleDrafter  # noqa: E402
+from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
+from nanospec_fx.speculative import (  # noqa: E402
+    HFTarget, Sampling, decode, eagle_generate, final_norm, greedy_generate, hf_target_forward,
 )
-from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm  # noqa: E402
 
 V = 512
 
@@ -93,7 +94,7 @@ def test_eagle_decoding_is_the_targets_greedy_output(make, depth):
     assert torch.equal(out, expected)
     assert stats.new_tokens == 24 and len(stats.accepted) == stats.rounds
     if depth == 0:
-        assert stats.rounds == 23 and stats.draft_s == 0  # the first token comes with the prefill
+        assert stats.rounds == 23 and stats.drafted == 0  # the first token comes with the prefill
     if depth == 3 and make is llama:
         assert stats.mean_accept_length > 1.5  # the copying drafter is mostly right: accept and crop paths ran
         assert any(a < 3 for a in stats.accepted)  # ... and some drafts were rejected
@@ -126,6 +127,42 @@ def test_observing_rejected_positions_adds_to_the_set():
         _, stats = eagle_generate(HFTarget(target), compiled, prompt(), 24, depth=3, observe=observe)
         sizes[observe] = stats.active_size
     assert sizes["verified"] >= sizes["accepted"]
+
+
+def test_the_loop_reads_no_clock_and_a_timer_sees_every_phase(monkeypatch):
+    """Timing belongs to the caller: the loop neither synchronises the device nor reads a clock itself."""
+    target = llama()
+    expected = greedy_generate(hf_target_forward(target), prompt(), 8)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the decode loop timed itself")
+
+    monkeypatch.setattr(time, "perf_counter", forbidden)
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    phases = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+
+    out, stats = eagle_generate(HFTarget(target), copying_drafter(target, 0.05), prompt(), 8, depth=2, timer=timer)
+    monkeypatch.undo()
+    assert torch.equal(out, expected)
+    assert phases == ["draft", "verify", "draft"] * stats.rounds
+
+
+def test_sampling_on_the_cache_follows_the_target():
+    """The same loop samples: near temperature 0 the target's distribution is one token, its greedy choice."""
+    target = llama()
+    expected = greedy_generate(hf_target_forward(target), prompt(), 16)
+    sampler = SpeculativeSampler(temperature=1e-4)
+    out, stats = eagle_generate(HFTarget(target), copying_drafter(target, 0.05), prompt(), 16, depth=3,
+                                sampler=sampler, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, expected)
+    assert sum(stats.accepted) > 0 and stats.drafted > 0  # drafts were drawn and accepted
+    with pytest.raises(ValueError, match="one path per round"):
+        decode(HFTarget(target), copying_drafter(target), prompt(), 4, Sampling(sampler, None, depth=2, top_k=2))
 
 
 def test_bad_arguments_say_what_is_accepted():

@@ -13,8 +13,7 @@ import torch._dynamo
 pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.eagle import greedy_generate, hf_target_forward  # noqa: E402
-from nanospec_fx.speculative import HFTarget, eagle_generate  # noqa: E402
+from nanospec_fx.speculative import HFTarget, eagle_generate, greedy_generate, hf_target_forward  # noqa: E402
 from test_speculative_kv import V, copying_drafter, head_name, llama, prompt  # noqa: E402
 
 

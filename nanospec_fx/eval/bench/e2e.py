@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from nanospec_fx.eval.bench.timing import Stopwatch
+from nanospec_fx.speculative import drafter_state
 
 
 class StaticHead(nn.Module):
@@ -95,11 +96,9 @@ class TargetTopK:
 
     def __call__(self, input_ids, scores):
         if not self.timer.inside:
-            try:
-                state = nanospec_fx.active_vocab(self.drafter)
-            except LookupError:
-                return scores  # not compiled / not called yet
-            state.observe(scores.topk(self.k, dim=-1).indices, validate=False)
+            state = drafter_state(self.drafter)
+            if state is not None:  # None: not compiled / not called yet
+                state.observe(scores.topk(self.k, dim=-1).indices, validate=False)
         return scores
 
 
@@ -139,17 +138,9 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
     with torch.inference_mode():
         for p in prompts[:2]:  # warm-up, as for the drafters
             target.generate(torch.tensor([p]), **kw)
-        n, watch = 0, Stopwatch()
         per = requests if requests is not None else []
-        for i, p in enumerate(prompts):
-            before = watch.seconds
-            with watch:
-                out = target.generate(torch.tensor([p]), **kw)[0, len(p):]
-            reference.append(out)
-            n += out.numel()
-            per.append({"variant": "target only", "request": i, "seconds": round(watch.seconds - before, 6),
-                        "new_tokens": out.numel(), "identical": True})
-        secs = watch.seconds
+        n, secs, _, _ = _decode_requests("target only", lambda p: target.generate(torch.tensor([p]), **kw)[0, len(p):],
+                                         prompts, reference, per)
         results.append(E2EResult("target only", n, secs, n / secs, n, 1.0, 0.0, True, float("nan")))
         if progress:
             progress("target only")
@@ -170,23 +161,8 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
             for p in prompts[:2]:  # warm-up: a compiled drafter recompiles once for dynamic lengths, then settles
                 run(p)
             timer.reset()
-            same, n, watch, sizes = True, 0, Stopwatch(), []
-            for i, (p, ref) in enumerate(zip(prompts, reference)):
-                state = _state_or_none(drafter) if name in active else None
-                if state is not None:
-                    state.reset()
-                before, rounds_before = watch.seconds, timer.rounds
-                with watch:
-                    out = run(p)
-                n += out.numel()
-                same &= torch.equal(out, ref)
-                per.append({"variant": name, "request": i, "seconds": round(watch.seconds - before, 6),
-                            "new_tokens": out.numel(), "rounds": timer.rounds - rounds_before,
-                            "identical": bool(torch.equal(out, ref))})
-                state = _state_or_none(drafter) if name in active else None
-                if state is not None:
-                    sizes.append(len(state))
-            secs = watch.seconds
+            n, secs, same, sizes = _decode_requests(name, run, prompts, reference, per, timer,
+                                                    drafter if name in active else None)
             results.append(E2EResult(name, n, secs, n / secs, timer.rounds, n / max(timer.rounds, 1),
                                      timer.seconds / secs, bool(same), statistics.mean(sizes) if sizes else float("nan")))
             drafter.generate = timer._generate
@@ -195,8 +171,28 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
     return results
 
 
-def _state_or_none(drafter: nn.Module):
-    try:
-        return nanospec_fx.active_vocab(drafter)
-    except LookupError:
-        return None
+def _decode_requests(name: str, run, prompts: list[list[int]], reference: list[torch.Tensor], per: list,
+                     timer: DraftTimer | None = None, drafter: nn.Module | None = None):
+    """Decode every prompt with ``run`` on one stopwatch; returns (new tokens, seconds, all identical, |A| per
+    request). ``reference`` (the target's outputs) is filled while empty and checked against after. A ``drafter``
+    with an active vocabulary has it reset before each request (a new request) and its size read after."""
+    n, watch, same, sizes = 0, Stopwatch(), True, []
+    for i, p in enumerate(prompts):
+        state = drafter_state(drafter) if drafter is not None else None
+        if state is not None:
+            state.reset()
+        before, rounds_before = watch.seconds, timer.rounds if timer is not None else 0
+        with watch:
+            out = run(p)
+        if len(reference) == i:
+            reference.append(out)
+        identical = bool(torch.equal(out, reference[i]))
+        same, n = same and identical, n + out.numel()
+        row = {"variant": name, "request": i, "seconds": round(watch.seconds - before, 6), "new_tokens": out.numel()}
+        if timer is not None:
+            row["rounds"] = timer.rounds - rounds_before
+        per.append({**row, "identical": identical})
+        state = drafter_state(drafter) if drafter is not None else None
+        if state is not None:
+            sizes.append(len(state))
+    return n, watch.seconds, same, sizes

@@ -20,8 +20,9 @@ from torch import nn
 
 from nanospec_fx.eagle import EagleDrafter
 from nanospec_fx.eval.bench.e2e import StaticHead
+from nanospec_fx.eval.bench.timing import PhaseTimer, Stopwatch
 from nanospec_fx.eval.stats import median_interval, paired_ratios
-from nanospec_fx.speculative import DecodeStats, HFTarget, eagle_generate
+from nanospec_fx.speculative import DecodeStats, HFTarget, drafter_state, eagle_generate
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
 TARGET_ONLY = "target only"
@@ -73,7 +74,8 @@ def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, c
 @dataclass
 class Run:
     """One request decoded by one variant at one depth, in one repeat (``order``: its place in that request's
-    rotated plan; ``head``/``setting``: the variant's head and how the target fed its active set)."""
+    rotated plan; ``head``/``setting``: the variant's head and how the target fed its active set; seconds:
+    the whole request and its rounds' draft and verify phases, timed by the benchmark around the loop)."""
 
     variant: str
     depth: int
@@ -85,6 +87,9 @@ class Run:
     order: int = 0
     head: str = ""
     setting: str = ""
+    total_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
 
 @dataclass
@@ -112,9 +117,7 @@ class Summary:
 
 
 def _reset(drafter: nn.Module) -> None:
-    from nanospec_fx.eagle import _state
-
-    state = _state(drafter)
+    state = drafter_state(drafter)
     if state is not None:
         state.reset()
 
@@ -149,10 +152,14 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
                 plan.append((label, name, d, k, s))
 
     def decode(d, ids, k, s, n):
+        """``(ids, stats, (total, draft, verify) seconds)``: the benchmark's clock, outside the loop's code."""
         if d is not None:
             _reset(d)
-        return eagle_generate(runner, d, torch.tensor([ids]), n, depth=k, observe=s[0], target_topk=target_topk,
-                              prompt_topk=s[1], cache_len=cache_len)
+        phases, watch = PhaseTimer(), Stopwatch()
+        with watch:
+            out, stats = eagle_generate(runner, d, torch.tensor([ids]), n, depth=k, observe=s[0],
+                                        target_topk=target_topk, prompt_topk=s[1], cache_len=cache_len, timer=phases)
+        return out, stats, (watch.seconds, phases.seconds("draft"), phases.seconds("verify"))
 
     for _, ids in requests[:warmup]:  # compile the nanospec drafters, warm the caches
         for _, _, d, k, s in plan:
@@ -168,9 +175,9 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
                     progress(f"{category}: {label}" + (f" depth {k}" if k else "") + (f" (repeat {r + 1})" if repeats > 1 else ""))
             reference.setdefault(i, done[(TARGET_ONLY, 0)][0])  # the target's greedy output, first repeat
             for label, head, d, k, s in plan:
-                out, stats, pos = done[(label, k)]
+                out, stats, seconds, pos = done[(label, k)]
                 runs.append(Run(label, k, category, stats, bool(torch.equal(out, reference[i])), i, r, pos, head,
-                                setting_name(*s)))
+                                setting_name(*s), *seconds))
     return runs
 
 
@@ -180,11 +187,11 @@ def _per_request(runs: list[Run], metric: str) -> dict[int, float]:
     for i in dict.fromkeys(r.request for r in runs):
         rs = [r for r in runs if r.request == i]
         if metric == "tokens_per_s":
-            secs = sum(r.stats.total_s for r in rs)
+            secs = sum(r.total_s for r in rs)
             out[i] = sum(r.stats.new_tokens for r in rs) / secs if secs else float("nan")
         else:
             rounds = sum(r.stats.rounds for r in rs)
-            out[i] = 1e3 * sum(r.stats.draft_s for r in rs) / rounds if rounds else float("nan")
+            out[i] = 1e3 * sum(r.draft_s for r in rs) / rounds if rounds else float("nan")
     return out
 
 
@@ -237,16 +244,16 @@ def summarise(runs: list[Run]) -> list[Summary]:
             if not rs:
                 continue
             tokens = sum(r.stats.new_tokens for r in rs)
-            secs = sum(r.stats.total_s for r in rs)
+            secs = sum(r.total_s for r in rs)
             rounds = sum(r.stats.rounds for r in rs)
             sizes = [r.stats.active_size for r in rs if r.stats.active_size is not None]
             speed = paired(runs, (variant, depth), (TARGET_ONLY, 0), category=c)
             out.append(Summary(
                 variant, depth, c, len({r.request for r in rs}), tokens, secs, tokens / secs, speed["median"],
                 sum(a + 1 for r in rs for a in r.stats.accepted) / max(rounds, 1),
-                sum(r.stats.draft_s for r in rs) / secs, sum(r.stats.verify_s for r in rs) / secs,
+                sum(r.draft_s for r in rs) / secs, sum(r.verify_s for r in rs) / secs,
                 statistics.mean(sizes) if sizes else float("nan"), all(r.identical for r in rs),
-                1e3 * sum(r.stats.draft_s for r in rs) / max(rounds, 1), 1e3 * sum(r.stats.verify_s for r in rs) / max(rounds, 1),
+                1e3 * sum(r.draft_s for r in rs) / max(rounds, 1), 1e3 * sum(r.verify_s for r in rs) / max(rounds, 1),
                 [round(r.stats.mean_accept_length, 3) for r in rs], speed["low"], speed["high"],
                 len({r.repeat for r in rs}), sum(not r.identical for r in rs)))
     return out
@@ -256,6 +263,6 @@ def request_rows(runs: list[Run]) -> list[dict]:
     """One row per decoded request (variant, depth, repeat): what the JSON keeps besides the summaries."""
     return [{"variant": r.variant, "depth": r.depth, "category": r.category, "request": r.request, "repeat": r.repeat,
              "order": r.order, "identical": r.identical, "new_tokens": r.stats.new_tokens, "rounds": r.stats.rounds,
-             "accepted": list(r.stats.accepted), "drafted": r.stats.drafted, "total_s": round(r.stats.total_s, 6),
-             "draft_s": round(r.stats.draft_s, 6), "verify_s": round(r.stats.verify_s, 6),
+             "accepted": list(r.stats.accepted), "drafted": r.stats.drafted, "total_s": round(r.total_s, 6),
+             "draft_s": round(r.draft_s, 6), "verify_s": round(r.verify_s, 6),
              "active_size": r.stats.active_size} for r in runs]

@@ -1,4 +1,5 @@
-"""The one timer of the benchmarks: wall time of a call with the device synchronised around it."""
+"""The one timer of the benchmarks: wall time of a call with the device synchronised around it (the runtime
+never synchronises to time itself: a benchmark hands it a :class:`PhaseTimer`)."""
 from __future__ import annotations
 
 import statistics
@@ -60,3 +61,17 @@ class Stopwatch:
     def __exit__(self, *exc) -> None:
         sync()
         self.seconds += time.perf_counter() - self._start
+
+
+class PhaseTimer:
+    """Seconds per phase of a decode loop: the ``timer`` of :func:`nanospec_fx.speculative.decode`
+    (``timer(phase)`` is that phase's :class:`Stopwatch`)."""
+
+    def __init__(self) -> None:
+        self.watches: dict[str, Stopwatch] = {}
+
+    def __call__(self, phase: str) -> Stopwatch:
+        return self.watches.setdefault(phase, Stopwatch())
+
+    def seconds(self, phase: str) -> float:
+        return self.watches[phase].seconds if phase in self.watches else 0.0
