@@ -29,6 +29,9 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
     return state_for(weight, bias, NanoSpecOptions.parse(vocab_options).vocab_config)
 
 
+PAIR_RECOMPILE_LIMIT = 32  # variants of the shared forward: 2 models x prefill/decode x cache states
+
+
 def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, observe_prompt: bool = True,
                      inductor: bool = True, **vocab_options) -> ActiveVocab:
     """Compile ``drafter`` (nanospec head) and ``target`` (top-k observer) in place; return the drafter's ActiveVocab.
@@ -38,9 +41,15 @@ def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int
     the prompt positions at prefill (transformers asks the target for the last position's logits
     only; this costs one more head pass over the prompt). Target outputs are unchanged; generation
     stays lossless.
+
+    A target and a drafter of one transformers class share one compiled function, and prefill and decode
+    steps of both need their own variants: more than Dynamo's default recompile limit (8), past which it
+    runs them uncompiled (a dense head, said by a ``NanoSpecWarning``). So this raises
+    ``torch._dynamo.config.recompile_limit`` to at least ``PAIR_RECOMPILE_LIMIT`` for the process.
     """
     _check_not_wrapped(drafter, "speculative_pair")
     _check_not_wrapped(target, "speculative_pair")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, PAIR_RECOMPILE_LIMIT)
     state = attach(drafter, **vocab_options)
     drafter.compile(backend="nanospec", options={**vocab_options, "inductor": inductor})
     target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor,
