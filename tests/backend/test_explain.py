@@ -104,3 +104,14 @@ def test_a_bypassed_compile_wrapper_is_reported_as_not_rewritten():
     with torch.no_grad():
         wrapper(torch.tensor([[4, 5, 6]]))
     assert nanospec_fx.explain(wrapper).heads[0].rewritten
+
+
+def test_head_benchmark_pairs_measurement_and_prediction():
+    from nanospec_fx.eval.bench.head import bench_head_vs_active
+
+    res = bench_head_vs_active(hidden=8, vocab=512, actives=(1, 30), capacity=32, rows=(1,), repeats=2)
+    assert [(t.active, t.variant, t.path) for t in res] == [
+        (1, "compact", "host"), (1, "+scatter", "host"), (30, "compact", "host"), (30, "+scatter", "host")]
+    for t in res:
+        cost = HeadCost.for_path(512, 8, 4, t.variant == "compact", "host", 32)
+        assert t.predicted == pytest.approx(cost.predict(1, t.active)) and t.speedup > 0 and t.ms > 0

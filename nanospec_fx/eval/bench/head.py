@@ -172,8 +172,9 @@ class ActiveTiming:
     path: str  # the implementation that ran (kernels.dispatch.path_for)
     ms: float  # median
     dense_ms: float
-    speedup: float  # dense / nanospec, measured
+    speedup: float  # dense / nanospec, measured (medians)
     predicted: float  # explain's cost model for this path, rows and active count
+    min_speedup: float = float("nan")  # dense / nanospec from the fastest calls (the least disturbed by load)
 
     @property
     def error(self) -> float:
@@ -197,7 +198,8 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
     with torch.inference_mode():
         for r in rows:
             x = torch.randn(r, hidden, dtype=dtype, device=device)
-            dense = statistics.median(cold_timings(lambda: F.linear(x, weight), max(3, repeats // 5), flush))
+            dense_ts = cold_timings(lambda: F.linear(x, weight), max(3, repeats // 5), flush)
+            dense = statistics.median(dense_ts)
             for n, st in states.items():
                 variants = {
                     "compact": lambda: ops.compact_logits(x, st.cache_w, None, st.cursor),
@@ -205,9 +207,11 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
                         ops.compact_logits(x, st.cache_w, None, st.cursor), st.ids, st.cursor, vocab),
                 }
                 for variant, fn in variants.items():
-                    t = statistics.median(cold_timings(fn, repeats, flush))
+                    ts = cold_timings(fn, repeats, flush)
+                    t = statistics.median(ts)
                     cost = HeadCost.for_path(vocab, hidden, size, variant == "compact", path, capacity)
-                    out.append(ActiveTiming(r, n, variant, path, 1e3 * t, 1e3 * dense, dense / t, cost.predict(r, n)))
+                    out.append(ActiveTiming(r, n, variant, path, 1e3 * t, 1e3 * dense, dense / t, cost.predict(r, n),
+                                            min(dense_ts) / min(ts)))
     return out
 
 
@@ -228,11 +232,13 @@ def _main() -> None:
     res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device)
     print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
           f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, median of {a.repeats}")
-    print("| rows | active | variant | nanospec ms | dense ms | measured speedup | predicted | predicted / measured |")
+    print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
+          "| predicted / measured (min) |")
     print("|---|---|---|---|---|---|---|---|")
     for t in res:
-        print(f"| {t.rows} | {t.active:,} | {t.variant} | {t.ms:.3f} | {t.dense_ms:.2f} | {t.speedup:.0f}x "
-              f"| {t.predicted:.0f}x | {t.predicted / t.speedup:.2f} |")
+        print(f"| {t.rows} | {t.active:,} | {t.variant} | {t.ms:.3f} | {t.dense_ms:.1f} | {t.speedup:.0f}x "
+              f"({t.min_speedup:.0f}x) | {t.predicted:.0f}x | {t.predicted / t.speedup:.2f} "
+              f"({t.predicted / t.min_speedup:.2f}) |")
 
 
 if __name__ == "__main__":
