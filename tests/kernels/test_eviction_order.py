@@ -68,7 +68,18 @@ def _observe_impl(impl):
 @pytest.mark.parametrize("impl", ["reference", "host", "op", "triton"])
 def test_every_observe_renews_the_tokens_a_call_feeds(impl):
     """Every implementation, called directly, keeps the simulation's set (renewal included) after each call."""
-    fn = _observe_impl(impl)
+    _check_against_the_simulation(_observe_impl(impl))
+
+
+@pytest.mark.parametrize("impl", ["reference", "host", "op"])
+def test_the_renewal_check_fails_with_renewal_switched_off(impl, monkeypatch):
+    monkeypatch.setattr(R, "renew_fed_ids", lambda *args: None)
+    monkeypatch.setattr(H, "renewed_slots", lambda *args: set())
+    with pytest.raises(AssertionError, match="after observing"):
+        _check_against_the_simulation(_observe_impl(impl))
+
+
+def _check_against_the_simulation(fn):
     vocab, capacity, pinned = 40, 10, 2
     w = torch.randn(vocab, 4, generator=torch.Generator().manual_seed(0))
     state = new_state(vocab, 4, capacity, torch.float32, "cpu")
