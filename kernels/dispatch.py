@@ -1,9 +1,14 @@
-"""Which implementation a nanospec op runs: Triton kernels or the torch reference.
+"""Which implementation a nanospec op runs: Triton kernels, the host path or the torch reference.
 
 ``NANOSPEC_KERNELS`` selects it:
-  * ``auto`` (default): Triton for CUDA tensors when triton imports, the reference elsewhere;
-  * ``reference``: always the torch reference;
+  * ``auto`` (default): Triton for CUDA tensors when triton imports, the host path
+    (:mod:`kernels.host`: reads the count on the host, computes only the active rows) for CPU
+    tensors, the reference elsewhere;
+  * ``reference``: always the torch reference (works over the whole capacity, never syncs);
+  * ``host``: the host path for CPU tensors, the reference elsewhere;
   * ``triton``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``).
+A traced call (fake tensors, an active dispatch mode, Dynamo) never takes the host path: it reads
+data on the host. It takes the reference, which computes the same values.
 The variable is read on each call, so tests can switch it with ``monkeypatch.setenv``. Inside
 ``torch.compile`` it is read when the op is traced (``triton_op``) or run (opaque op).
 """
@@ -14,9 +19,11 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-_CHOICES = ("auto", "reference", "triton")
+from . import host, reference
+
+_CHOICES = ("auto", "reference", "host", "triton")
 
 
 def kernel_mode() -> str:
@@ -39,10 +46,32 @@ def _triton_ops():
     return triton_kernels
 
 
+def _host_readable(tensor: torch.Tensor) -> bool:
+    """A real CPU tensor outside any tracing: its data can be read on the host."""
+    return (
+        tensor.device.type == "cpu"
+        and not torch._subclasses.fake_tensor.is_fake(tensor)
+        and _get_current_dispatch_mode() is None
+        and not torch.compiler.is_compiling()
+    )
+
+
+def path_for(device: torch.device | str) -> str:
+    """Which implementation set runs untraced ops on ``device``: "triton", "host" or "reference"."""
+    mode, kind = kernel_mode(), torch.device(device).type
+    if mode == "triton" or (mode == "auto" and kind == "cuda" and _triton_ops() is not None):
+        return "triton"
+    if mode in ("auto", "host") and kind == "cpu":
+        return "host"
+    return "reference"
+
+
 def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     """The function that runs ``op`` for a call whose main tensor is ``tensor``."""
     mode = kernel_mode()
-    if mode == "reference" or (mode == "auto" and tensor.device.type != "cuda"):
+    if mode in ("auto", "host") and _host_readable(tensor):
+        return getattr(host, op)
+    if mode in ("reference", "host") or (mode == "auto" and tensor.device.type != "cuda"):
         return getattr(reference, op)
     if mode == "triton" and tensor.device.type == "cpu" and not _interpreting():
         raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")

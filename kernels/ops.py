@@ -98,11 +98,10 @@ def _observe(
 ) -> None:
     """Add ``token_ids`` to the active vocabulary held in the state tensors (in place).
 
-    Active ids of this call that its new ids would evict are first made new again
+    Every implementation renews first the active ids of this call that its new ids would evict
     (:func:`reference.renew_fed_ids`), so a call never evicts a token it feeds while they fit.
     """
     check_num_pinned(num_pinned, ids.numel())
-    reference.renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 

@@ -93,10 +93,12 @@ def observe(
 
     Ids outside [0, V) are ignored (callers that want an error validate first). New ids are
     inserted in order of first occurrence; if one call brings more new ids than the ring
-    holds, the last ones stay.
+    holds, the last ones stay. Active ids of the call that its new ids would evict are renewed
+    first (:func:`renew_fed_ids`), so a call keeps every id it feeds while they fit.
     """
     capacity, vocab = ids.numel(), slot_of.numel()
     check_num_pinned(num_pinned, capacity)
+    renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
     x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
     in_range = (x >= 0) & (x < vocab)
     # Out-of-range ids share the key -1 for de-duplication, so they never shadow a real id.

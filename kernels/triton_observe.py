@@ -32,6 +32,7 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
+from . import reference
 from .schema import check_num_pinned
 from .triton_util import contiguous_rows, device_guard
 
@@ -147,9 +148,11 @@ def observe(
     cache_b: torch.Tensor,
     num_pinned: int,
 ) -> None:
-    """Same contract as :func:`nanospec_fx.kernels.reference.observe`."""
+    """Same contract as :func:`nanospec_fx.kernels.reference.observe`, fed-id renewal included
+    (:func:`~nanospec_fx.kernels.reference.renew_fed_ids`: plain torch, fixed shapes, no sync)."""
     capacity, vocab = ids.numel(), slot_of.numel()
     check_num_pinned(num_pinned, capacity)
+    reference.renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
     tok = token_ids.reshape(-1).to(ids.device)
     if tok.dtype not in (torch.int32, torch.int64):
         tok = tok.to(torch.int64)

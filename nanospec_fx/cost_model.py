@@ -1,10 +1,17 @@
 """A bytes-and-FLOPs model of the LM head, dense vs nanospec, in sympy.
 
 The draft head is memory-bound (a handful of rows against a [V, H] matrix), so its time
-follows the bytes it moves. Dense reads the whole weight; nanospec reads the ``active`` rows of
-the compact cache, and writes either the [rows, V] logits (when something downstream needs
-them) or only [rows, active] compact logits (when top-k / argmax run on them).
-Expressions stay symbolic in ``rows`` (dynamic shapes from torch's ShapeEnv) and ``active``.
+follows the bytes it moves. Dense reads the whole weight. nanospec reads the cached rows that its
+implementation (``path``) actually computes - Triton: the ``active`` ones (tiles past the count are
+skipped); the CPU host path: ``bucket(active)`` of them (:func:`nanospec_fx.kernels.host.bucket`);
+the device-side torch reference: all ``capacity`` rows - and writes either the [rows, V] logits
+(when something downstream needs them) or only the [rows, C] compact logits (top-k / argmax run on
+them). Times are counted in bytes at the bandwidth the compact head streams with: nanospec costs
+``fixed + bytes`` (a call's fixed cost - dispatch, launches, a few small ops, cold caches - that no
+byte count sees), dense ``max(bytes / efficiency, FLOPs / flops_per_byte)`` (a CPU's dense
+few-row product streams below that bandwidth and turns compute-bound from a few rows on); the
+constants are per implementation (:data:`MACHINE`). Expressions stay symbolic in ``rows``
+(dynamic shapes from torch's ShapeEnv) and ``active``.
 """
 from __future__ import annotations
 
@@ -13,6 +20,22 @@ from dataclasses import dataclass
 import sympy
 
 rows, active = sympy.symbols("rows active", positive=True, integer=True)
+bucket = sympy.Function("bucket")  # the host path's computed rows for `active` (kernels.host.bucket)
+
+PATHS = ("triton", "host", "reference")
+
+#: Per implementation: (a nanospec head call's fixed cost in bytes, the dense head's bandwidth
+#: efficiency, the dense head's FLOPs per byte when compute-bound, None: never).
+#: host / reference: fitted to the head benchmark on the 2-core CPU test machine, fp32, one thread,
+#: cold caches, 1 and 4 rows (docs/kernels.md, "CPU cost follows |A|"): ~0.24 ms fixed at the
+#: ~13 GB/s the compact head streams; the dense sgemv streams at 60% of that (~8 GB/s) and the
+#: 4-row dense product is compute-bound (~7 GFLOP/s). triton: *assumed*, not measured (no GPU
+#: timing yet): ~3 launches of ~5 us at ~4 TB/s; the dense head bandwidth-bound like the kernels.
+MACHINE: dict[str, tuple[int, float, float | None]] = {
+    "host": (3_100_000, 0.6, 0.725),
+    "reference": (3_100_000, 0.6, 0.725),
+    "triton": (60_000_000, 1.0, None),
+}
 
 
 @dataclass(frozen=True)
@@ -21,17 +44,44 @@ class HeadCost:
     hidden_size: int
     bytes_per_element: int = 2
     compact_output: bool = False  # consumers read compact logits: no [rows, V] output
+    path: str = "triton"  # the implementation that runs the ops (nanospec_fx.kernels.dispatch.path_for)
+    capacity: int | None = None  # C: the reference computes all of it, compact outputs are [rows, C]
+    fixed_bytes: int = 0  # a nanospec call's fixed cost, as bytes (MACHINE[path] for a real head)
+    dense_efficiency: float = 1.0  # the dense head's bandwidth relative to the compact head's
+    dense_flops_per_byte: float | None = None  # the dense head turns compute-bound at this; None: never
+
+    @classmethod
+    def for_path(cls, vocab_size: int, hidden_size: int, bytes_per_element: int, compact_output: bool, path: str,
+                 capacity: int) -> "HeadCost":
+        """The model of a head run by ``path`` (kernels.dispatch.path_for), with that path's :data:`MACHINE` constants."""
+        return cls(vocab_size, hidden_size, bytes_per_element, compact_output, path, capacity, *MACHINE[path])
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+
+    @property
+    def computed_rows(self) -> sympy.Expr:
+        """Cached rows the head multiplies, as a function of ``active``."""
+        if self.path == "host":
+            return bucket(active)
+        if self.path == "reference" and self.capacity is not None:
+            return sympy.Integer(self.capacity)
+        return active
 
     @property
     def dense_bytes(self) -> sympy.Expr:
         V, H, b = self.vocab_size, self.hidden_size, self.bytes_per_element
         return b * (V * H + rows * H + rows * V)
 
+    def _nanospec_bytes(self, computed: sympy.Expr, n_active: sympy.Expr) -> sympy.Expr:
+        V, H, b = self.vocab_size, self.hidden_size, self.bytes_per_element
+        out = rows * (self.capacity if self.capacity is not None else n_active) if self.compact_output else rows * V
+        return b * (computed * H + rows * H + out) + 8 * n_active  # + the int64 slot -> token ids
+
     @property
     def nanospec_bytes(self) -> sympy.Expr:
-        V, H, b = self.vocab_size, self.hidden_size, self.bytes_per_element
-        out = rows * active if self.compact_output else rows * V
-        return b * (active * H + rows * H + out) + 8 * active  # + the int64 slot -> token ids
+        return self._nanospec_bytes(self.computed_rows, active)
 
     @property
     def dense_flops(self) -> sympy.Expr:
@@ -39,19 +89,42 @@ class HeadCost:
 
     @property
     def nanospec_flops(self) -> sympy.Expr:
-        return 2 * rows * self.hidden_size * active
+        return 2 * rows * self.hidden_size * self.computed_rows
+
+    @property
+    def dense_time(self) -> sympy.Expr:
+        """Dense head time, in bytes at the compact head's bandwidth."""
+        streamed = self.dense_bytes / sympy.nsimplify(self.dense_efficiency)
+        if self.dense_flops_per_byte is None:
+            return streamed
+        return sympy.Max(streamed, self.dense_flops / sympy.nsimplify(self.dense_flops_per_byte))
+
+    @property
+    def nanospec_time(self) -> sympy.Expr:
+        """nanospec head time, in bytes: the fixed cost plus the bytes moved."""
+        return self.fixed_bytes + self.nanospec_bytes
 
     @property
     def speedup(self) -> sympy.Expr:
-        """Predicted head speedup (bandwidth bound): dense bytes / nanospec bytes."""
-        return sympy.simplify(self.dense_bytes / self.nanospec_bytes)
+        """Predicted head speedup: dense time / nanospec time (without a fixed cost or a FLOP bound:
+        dense bytes / nanospec bytes)."""
+        return sympy.simplify(self.dense_time / self.nanospec_time)
+
+    def _at(self, expr: sympy.Expr, n_active: int) -> sympy.Expr:
+        if self.path == "host":
+            from nanospec_fx.kernels.host import bucket as host_bucket
+
+            expr = expr.subs(bucket(active), host_bucket(n_active, self.capacity or n_active))
+        return expr.subs(active, n_active)
 
     def predict(self, n_rows: int, n_active: int) -> float:
-        return float(self.speedup.subs({rows: n_rows, active: n_active}))
+        """Predicted dense time / nanospec time for ``n_rows`` rows and ``n_active`` active tokens."""
+        return float(self._at(self.dense_time / self.nanospec_time, n_active).subs(rows, n_rows))
 
     def break_even_active(self, n_rows: int) -> float:
         """Active-set size at which nanospec moves as many bytes as the dense head."""
         a = sympy.Symbol("a", real=True)  # `active` is an integer symbol; the crossing need not be
-        equation = sympy.Eq(self.dense_bytes.subs(rows, n_rows), self.nanospec_bytes.subs({rows: n_rows, active: a}))
-        solution = sympy.solve(equation, a)
+        computed = a if self.path == "host" else self.computed_rows.subs(active, a)  # host: the bucket, within 25%
+        nanospec = self._nanospec_bytes(computed, a).subs(rows, n_rows)
+        solution = sympy.solve(sympy.Eq(self.dense_bytes.subs(rows, n_rows), nanospec), a)
         return float(solution[0]) if solution else float("inf")

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
 
@@ -25,20 +26,35 @@ class HeadExplanation:
     observers: int = 0
     cost: HeadCost | None = None
     names: list[str] = field(default_factory=list)  # every name active_vocab(m, head=...) accepts
+    path: str = "reference"  # the kernels that run its ops (kernels.dispatch.path_for)
+
+    @property
+    def rewritten(self) -> bool:
+        """A graph compiled with the nanospec backend runs this head (else it has only a state)."""
+        return self.graphs > 0
 
     def predictions(self, rows=(1, 10)) -> dict[int, float]:
         active = max(len(self.state), 1)
         return {r: self.cost.predict(r, active) for r in rows}
 
 
+_PATHS = {
+    "host": "CPU host path: computes the active rows only (bucket(active) of them)",
+    "triton": "Triton kernels: skip the tiles past the active count",
+    "reference": "torch reference: computes all capacity rows whatever the active count",
+}
+
+
 @dataclass
 class Explanation:
     heads: list[HeadExplanation]
+    wrapper: bool = False  # explain() was given a torch.compile wrapper
 
     def __str__(self) -> str:
         if not self.heads:
             return "nanospec: no head rewritten yet (compile with backend='nanospec' and call the module once)"
-        lines = [f"nanospec: {len(self.heads)} head(s) rewritten"]
+        done = sum(h.rewritten for h in self.heads)
+        lines = [f"nanospec: {done} head(s) rewritten" + (f", {len(self.heads) - done} not rewritten" if done < len(self.heads) else "")]
         for h in self.heads:
             s = h.state
             lines += [
@@ -46,9 +62,15 @@ class Explanation:
                 f"    names: {', '.join(h.names)}",
                 f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, device={s.ids.device}",
                 f"    graphs compiled: {h.graphs}; input observers: {h.observers}",
+            ]
+            if not h.rewritten:
+                lines += [f"    NOT REWRITTEN: {_not_rewritten(self.wrapper)}"]
+                continue
+            lines += [
                 f"    post-ops on compact logits: {', '.join(h.post_ops) or 'none'}",
                 f"    consumers on compact logits: {', '.join(h.consumers) or 'none'}",
                 f"    read the [..., V] logits: {', '.join(h.exits) or 'nothing'}",
+                f"    kernels: {_PATHS[h.path]}",
                 f"    bytes dense:    {h.cost.dense_bytes}",
                 f"    bytes nanospec: {h.cost.nanospec_bytes}",
                 f"    FLOPs dense / nanospec: {h.cost.dense_flops} / {h.cost.nanospec_flops}",
@@ -58,17 +80,34 @@ class Explanation:
         return "\n".join(lines)
 
 
+def _not_rewritten(wrapper: bool) -> str:
+    why = ("no graph compiled with backend='nanospec' has run this head: it runs dense, and its active "
+           "vocabulary only fills from observe() calls.")
+    if wrapper:
+        why += (" This is a torch.compile wrapper: transformers' generate(assistant_model=...) calls "
+                "assistant_model.generate(), which bypasses the wrapper. Compile in place instead: "
+                "drafter.compile(backend='nanospec').")
+    else:
+        why += " Call the compiled module (not the original) at least once."
+    return why
+
+
 def explain(module: nn.Module) -> Explanation:
     """Report every head of ``module`` (compiled or original) that has an active vocabulary, wherever
     its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
-    consumers kept in compact space, the active set, and the cost model."""
+    consumers kept in compact space, the active set, and the cost model of the kernels that run it.
+    A head with an active vocabulary but no compiled graph (``attach`` without a compiled call, or a
+    ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason."""
+    wrapper = hasattr(module, "_orig_mod")
     module = unwrap(module)
     heads = []
     for state, names in state_names(module).items():
         name = names[0]
         reports = state.rewrites
         compact_only = bool(reports) and all(not r.exits for r in reports)
-        cost = HeadCost(state.rows, state.hidden_size, torch.empty((), dtype=state.cache_w.dtype).element_size(), compact_only)
+        path = path_for(state.cache_w.device)
+        size = torch.empty((), dtype=state.cache_w.dtype).element_size()
+        cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity)
         heads.append(HeadExplanation(
             name=name,
             module_path=next((r.module_path for r in reports if r.module_path), None),
@@ -82,8 +121,9 @@ def explain(module: nn.Module) -> Explanation:
             observers=max((r.observers for r in reports), default=0),
             cost=cost,
             names=names,
+            path=path,
         ))
-    return Explanation(heads)
+    return Explanation(heads, wrapper)
 
 
 def _unique(items) -> list[str]:

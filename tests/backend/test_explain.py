@@ -1,11 +1,12 @@
 """explain() and the sympy cost model."""
 from __future__ import annotations
 
+import pytest
 import sympy
 import torch
 
 import nanospec_fx
-from nanospec_fx.cost_model import HeadCost, active, rows
+from nanospec_fx.cost_model import MACHINE, HeadCost, active, rows
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 
@@ -40,3 +41,77 @@ def test_llama3_shape_prediction_is_bounded_by_the_bytes_ratio():
     assert cost.predict(1, 3000) > cost.predict(64, 3000)  # more rows, more activation traffic
     even = cost.break_even_active(10)
     assert 0.9 * 128256 < even < 128256 * 1.01
+
+
+def test_cost_model_follows_the_path_that_runs():
+    """Host path: bucket(active) rows; reference: all C rows; Triton: the active rows (hand-counted)."""
+    V, H, C, b = 1000, 10, 64, 4
+    host = HeadCost(V, H, b, compact_output=True, path="host", capacity=C)
+    ref = HeadCost(V, H, b, compact_output=True, path="reference", capacity=C)
+    tri = HeadCost(V, H, b, compact_output=True, path="triton", capacity=C)
+    dense = b * (V * H + 2 * H + 2 * V)
+    # 5 active: the host computes a bucket of 16 rows, the reference 64, Triton 5; all write [2, C]
+    for cost, computed in ((host, 16), (ref, 64), (tri, 5)):
+        assert cost.predict(2, 5) == pytest.approx(dense / (b * (computed * H + 2 * H + 2 * C) + 8 * 5))
+    assert host.predict(2, 5) > ref.predict(2, 5) and tri.predict(2, 5) > host.predict(2, 5)
+    assert active not in ref.nanospec_flops.free_symbols  # the reference multiplies all C rows whatever |A|
+    assert str(host.nanospec_flops) == "20*rows*bucket(active)"
+    with pytest.raises(ValueError, match="path"):
+        HeadCost(V, H, b, path="gpu")
+
+
+def test_fixed_cost_and_dense_roofline():
+    cost = HeadCost(1000, 10, 4, compact_output=True, path="triton", capacity=64, fixed_bytes=5000,
+                    dense_efficiency=0.5, dense_flops_per_byte=0.25)
+    nano = 4 * (5 * 10 + 3 * 10 + 3 * 64) + 8 * 5 + 5000
+    dense_streamed = 4 * (1000 * 10 + 3 * 10 + 3 * 1000) / 0.5
+    dense_flops = 2 * 3 * 10 * 1000 / 0.25  # 240,000 > 52,120: compute-bound
+    assert cost.predict(3, 5) == pytest.approx(max(dense_streamed, dense_flops) / nano)
+    assert HeadCost.for_path(1000, 10, 4, True, "host", 64).fixed_bytes == MACHINE["host"][0]
+
+
+def test_explain_names_the_kernels_and_predicts_for_them(monkeypatch):
+    model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    monkeypatch.setenv("NANOSPEC_KERNELS", "auto")
+    (head,) = nanospec_fx.explain(compiled).heads
+    assert head.path == "host" and head.cost.path == "host" and head.cost.capacity == 64
+    assert "CPU host path" in str(nanospec_fx.explain(compiled))
+    host_prediction = head.predictions()[1]
+    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    (head,) = nanospec_fx.explain(compiled).heads
+    assert head.path == "reference" and "computes all capacity rows" in str(nanospec_fx.explain(compiled))
+    assert head.predictions()[1] < host_prediction
+
+
+def test_a_bypassed_compile_wrapper_is_reported_as_not_rewritten():
+    """generate(assistant_model=wrapper) calls the original module: its head runs dense, and explain says so."""
+    model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
+    torch._dynamo.reset()
+    wrapper = torch.compile(model, backend="nanospec", options={"inductor": False})
+    nanospec_fx.attach(model, head="lm_head.weight")
+    with torch.no_grad():
+        model(torch.tensor([[4, 5, 6]]))  # what wrapper.generate() runs: the original module
+    report = nanospec_fx.explain(wrapper)
+    (head,) = report.heads
+    assert head.graphs == 0 and not head.rewritten
+    text = str(report)
+    assert text.startswith("nanospec: 0 head(s) rewritten, 1 not rewritten")
+    assert "NOT REWRITTEN" in text and "bypasses the wrapper" in text and "drafter.compile(backend='nanospec')" in text
+    assert "bypasses" not in str(nanospec_fx.explain(model))  # not a wrapper: the other remedy
+    with torch.no_grad():
+        wrapper(torch.tensor([[4, 5, 6]]))
+    assert nanospec_fx.explain(wrapper).heads[0].rewritten
+
+
+def test_head_benchmark_pairs_measurement_and_prediction():
+    from nanospec_fx.eval.bench.head import bench_head_vs_active
+
+    res = bench_head_vs_active(hidden=8, vocab=512, actives=(1, 30), capacity=32, rows=(1,), repeats=2)
+    assert [(t.active, t.variant, t.path) for t in res] == [
+        (1, "compact", "host"), (1, "+scatter", "host"), (30, "compact", "host"), (30, "+scatter", "host")]
+    for t in res:
+        cost = HeadCost.for_path(512, 8, 4, t.variant == "compact", "host", 32)
+        assert t.predicted == pytest.approx(cost.predict(1, t.active)) and t.speedup > 0 and t.ms > 0

@@ -94,7 +94,8 @@ def test_strategies_draw_valid_values(x, active):
 
 # ----------------------------------------------------------------------------- failures
 def patch_reference(monkeypatch, name, wrap):
-    """Replace reference kernel ``name`` by ``wrap(original)``."""
+    """Replace reference kernel ``name`` by ``wrap(original)`` (and run the reference, not the CPU host path)."""
+    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
     module = sys.modules["nanospec_fx.kernels.reference"]
     monkeypatch.setattr(module, name, wrap(getattr(module, name)))
 

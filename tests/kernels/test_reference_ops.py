@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanospec_fx.kernels import ops, reference as R
+from nanospec_fx.kernels import host as H, ops, reference as R
 
 NEG = float("-inf")
 
@@ -27,6 +27,7 @@ def make_state(vocab, hidden, capacity, dtype=torch.float32):
 
 
 def observe(state, tokens, weight, bias=None, num_pinned=0, fn=R.observe):
+    """``fn``: one observe implementation (every one renews the tokens a call feeds)."""
     t = torch.as_tensor(tokens, dtype=torch.int64)
     fn(t, weight, bias, state["ids"], state["slot_of"], state["cursor"], state["cache_w"], state["cache_b"], num_pinned)
 
@@ -40,7 +41,9 @@ class RingModel:
         self.slot_of: dict[int, int] = {}
         self.cursor = 0
 
-    def observe(self, tokens):
+    def observe(self, tokens, renew=True):
+        if renew:
+            self.renew(tokens)
         before = set(self.slot_of)
         seen = set()
         for t in tokens:
@@ -55,6 +58,27 @@ class RingModel:
             self.ids[slot] = t
             self.slot_of[t] = slot
             self.cursor += 1
+
+    def renew(self, tokens):
+        """A call never loses a token it feeds while its tokens fit: walking the ring slots in the order
+        the next insertions claim them, a slot holding a fed token with fewer than n_new free slots
+        (empty, or holding a token the call does not feed) before it is emptied, so that the token is
+        inserted again as new - if the new tokens and the emptied ones fit in the ring."""
+        call = {t for t in tokens if 0 <= t < self.vocab}
+        n_new = len(call - set(self.slot_of))
+        ring = self.capacity - self.num_pinned
+        free, emptied = 0, []
+        for k in range(self.cursor, self.cursor + ring):
+            slot = k if k < self.capacity else self.num_pinned + (k - self.num_pinned) % ring
+            if self.ids[slot] in call:
+                if free < n_new:
+                    emptied.append(slot)
+            else:
+                free += 1
+        if emptied and n_new + len(emptied) <= ring:
+            for slot in emptied:
+                del self.slot_of[self.ids[slot]]
+                self.ids[slot] = -1
 
 
 def assert_matches_model(state, model, weight, bias):
@@ -151,15 +175,35 @@ def test_bias_is_copied_and_left_alone_without_one():
     assert torch.equal(s2["cache_b"], torch.zeros(3))
 
 
+OBSERVES = {"reference": R.observe, "host": H.observe, "op": ops.observe}
+
+
+@pytest.mark.parametrize("impl", OBSERVES)
+def test_a_call_keeps_the_tokens_it_feeds_while_they_fit(impl):
+    w = torch.randn(30, 3)
+    s = make_state(30, 3, 4)
+    observe(s, [0, 1, 2, 3], w, fn=OBSERVES[impl])
+    observe(s, [0, 10], w, fn=OBSERVES[impl])  # 0 is the oldest: without renewal 10 would evict it
+    assert s["ids"].tolist() == [0, 10, 2, 3]  # 0 renewed (inserted again, slot 0), 10 evicts 1
+    assert s["slot_of"][[0, 10, 1]].tolist() == [0, 1, -1]
+    assert int(s["cursor"]) == 6
+    assert torch.equal(s["cache_w"], w[[0, 10, 2, 3]])
+    # 3 new + 2 endangered (2, 3 sit where the next insertions go) > ring of 4: no renewal, 2 and 3 are evicted
+    observe(s, [2, 3, 20, 21, 22], w, fn=OBSERVES[impl])
+    assert s["ids"].tolist() == [22, 10, 20, 21] and int(s["cursor"]) == 9
+
+
+@pytest.mark.parametrize("impl", ["reference", "host"])
 @settings(max_examples=40, deadline=None)
 @given(
     vocab=st.integers(1, 40),
     capacity=st.integers(1, 12),
     pinned=st.integers(0, 11),
-    calls=st.lists(st.lists(st.integers(-3, 45), max_size=20), max_size=6),
+    calls=st.lists(st.lists(st.integers(-3, 45), max_size=20), max_size=6)
+    | st.lists(st.lists(st.integers(0, 15), max_size=5), min_size=4, max_size=12),  # small calls: renewals
     with_bias=st.booleans(),
 )
-def test_observe_matches_the_ring_model(vocab, capacity, pinned, calls, with_bias):
+def test_observe_matches_the_ring_model(impl, vocab, capacity, pinned, calls, with_bias):
     capacity = min(capacity, vocab)
     pinned = min(pinned, capacity - 1)
     w = torch.randn(vocab, 3)
@@ -167,7 +211,7 @@ def test_observe_matches_the_ring_model(vocab, capacity, pinned, calls, with_bia
     s = make_state(vocab, 3, capacity)
     model = RingModel(vocab, capacity, pinned)
     for tokens in calls:
-        observe(s, tokens, w, b, pinned)
+        observe(s, tokens, w, b, pinned, fn=OBSERVES[impl])
         model.observe(tokens)
         assert_matches_model(s, model, w, b)
 

@@ -8,13 +8,17 @@ Variants of the head (all in one process, on the same weights):
   for the drop-in output) called directly on an :class:`ActiveVocab`;
 * ``nanospec-compiled``: the head module through ``torch.compile(backend="nanospec")``.
 
-The nanospec ops run over the whole capacity and mask by the device-side count (no host sync,
-static shapes), so their cost follows the capacity: here the capacity is set to the active size.
-Times are medians over repeats; the bytes-read limit of a head restricted to N rows is V / N.
+Here the capacity is set to the active size. How the nanospec ops' cost follows the active count at
+a fixed capacity (the CPU host path computes only the active rows, the Triton head skips tiles past
+the count), next to what ``explain``'s cost model predicts: :func:`bench_head_vs_active`, also
+``python -m nanospec_fx.eval.bench.head``. Times are medians over repeats; the bytes-read limit of a
+head restricted to N rows is V / N.
 """
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -24,8 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.eval.bench.timing import timings
+from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.eval.bench.timing import time_call, timings
 from nanospec_fx.kernels import ops
+from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 # hidden size H, vocabulary V of the LM heads of real models
@@ -54,9 +60,9 @@ def active_ids(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randperm(vocab, generator=g)[:n]
 
 
-def filled_state(weight: torch.Tensor, n: int) -> nanospec_fx.ActiveVocab:
-    """An ActiveVocab of capacity ``n`` holding ``n`` random tokens."""
-    st = nanospec_fx.ActiveVocab(weight, capacity=n)
+def filled_state(weight: torch.Tensor, n: int, capacity: int | None = None) -> nanospec_fx.ActiveVocab:
+    """An ActiveVocab of capacity ``capacity`` (default ``n``) holding ``n`` random tokens."""
+    st = nanospec_fx.ActiveVocab(weight, capacity=capacity or n)
     st.observe(active_ids(weight.shape[0], n).to(weight.device))
     return st
 
@@ -143,3 +149,99 @@ def bench_head_sweep(shape: str, hidden: int, vocab: int, sizes, rows=(1, 10), r
                 if progress:
                     progress(f"rows={r} size={n}")
     return out
+
+
+_FLUSH_BYTES = 128 << 20  # more than any CPU's last-level cache here (32 MiB on the test machine)
+
+
+def cold_timings(fn: Callable[[], object], repeats: int, flush: torch.Tensor) -> list[float]:
+    """Seconds of ``fn()`` with the caches flushed before each call (``flush`` is rewritten, untimed):
+    in a draft round the drafter's body runs between two head calls and evicts the head's data, so a
+    warm loop would time the compact head from the cache instead of from memory."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        flush.add_(1)
+        out.append(time_call(fn))
+    return out
+
+
+@dataclass
+class ActiveTiming:
+    rows: int
+    active: int
+    variant: str  # "compact" (top-k reads compact logits) or "+scatter" ([rows, V] logits)
+    path: str  # the implementation that ran (kernels.dispatch.path_for)
+    ms: float  # median
+    dense_ms: float
+    speedup: float  # dense / nanospec, measured (medians)
+    predicted: float  # explain's cost model for this path, rows and active count
+    min_speedup: float = float("nan")  # dense / nanospec from the fastest calls (the least disturbed by load)
+
+    @property
+    def error(self) -> float:
+        """Prediction relative to the measurement (+0.2: predicted 20% more speedup than measured)."""
+        return self.predicted / self.speedup - 1
+
+
+def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), capacity: int = 3072, rows=(1, 4),
+                         repeats: int = 30, dtype=torch.float32, device: str = "cpu") -> list[ActiveTiming]:
+    """nanospec head time at a fixed capacity against the active count, measured and predicted.
+
+    Every call starts with cold caches (:func:`cold_timings`): the dense head once per row count,
+    then at each size the nanospec ops, compact logits and compact + scatter to [rows, V].
+    """
+    torch.manual_seed(0)
+    weight = torch.randn(vocab, hidden, dtype=dtype, device=device).div_(math.sqrt(hidden))
+    path, size = path_for(device), weight.element_size()
+    states = {n: filled_state(weight, n, capacity) for n in actives}
+    flush = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+    out = []
+    with torch.inference_mode():
+        for r in rows:
+            x = torch.randn(r, hidden, dtype=dtype, device=device)
+            dense_ts = cold_timings(lambda: F.linear(x, weight), max(3, repeats // 5), flush)
+            dense = statistics.median(dense_ts)
+            for n, st in states.items():
+                variants = {
+                    "compact": lambda: ops.compact_logits(x, st.cache_w, None, st.cursor),
+                    "+scatter": lambda: ops.scatter_logits(
+                        ops.compact_logits(x, st.cache_w, None, st.cursor), st.ids, st.cursor, vocab),
+                }
+                for variant, fn in variants.items():
+                    ts = cold_timings(fn, repeats, flush)
+                    t = statistics.median(ts)
+                    cost = HeadCost.for_path(vocab, hidden, size, variant == "compact", path, capacity)
+                    out.append(ActiveTiming(r, n, variant, path, 1e3 * t, 1e3 * dense, dense / t, cost.predict(r, n),
+                                            min(dense_ts) / min(ts)))
+    return out
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description=bench_head_vs_active.__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=640)
+    p.add_argument("--vocab", type=int, default=262144)
+    p.add_argument("--capacity", type=int, default=3072)
+    p.add_argument("--active", default="1,100,1000,3000")
+    p.add_argument("--rows", default="1,4")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ints = [[int(v) for v in s.split(",")] for s in (a.active, a.rows)]
+    res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device)
+    print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
+          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, median of {a.repeats}")
+    print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
+          "| predicted / measured (min) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in res:
+        print(f"| {t.rows} | {t.active:,} | {t.variant} | {t.ms:.3f} | {t.dense_ms:.1f} | {t.speedup:.0f}x "
+              f"({t.min_speedup:.0f}x) | {t.predicted:.0f}x | {t.predicted / t.speedup:.2f} "
+              f"({t.predicted / t.min_speedup:.2f}) |")
+
+
+if __name__ == "__main__":
+    _main()
