@@ -385,7 +385,7 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
     compiled = [_compile(m, r, options) for m, r in zip(models, scenario.drafters)]
     fed = [torch.zeros(0, dtype=torch.int64) for _ in models]
     n_calls = [0 for _ in models]
-    judge = Judgement()
+    judges = [Judgement() for _ in models]  # a warning about one drafter excuses none of the others
     reproduce = f"run_scenario({scenario!r})"
     for step, (i, action) in enumerate(scenario.schedule):
         r = scenario.drafters[i]
@@ -402,14 +402,20 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
             inputs = make_inputs(r, n_calls[i])
             n_calls[i] += 1
             try:
-                ids = _judge_call(judge, models[i], compiled[i], twins[i], r, inputs, f"step {step} ({action} of drafter {i})",
+                ids = _judge_call(judges[i], models[i], compiled[i], twins[i], r, inputs, f"step {step} ({action} of drafter {i})",
                                   earlier_ids=fed[i], prefill=action == "prefill")
             except _Ambiguous:
                 return "error (ambiguous heads, named)"
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\nreproduce: {reproduce}") from None
             fed[i] = torch.cat([fed[i], ids])
-    return judge.verdict(reproduce)
+    verdicts = []
+    for i, judge in enumerate(judges):
+        try:
+            verdicts.append(judge.verdict(reproduce))
+        except AssertionError as exc:
+            raise AssertionError(str(exc).replace(":\n", f" (drafter {i}):\n", 1)) from None
+    return next((v for v in verdicts if v != "matched"), "matched")
 
 
 @st.composite
