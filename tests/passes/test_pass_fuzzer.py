@@ -592,6 +592,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # graph-break notices: the grammar draws them on purpose
     n = int(argv[0]) if argv else 100
     stats, reasons, failures, t0 = collections.Counter(), collections.Counter(), [], time.time()
+    seen: set = set()
     flavour = argv[2] if len(argv) > 2 else "reference"
     budget = float(argv[3]) if len(argv) > 3 else float("inf")
 
@@ -606,6 +607,9 @@ def main(argv: list[str]) -> None:
     def one(case):
         if time.time() - t0 > budget:
             raise _OutOfTime
+        if repr(case) in seen:  # hypothesis re-draws near copies of earlier cases; count each once
+            return
+        seen.add(repr(case))
         if sum(stats.values()) % 100 == 99:
             print(f"... {sum(stats.values()) + 1} cases, {time.time() - t0:.0f} s: {dict(stats)}", flush=True)
         try:
