@@ -107,6 +107,9 @@ CASES.update({
     "draft_loop_given_ids": (R(draft_steps=2, draft_feed="input"),
                              _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads of the same call")),
     "draft_loop_argmax": (R(draft_steps=3), ()),
+    "draft_loop_with_gradients": (R(vocab=40, hidden=8, body=(), mode="grad", draft_steps=2),
+                                  _issue16(8, "a draft loop under autograd: the compiled backward raises 'modified by an "
+                                              "inplace operation' where eager works")),
     # class 11: max_norm renormalises the tied table in place during the lookup, after the rows were copied
     "max_norm_tied_embedding": (R(lookup="max_norm", head="linear_tied"),
                                 _issue16(11, "embedding max_norm renormalises the tied head rows after the pass copied them")),
