@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from fuzz_drafters import GRAD_MODES, FuzzDrafter, Recipe, compute_dtype, make_inputs, recipes  # noqa: E402
+from fuzz_drafters import CONSUMERS, GRAD_MODES, NORMALISE, ROW_OPS, FuzzDrafter, Recipe, compute_dtype, make_inputs, recipes  # noqa: E402
 from nanospec_fx.backend import NanoSpecWarning  # noqa: E402
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
@@ -445,7 +445,20 @@ def scenarios(draw, max_steps: int = 3) -> Scenario:
 # Defect classes found and not fixed yet: (reason, predicate on the recipe). The CI-sized runs skip recipes
 # of these classes (each has an xfail case in test_pass_fuzzer_regressions.py); long runs
 # (``python tests/passes/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
+_POST_NORM_STEPS = NORMALISE | ROW_OPS | (CONSUMERS - {"topk", "argmax", "max", "sort", "softmax", "log_softmax",
+                                                      "gather_ids", "gather_probe", "multinomial", "inverse_cdf"})
 KNOWN_OPEN: list[tuple[str, object]] = [
+    ("class 3/11: lookups other than nn.Embedding, F.embedding, E[ids]",
+     lambda r: r.lookup not in ("embedding", "f_embedding", "index")),
+    ("class 8: draft loops in forward (given ids, gradients, a graph break in the body)", lambda r: r.draft_steps > 0),
+    ("class 5: ops after a normalisation", lambda r: any(s[0] in _POST_NORM_STEPS for s in r.chain)),
+    ("class 4: z[..., -1, :]", lambda r: any(s[0] == "last_ellipsis" for s in r.chain)),
+    ("contract: top-k(largest=False)", lambda r: any(s[0] == "topk" and s[2] is False for s in r.chain)),
+    ("class 2: head first", lambda r: r.order == "head_first"),
+]
+KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = [
+    ("class 1: prefill calls, several drafters", lambda sc: len(sc.drafters) > 1 or any(a == "prefill" for _, a in sc.schedule)),
+    ("class 6: save/pickle after a call", lambda sc: any(a.startswith("save:") and a != "save:deepcopy" for _, a in sc.schedule)),
 ]
 
 
@@ -483,6 +496,8 @@ def test_fuzz_scenarios(scenario):
     """Several drafters and instances in one process, prefill calls, resets, saves and copies after calls."""
     for r in scenario.drafters:
         _skip_known_open(r)
+    if os.environ.get("NANOSPEC_FUZZ_ALL") != "1":
+        assume(not any(pred(scenario) for _, pred in KNOWN_OPEN_SCENARIOS))
     with _kernels("reference"):
         event(run_scenario(scenario).split(" (")[0])
 
@@ -610,8 +625,8 @@ def main(argv: list[str]) -> None:
         if repr(case) in seen:  # hypothesis re-draws near copies of earlier cases; count each once
             return
         seen.add(repr(case))
-        if sum(stats.values()) % 100 == 99:
-            print(f"... {sum(stats.values()) + 1} cases, {time.time() - t0:.0f} s: {dict(stats)}", flush=True)
+        if len(seen) % 100 == 0:
+            print(f"... {len(seen)} cases, {time.time() - t0:.0f} s: {dict(stats)}", flush=True)
         try:
             with _kernels("triton" if flavour == "triton" else "reference"):
                 verdict = _run(case, options)

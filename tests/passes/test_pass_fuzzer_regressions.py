@@ -107,6 +107,10 @@ CASES.update({
     "draft_loop_given_ids": (R(draft_steps=2, draft_feed="input"),
                              _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads of the same call")),
     "draft_loop_argmax": (R(draft_steps=3), ()),
+    "draft_loop_graph_break_in_body": (R(vocab=40, hidden=8, head="functional_tied", body=("mlp", "graph_break"), return_logits=False,
+                                            capacity=512, batch=1, seq=1, seq2=1, n_ban=1, draft_steps=2),
+                                       _issue16(8, "a draft loop after a graph break in the body: the fed-back ids are not "
+                                                   "active, the loop's argmax differs from the dense drafter")),
     "draft_loop_with_gradients": (R(vocab=40, hidden=8, body=(), mode="grad", draft_steps=2),
                                   _issue16(8, "a draft loop under autograd: the compiled backward raises 'modified by an "
                                               "inplace operation' where eager works")),
