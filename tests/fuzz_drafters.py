@@ -1,18 +1,22 @@
 """Drafters generated from a recipe, for the pass fuzzer (tests/passes/test_pass_fuzzer.py).
 
 A :class:`Recipe` is plain data (its ``repr`` is valid Python), and :class:`FuzzDrafter` builds
-an ``nn.Module`` from it: a token embedding and a tiny body, a head pattern, and a chain of steps
-on the logits drawn from :data:`CATALOGUE` (post-ops, casts, views and slices, in-place
-mutations, consumers, graph breaks). ``recipes()`` is the hypothesis strategy that draws them.
+an ``nn.Module`` from it: a token lookup (one of :data:`LOOKUPS`) and a tiny body, a head pattern,
+and a program on the logits drawn from :data:`CATALOGUE` (post-ops, casts, views, in-place bans,
+normalisations and what follows them, consumers, graph breaks). ``recipes()`` draws them.
 
-The oracle lives in the same ``forward``: called with ``_mask`` (bool, one entry per head output)
-the drafter sets inactive logits to -inf right after the head and again after every elementwise
-step, which equals masking once after the last elementwise step (every such step maps column j to
-column j), and it records what each output was computed from in ``_record``, so that selections
-can be checked up to ties.
+The oracle is the contract of issue 16, written by the generator, not by the pass: the *chain* is
+the run of elementwise ops and column-keeping views from the head's ``[..., V]`` output. Called with
+``_mask`` (bool over the head's rows), the drafter sets inactive tokens to -inf exactly where a chain
+tensor is read by something outside the chain (a consumer, a reduction, a normalisation, a graph
+output); the generator knows those places because it wrote the program. Everything after the chain
+is plain eager IEEE arithmetic on the masked tensors (``exp(log_softmax(z))`` is 0 there, ``p * log p``
+is NaN). Nothing here imports the pass. ``_record`` receives what each output was computed from, so
+that selections can be checked up to ties.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -33,23 +37,53 @@ HEADS = (
     "dequant",         # F.linear(h, self.qweight.to(dtype) * self.scale): int8 weight dequantised in the graph
 )
 
-# Steps of the logits chain. Each is a tuple (name, *params) with params plain numbers/strings.
-ELEMENTWISE = {  # out-of-place, column j -> column j
+# How the token ids reach the embedding table (issue 16, class 3 and 14).
+LOOKUPS = (
+    "embedding",        # self.embed(ids)
+    "f_embedding",      # F.embedding(ids, W)
+    "index",            # W[ids]
+    "index_select",     # torch.index_select(W, 0, ids.flatten())
+    "index_select_method",  # W.index_select(0, ids.flatten())
+    "gather",           # W.gather(0, ids expanded over H)
+    "take",             # torch.take(W, ids * H + arange(H))
+    "one_hot",          # one_hot(ids) @ W
+    "embedding_bag",    # F.embedding_bag(ids[:, None], W, mode="sum")
+    "python_ids",       # self.embed(ids) + self.embed(torch.tensor(<Python list>)).sum(0): ids built in forward
+    "buffer_ids",       # ids copied into a buffer with copy_, then embedded from the buffer
+    "cond",             # the lookup inside torch.cond branches
+    "max_norm",         # nn.Embedding(max_norm=1.0): renormalises rows of the (maybe tied) table in place
+)
+SPECIAL_IDS = (1, 2)  # the Python list of "python_ids"
+
+# Steps of the logits program. Each is a tuple (name, *params) with params plain numbers/strings.
+ELEMENTWISE = {  # out-of-place, column j -> column j: the chain continues
     "temperature", "scale", "bias", "scale_vec", "softcap", "cast", "clamp", "masked_fill", "gumbel", "where_ban",
+    "scatter_ban",
 }
-MUTATIONS = {  # in place on the current logits (or a view of them)
+MUTATIONS = {  # in place on the current logits (or a view of them): the chain continues
     "div_", "itruediv", "iadd_bias", "imul", "clamp_", "clamp_fn_", "masked_fill_", "setitem", "setitem_view",
-    "out_self", "copy_clamp", "nan_to_num_fn",
+    "out_self", "copy_clamp", "nan_to_num_fn", "index_fill_", "scatter_",
 }
-ROW_OPS = {"sub_lse", "sub_max"}  # read a reduction over the vocabulary, then elementwise
-VIEWS = {"last", "flatten", "vslice", "contiguous"}
-CONSUMERS = {"topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe", "multinomial"}
+ROW_OPS = {"sub_lse", "sub_max"}  # z - z.logsumexp(..), z - z.max(..): end the chain, z becomes the result
+NORMALISE = {"to_log_softmax", "to_neg_log_softmax", "to_probs"}  # end the chain, z becomes the result
+VIEWS = {  # column-keeping views: the chain continues
+    "last", "last_ellipsis", "flatten", "reshape", "view_n", "transpose", "permute", "unsqueeze", "squeeze",
+    "contiguous", "mT", "vslice",
+}
+CONSUMERS = {  # read z, emit an output; z is unchanged
+    "topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe", "multinomial",
+    "inverse_cdf", "exp_log_softmax", "neg_log_softmax", "exp_inplace", "logp_clamp_min", "entropy_plogp",
+    "entropy_nansum", "entropy_entr", "categorical_entropy", "typical", "eta",
+}
+BREAKS = ("dynamo", "item", "int", "print", "branch", "helper_item", "helper_print", "helper_branch")
 OTHER = {"graph_break", "out_new_softcap"}
-CATALOGUE = ELEMENTWISE | MUTATIONS | ROW_OPS | VIEWS | CONSUMERS | OTHER
+CATALOGUE = ELEMENTWISE | MUTATIONS | ROW_OPS | NORMALISE | VIEWS | CONSUMERS | OTHER
 OUT_STEPS = {"out_self", "out_new_softcap"}  # out= calls: not with autograd
 
 BODY_OPS = ("mlp", "mlp_vocab_width", "clamp_fn_", "tanh_fn_", "out_mul", "counter", "graph_break")
 EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
+MODES = ("inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward")
+GRAD_MODES = ("grad", "enable_grad_inside")  # outputs carry gradients to the (trainable) body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +101,9 @@ class Recipe:
     return_logits: bool = True
     extra_outputs: tuple = ()  # EXTRA_OUTPUTS
     dtype: str = "float32"
-    mode: str = "inference"    # "inference", "no_grad" or "grad" (frozen head, trainable body)
+    mode: str = "inference"    # MODES; "grad": frozen head, trainable body; "enable_grad_inside": the same under an
+    #                            outer no_grad with torch.enable_grad() in forward; "no_grad_forward": a
+    #                            @torch.no_grad() forward called in grad mode
     autocast: bool = False     # run under torch.autocast("cpu", torch.bfloat16)
     capacity: int = 64
     batch: int = 2
@@ -77,6 +113,11 @@ class Recipe:
     extra_active: int = 0      # ids observed by hand between the two calls
     n_ban: int = 2             # banned ids used by masked_fill/setitem steps
     seed: int = 0
+    lookup: str = "embedding"  # LOOKUPS
+    head_break: str = ""       # a graph break (BREAKS) between the chain and the body (head_first) or body and head
+    hook: bool = False         # a forward hook on the head module (scales its output); nn.Linear heads only
+    draft_steps: int = 0       # >0: a draft loop in forward (embed_first): k heads, each feeding a token back
+    draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
 
     @property
     def head_rows(self) -> int:
@@ -94,6 +135,55 @@ def _value(v):
     return float("-inf") if v == NEG_INF else float(v)
 
 
+def scale_output_hook(module, args, output):
+    """A forward hook on the head (module level: a drafter with it stays picklable)."""
+    return output * 0.5
+
+
+def _apply_views(t: torch.Tensor, views: list) -> torch.Tensor:
+    """Apply the chain's column-keeping views so far to ``t`` ([B, S, X]), in reshape-safe forms."""
+    for v in views:
+        if v in ("last", "last_ellipsis"):
+            t = t[..., -1, :]
+        elif v in ("flatten", "reshape", "view_n"):
+            t = t.reshape(-1, t.shape[-1])
+        elif v in ("transpose", "permute"):
+            t = t.transpose(0, 1)
+        elif v == "unsqueeze":
+            t = t.unsqueeze(0)
+        elif v == "squeeze":
+            t = t.squeeze(0)
+    return t
+
+
+def typical_warper(scores: torch.Tensor, mass: float = 0.9) -> torch.Tensor:
+    """HF's TypicalLogitsWarper written out (2-D scores, min_tokens_to_keep=1)."""
+    normalized = F.log_softmax(scores, dim=-1)
+    p = torch.exp(normalized)
+    ent = -(normalized * p).nansum(-1, keepdim=True)
+    shifted = torch.abs((-normalized) - ent)
+    sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
+    sorted_logits = scores.gather(-1, sorted_indices)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    last_ind = (cumulative_probs < mass).sum(dim=1)
+    last_ind.clamp_(max=sorted_scores.shape[-1] - 1)
+    sorted_remove = sorted_scores > sorted_scores.gather(1, last_ind.view(-1, 1))
+    sorted_remove[..., :1] = 0
+    remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def eta_warper(scores: torch.Tensor, epsilon: float = 0.02) -> torch.Tensor:
+    """HF's EtaLogitsWarper written out (2-D scores, min_tokens_to_keep=1)."""
+    probabilities = scores.softmax(dim=-1)
+    entropy = torch.distributions.Categorical(logits=scores).entropy()
+    eps = torch.tensor(epsilon, device=scores.device)
+    eta = torch.min(eps, torch.sqrt(eps) * torch.exp(-entropy))[..., None]
+    remove = probabilities < eta
+    remove = remove & (scores < torch.topk(scores, 1)[0][..., -1, None])
+    return scores.masked_fill(remove, float("-inf"))
+
+
 class FuzzDrafter(nn.Module):
     """An ``nn.Module`` built from a :class:`Recipe`; see the module docstring for ``_mask``/``_record``."""
 
@@ -106,9 +196,12 @@ class FuzzDrafter(nn.Module):
         def randn(*shape, scale=1.0):
             return torch.randn(*shape, generator=g) * scale
 
-        self.embed = nn.Embedding(r.embed_rows, H)
+        self.embed = nn.Embedding(r.embed_rows, H, max_norm=1.0 if r.lookup == "max_norm" else None)
         with torch.no_grad():
             self.embed.weight.copy_(randn(r.embed_rows, H))
+        self.special = list(SPECIAL_IDS)
+        if r.lookup == "buffer_ids":
+            self.register_buffer("id_buf", torch.zeros(4, 8, dtype=torch.int64), persistent=False)
         if r.position:
             self.pos = nn.Embedding(16, H)
         width = Vh if "mlp_vocab_width" in r.body else 2 * H
@@ -139,6 +232,8 @@ class FuzzDrafter(nn.Module):
             scale = w.abs().amax(1, keepdim=True) / 127
             self.register_buffer("qweight", torch.round(w / scale).to(torch.int8))
             self.register_buffer("qscale", scale)
+        if r.hook and r.head in ("linear", "linear_tied"):
+            self.lm_head.register_forward_hook(scale_output_hook)
         if "wide_proj" in r.extra_outputs:
             self.wide = nn.Linear(H, Vh + 7, bias=False)  # wider than the vocabulary, returned: not the head
         if "router" in r.extra_outputs:
@@ -159,7 +254,7 @@ class FuzzDrafter(nn.Module):
         self.register_buffer("probe", torch.randint(0, r.vocab, (5,), generator=g))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.to(DTYPES[r.dtype])  # floating tensors only: the int8 weight, ids and masks keep their dtype
-        if r.mode == "grad":  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
+        if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
                 if name.startswith(("lm_head", "W", "b", "logit_bias")) or (name.startswith("embed") and "tied" in r.head):
                     p.requires_grad_(False)
@@ -177,6 +272,16 @@ class FuzzDrafter(nn.Module):
         if r.head == "buffer":
             return self.head_buf
         return None
+
+    def fed_ids(self, inputs: dict, outputs=None) -> torch.Tensor:
+        """Every token id one call embeds (the contract's fed ids), from its inputs and outputs."""
+        r = self.recipe
+        parts = [inputs["ids"].flatten()]
+        if r.lookup == "python_ids":
+            parts.append(torch.tensor(self.special))
+        if r.draft_steps and outputs is not None:
+            parts.append((outputs[0] if isinstance(outputs, tuple) else outputs).flatten())
+        return torch.cat(parts)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         r = self.recipe
@@ -197,9 +302,39 @@ class FuzzDrafter(nn.Module):
             return F.linear(h, self.head_buf)
         return F.linear(h, self.qweight.to(h.dtype) * self.qscale.to(h.dtype))
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        kind, W = self.recipe.lookup, self.embed.weight
+        if kind in ("embedding", "max_norm"):
+            return self.embed(ids)
+        if kind == "f_embedding":
+            return F.embedding(ids, W)
+        if kind == "index":
+            return W[ids]
+        if kind == "index_select":
+            return torch.index_select(W, 0, ids.reshape(-1)).view(*ids.shape, W.shape[1])
+        if kind == "index_select_method":
+            return W.index_select(0, ids.reshape(-1)).view(*ids.shape, W.shape[1])
+        if kind == "gather":
+            return W.gather(0, ids.reshape(-1, 1).expand(-1, W.shape[1])).view(*ids.shape, W.shape[1])
+        if kind == "take":
+            return torch.take(W, ids.unsqueeze(-1) * W.shape[1] + torch.arange(W.shape[1], device=ids.device))
+        if kind == "one_hot":
+            return F.one_hot(ids, W.shape[0]).to(W.dtype) @ W
+        if kind == "embedding_bag":
+            return F.embedding_bag(ids.reshape(-1, 1), W, mode="sum").view(*ids.shape, W.shape[1])
+        if kind == "python_ids":
+            return self.embed(ids) + self.embed(torch.tensor(self.special, device=ids.device)).sum(0)
+        if kind == "buffer_ids":
+            buf = self.id_buf[: ids.shape[0], : ids.shape[1]]
+            buf.copy_(ids)
+            return self.embed(buf)
+        if kind == "cond":
+            return torch.cond(ids.sum() >= 0, _lookup_true, _lookup_false, (ids, W))
+        raise ValueError(f"unknown lookup {kind!r}")
+
     def _body(self, ids: torch.Tensor) -> torch.Tensor:
         r = self.recipe
-        h = self.embed(ids)
+        h = self._lookup(ids)
         if r.position:
             h = h + self.pos(torch.arange(ids.shape[-1], device=ids.device))
         for op in r.body:
@@ -221,18 +356,76 @@ class FuzzDrafter(nn.Module):
                 torch._dynamo.graph_break()
         return h
 
+    def _break(self, kind: str, z: torch.Tensor) -> None:
+        """A graph break of ``kind`` that reads ``z`` (already masked by the caller where the contract says so)."""
+        if kind.startswith("helper_"):
+            return self._break_helper(kind[len("helper_"):], z)
+        if kind == "dynamo":
+            torch._dynamo.graph_break()
+        elif kind == "item":
+            if torch.softmax(z.float(), -1).amax().item() > 2.0:  # after probabilities; never true
+                raise AssertionError("a probability above 2")
+        elif kind == "int":
+            if int(z.float().argmax()) < 0:
+                raise AssertionError("a negative index")
+        elif kind == "print":
+            print("", end="")
+        elif kind == "branch":
+            if bool(z.float().amax() > 1e30):
+                raise AssertionError("a huge logit")
+
+    def _break_helper(self, kind: str, z: torch.Tensor) -> None:
+        self._break(kind, z)
+
     # ----------------------------------------------------------------- forward
-    def forward(self, ids, prev_hidden=None, noise=None, _mask=None, _record=None):
+    def forward(self, ids, prev_hidden=None, noise=None, future=None, prefill=False, _mask=None, _record=None):
+        r = self.recipe
+        with contextlib.ExitStack() as stack:
+            if r.mode == "enable_grad_inside":
+                stack.enter_context(torch.enable_grad())
+            elif r.mode == "no_grad_forward":
+                stack.enter_context(torch.no_grad())
+            if prefill:  # a prefill call: embeds the prompt, scores nothing
+                return self._body(ids)
+            if r.draft_steps:
+                return self._draft_loop(ids, future, _mask, _record)
+            return self._forward(ids, prev_hidden, noise, _mask, _record)
+
+    def _masker(self, mask):
+        def read(t):  # a chain tensor read by something outside the chain: -inf at inactive tokens
+            return t if mask is None else t.masked_fill(~mask[: t.shape[-1]], float("-inf"))
+        return read
+
+    def _draft_loop(self, ids, future, mask, record):
+        r = self.recipe
+        read = self._masker(mask)
+        x = self._body(ids)[:, -1:]
+        tokens, z = [], None
+        for i in range(r.draft_steps):
+            z = read(self._head(x) / 0.7)  # chain: temperature; read by argmax and by the output
+            tok = z.argmax(-1) if r.draft_feed == "argmax" else future[:, i: i + 1]
+            tokens.append(tok)
+            x = x + self._lookup(tok)
+        if record is not None:
+            record += [("values", None, None), ("values", None, None)]
+        return torch.cat(tokens, 1), z
+
+    def _forward(self, ids, prev_hidden, noise, mask, record):
         r = self.recipe
         outputs: list = []
+        read = self._masker(mask)
         if r.order == "head_first":
             z = self._head(self.pre(prev_hidden))
-            self._chain(z, ids, noise, _mask, _record, outputs)
+            z, in_chain = self._chain(z, ids, noise, mask, record, outputs)
+            if r.head_break:
+                self._break(r.head_break, read(z) if in_chain else z)
             h = self._body(ids)
         else:
             h = self._body(ids)
+            if r.head_break:
+                self._break(r.head_break, h)
             z = self._head(h)
-            self._chain(z, ids, noise, _mask, _record, outputs)
+            self._chain(z, ids, noise, mask, record, outputs)
         for extra in r.extra_outputs:
             if extra == "hidden":
                 out = h
@@ -241,51 +434,39 @@ class FuzzDrafter(nn.Module):
             else:
                 out = self.router(h)
             outputs.append(out)
-            if _record is not None:
-                _record.append(("values", None, None))
+            if record is not None:
+                record.append(("values", None, None))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _chain(self, z, ids, noise, mask, record, outputs) -> None:
+    def _chain(self, z, ids, noise, mask, record, outputs):
+        """Run the recipe's steps on the head output ``z``; returns (the last z, whether it is still in the chain)."""
         r = self.recipe
-        layout = "bsv"  # [B, S, V]; "bv" after last, "nv" after flatten
+        views: list = []  # the column-keeping views applied so far (to lay out noise and ids like z)
+        in_chain = True
         m = mask
+        masked = self._masker(m)
 
-        def remask(t):
-            return t if m is None else t.masked_fill(~m, float("-inf"))
-
-        def like(t):  # a [B, S, ...] tensor in the current layout, cut to the current width
-            t = t[..., : z.shape[-1]]
-            if layout == "bv":
-                return t[:, -1]
-            if layout == "nv":
-                return t.reshape(-1, t.shape[-1])
-            return t
-
-        def ids_like():
-            if layout == "bv":
-                return ids[:, -1:]
-            if layout == "nv":
-                return ids.reshape(-1, 1)
-            return ids.unsqueeze(-1)
+        def read(t):  # outside the chain, the chain's tensor is read masked; after the chain, as it is
+            return masked(t) if in_chain else t
 
         def emit(kind, out, x=None, params=None):
             outputs.append(out)
             if record is not None:
                 # a copy: later in-place steps must not change what the consumer read
-                record.append((kind, x if x is None else (x.detach().clone(), m), params))
+                record.append((kind, None if x is None else x.detach().clone(), params))
 
-        z = remask(z)
         for step in r.chain:
             name, p = step[0], step[1:]
-            elementwise = True
+            w = z.shape[-1]
+            # -- elementwise and in place: the chain (if not ended) continues
             if name == "temperature":
                 z = z / p[0]
             elif name == "scale":
                 z = z * p[0]
             elif name == "bias":
-                z = z + self.logit_bias[: z.shape[-1]]
+                z = z + self.logit_bias[:w]
             elif name == "scale_vec":
-                z = z * self.logit_scale[: z.shape[-1]]
+                z = z * self.logit_scale[:w]
             elif name == "softcap":
                 z = p[0] * torch.tanh(z / p[0])
             elif name == "cast":
@@ -293,17 +474,19 @@ class FuzzDrafter(nn.Module):
             elif name == "clamp":
                 z = torch.clamp(z, min=p[0])
             elif name == "masked_fill":
-                z = z.masked_fill(self.ban_mask[: z.shape[-1]], _value(p[0]))
+                z = z.masked_fill(self.ban_mask[:w], _value(p[0]))
             elif name == "where_ban":
-                z = torch.where(self.ban_mask[: z.shape[-1]], torch.full_like(z, _value(p[0])), z)
+                z = torch.where(self.ban_mask[:w], torch.full_like(z, _value(p[0])), z)
+            elif name == "scatter_ban":
+                z = z.scatter(-1, self.ban_ids.expand(*z.shape[:-1], -1), _value(p[0]))
             elif name == "gumbel":
-                z = z + like(noise).to(z.dtype)
+                z = z + _apply_views(noise[..., :w], views).to(z.dtype)
             elif name == "div_":
                 z.div_(p[0])
             elif name == "itruediv":
                 z /= p[0]
             elif name == "iadd_bias":
-                z += self.logit_bias[: z.shape[-1]]
+                z += self.logit_bias[:w]
             elif name == "imul":
                 z *= p[0]
             elif name == "clamp_":
@@ -311,12 +494,16 @@ class FuzzDrafter(nn.Module):
             elif name == "clamp_fn_":
                 torch.clamp_(z, min=p[0])
             elif name == "masked_fill_":
-                z.masked_fill_(self.ban_mask[: z.shape[-1]], _value(p[0]))
+                z.masked_fill_(self.ban_mask[:w], _value(p[0]))
             elif name == "setitem":
                 z[..., self.ban_ids] = _value(p[0])
             elif name == "setitem_view":
                 v = z[-1:]  # a view of the last row (batch or position)
                 v[..., self.ban_ids] = _value(p[0])
+            elif name == "index_fill_":
+                z.index_fill_(-1, self.ban_ids, _value(p[0]))
+            elif name == "scatter_":
+                z.scatter_(-1, self.ban_ids.expand(*z.shape[:-1], -1), _value(p[0]))
             elif name == "out_self":
                 torch.div(z, p[0], out=z)
             elif name == "out_new_softcap":
@@ -327,29 +514,58 @@ class FuzzDrafter(nn.Module):
                 z.copy_(torch.clamp(z, min=p[0]))
             elif name == "nan_to_num_fn":
                 torch.nan_to_num_(z, neginf=p[0])
-            elif name == "sub_lse":
-                z = z - torch.logsumexp(z.float(), dim=-1, keepdim=True).to(z.dtype)
-            elif name == "sub_max":
-                z = z - z.max(dim=-1, keepdim=True).values
-            else:
-                elementwise = False
-            if elementwise:
-                z = remask(z)
-                continue
-            if name == "last":
-                z, layout = z[:, -1], "bv"
-            elif name == "flatten":
-                z, layout = z.reshape(-1, z.shape[-1]), "nv"
-            elif name == "vslice":
-                z = z[..., : r.vocab]
-                m = None if m is None else m[: r.vocab]
+            # -- column-keeping views: the chain continues
+            elif name in ("last", "last_ellipsis", "flatten", "reshape", "view_n", "transpose", "permute", "unsqueeze",
+                          "squeeze"):
+                if name == "last":
+                    z = z[:, -1]
+                elif name == "last_ellipsis":
+                    z = z[..., -1, :]
+                elif name == "flatten":
+                    z = z.flatten(0, -2)
+                elif name == "reshape":
+                    z = z.reshape(-1, z.shape[-1])
+                elif name == "view_n":
+                    z = z.view(z.shape[:-1].numel(), -1)
+                elif name == "transpose":
+                    z = z.transpose(0, 1)
+                elif name == "permute":
+                    z = z.permute(1, 0, 2)
+                elif name == "unsqueeze":
+                    z = z.unsqueeze(0)
+                else:
+                    z = z.squeeze(0)
+                views.append(name)
             elif name == "contiguous":
                 z = z.contiguous()
+            elif name == "mT":  # transposed, one scalar elementwise op, transposed back
+                z = z.mT
+                z = p[1] * torch.tanh(z / p[1]) if p[0] == "softcap" else z * p[1]
+                z = z.mT
+            elif name == "vslice":
+                z = z[..., : r.vocab]
+            # -- graph breaks: not ops of the program; a break that reads z reads it from outside the chain
             elif name == "graph_break":
-                torch._dynamo.graph_break()
-            elif name in ("topk", "argmax", "max", "sort", "multinomial"):
+                self._break(p[0] if p else "dynamo", read(z))
+            # -- the end of the chain: z becomes a normalised tensor
+            elif name in ROW_OPS | NORMALISE:
+                z = read(z)
+                if name == "sub_lse":
+                    z = z - torch.logsumexp(z.float(), dim=-1, keepdim=True).to(z.dtype)
+                elif name == "sub_max":
+                    z = z - z.max(dim=-1, keepdim=True).values
+                elif name == "to_log_softmax":
+                    z = F.log_softmax(z.float(), dim=-1)
+                elif name == "to_neg_log_softmax":
+                    z = -F.log_softmax(z.float(), dim=-1)
+                else:
+                    z = torch.softmax(z.float(), dim=-1)
+                in_chain = False
+            # -- consumers: read z (masked while in the chain), emit an output
+            elif name in ("topk", "argmax", "max", "sort", "multinomial", "inverse_cdf"):
+                x = read(z)
                 via = p[-1]
-                x = z if via == "none" else (torch.softmax(z.float(), -1) if via == "softmax" else torch.log_softmax(z.float(), -1))
+                x = x if via == "none" else (torch.softmax(x.float(), -1) if via == "softmax" else torch.log_softmax(x.float(), -1))
                 if name == "topk":
                     k, largest = p[0], p[1]
                     emit("topk", tuple(torch.topk(x, k, dim=-1, largest=largest)), x, (k, largest))
@@ -360,22 +576,62 @@ class FuzzDrafter(nn.Module):
                 elif name == "sort":
                     emit("sort", tuple(torch.sort(x, dim=-1, descending=p[0])), x, p[0])
                 else:
-                    probs = x if via == "softmax" else torch.softmax(x.float(), -1)
-                    emit("sample", torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1), probs.reshape(-1, probs.shape[-1]), None)
-            elif name == "softmax":
-                emit("values", torch.softmax(z.float(), dim=-1))
-            elif name == "log_softmax":
-                emit("values", F.log_softmax(z, dim=-1))
-            elif name == "gather_ids":
-                emit("values", z.gather(-1, ids_like()))
-            elif name == "gather_probe":
-                emit("values", z.gather(-1, self.probe.expand(*z.shape[:-1], self.probe.numel())))
+                    probs = (x if via == "softmax" else torch.softmax(x.float(), -1)).reshape(-1, x.shape[-1])
+                    if name == "multinomial":
+                        emit("sample", torch.multinomial(probs, 1), probs, None)
+                    else:  # inverse-CDF sampling
+                        cdf = probs.cumsum(-1)
+                        u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
+                        emit("sample", torch.searchsorted(cdf, u).clamp(max=cdf.shape[-1] - 1), probs, None)
+            elif name in CONSUMERS:
+                x = read(z)
+                if name == "softmax":
+                    out = torch.softmax(x.float(), dim=-1)
+                elif name == "log_softmax":
+                    out = F.log_softmax(x, dim=-1)
+                elif name == "gather_ids":
+                    out = x.gather(-1, _apply_views(ids.unsqueeze(-1), views))
+                elif name == "gather_probe":
+                    out = x.gather(-1, self.probe.expand(*x.shape[:-1], self.probe.numel()))
+                elif name == "exp_log_softmax":
+                    out = torch.exp(F.log_softmax(x.float(), dim=-1))
+                elif name == "neg_log_softmax":
+                    out = -F.log_softmax(x.float(), dim=-1)
+                elif name == "exp_inplace":
+                    out = F.log_softmax(x.float(), dim=-1)
+                    out.exp_()
+                elif name == "logp_clamp_min":
+                    out = F.log_softmax(x.float(), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+                elif name in ("entropy_plogp", "entropy_nansum"):
+                    lp = F.log_softmax(x.float(), dim=-1)
+                    plogp = lp.exp() * lp
+                    out = -(plogp.sum(-1) if name == "entropy_plogp" else plogp.nansum(-1))
+                elif name == "entropy_entr":
+                    out = torch.special.entr(torch.softmax(x.float(), dim=-1)).sum(-1)
+                elif name == "categorical_entropy":
+                    out = torch.distributions.Categorical(logits=x.float()).entropy()
+                elif name == "typical":
+                    out = typical_warper(x.float().reshape(-1, x.shape[-1]))
+                elif name == "eta":
+                    out = eta_warper(x.float().reshape(-1, x.shape[-1]))
+                else:
+                    raise ValueError(f"unknown step {name!r}")
+                emit("values", out)
             else:
                 raise ValueError(f"unknown step {name!r}")
         if r.return_logits or not outputs:
-            outputs.insert(0, z)
+            outputs.insert(0, read(z))  # a graph output reads the chain from outside
             if record is not None:
                 record.insert(0, ("values", None, None))
+        return z, in_chain
+
+
+def _lookup_true(ids, W):
+    return F.embedding(ids, W)
+
+
+def _lookup_false(ids, W):
+    return F.embedding(ids, W) * 1.0
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype:
@@ -387,7 +643,7 @@ def compute_dtype(recipe: Recipe) -> torch.dtype:
 
 
 def make_inputs(recipe: Recipe, call: int) -> dict:
-    """Inputs of call ``call`` (0 or 1): ids (and the previous hidden state, Gumbel noise)."""
+    """Inputs of call ``call`` (0, 1, ...): ids (and the previous hidden state, Gumbel noise, future ids)."""
     g = torch.Generator().manual_seed(recipe.seed * 7 + call + 1)
     seq = recipe.seq if call == 0 else recipe.seq2
     shape = (recipe.batch, seq)
@@ -401,58 +657,93 @@ def make_inputs(recipe: Recipe, call: int) -> dict:
     if any(s[0] == "gumbel" for s in recipe.chain):
         u = torch.rand(*shape, recipe.head_rows, generator=g).clamp(1e-6, 1 - 1e-6)
         inputs["noise"] = -torch.log(-torch.log(u))
+    if recipe.draft_steps and recipe.draft_feed == "input":
+        inputs["future"] = torch.randint(0, recipe.vocab, (recipe.batch, recipe.draft_steps), generator=g)
     return inputs
 
 
 # ----------------------------------------------------------------------------- strategies
+SCALAR_STEPS = ("softcap", "scale")
+
+
 @st.composite
 def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, max_steps: int):
-    """A chain of steps, valid for the layouts and widths it passes through."""
-    steps, layout, sliced, broke = [], "bsv", head_pad == 0, False
+    """A program on the logits, valid for the layouts and widths it passes through."""
+    steps, sliced, broke = [], head_pad == 0, False
+    ndim, contiguous, unsqueezed = 3, True, 0
     n = draw(st.integers(0, max_steps))
     temps = st.sampled_from([0.5, 0.7, 2.0])
     ban_values = st.sampled_from([NEG_INF, NEG_INF, -1e4, 0.0])
+    clamps = st.sampled_from([-5.0, -2.0])
+    kinds = ["post", "post", "mutation", "mutation", "view", "view", "consumer", "consumer", "post_norm", "row", "other"]
     for _ in range(n):
-        kind = draw(st.sampled_from(["post", "post", "mutation", "mutation", "view", "consumer", "consumer", "row", "other"]))
+        kind = draw(st.sampled_from(kinds))
         if kind == "post":
             name = draw(st.sampled_from(sorted(ELEMENTWISE)))
             params = {
-                "temperature": (draw(temps),), "scale": (draw(st.sampled_from([0.5, 1.5])),), "softcap": (draw(st.sampled_from([2.0, 5.0])),),
-                "cast": (draw(st.sampled_from(["float32", "float32", "bfloat16", "float16"])),), "clamp": (draw(st.sampled_from([-5.0, -2.0])),),
-                "masked_fill": (draw(ban_values),), "where_ban": (draw(ban_values),),
+                "temperature": (draw(temps),), "scale": (draw(st.sampled_from([0.5, 1.5])),),
+                "softcap": (draw(st.sampled_from([2.0, 5.0])),),
+                "cast": (draw(st.sampled_from(["float32", "float32", "bfloat16", "float16"])),), "clamp": (draw(clamps),),
+                "masked_fill": (draw(ban_values),), "where_ban": (draw(ban_values),), "scatter_ban": (draw(ban_values),),
             }.get(name, ())
             step = (name, *params)
         elif kind == "mutation":
             names = sorted(MUTATIONS - (OUT_STEPS if grad else set()))
             name = draw(st.sampled_from(names))
+            if name == "setitem_view" and ndim < 2:
+                continue
             params = {
                 "div_": (draw(temps),), "itruediv": (draw(temps),), "imul": (draw(st.sampled_from([0.5, 1.5])),),
-                "clamp_": (draw(st.sampled_from([-5.0, -2.0])),), "clamp_fn_": (draw(st.sampled_from([-5.0, -2.0])),),
-                "masked_fill_": (draw(ban_values),), "setitem": (draw(ban_values),), "setitem_view": (draw(ban_values),),
-                "out_self": (draw(temps),), "copy_clamp": (draw(st.sampled_from([-5.0, -2.0])),), "nan_to_num_fn": (-50.0,),
+                "clamp_": (draw(clamps),), "clamp_fn_": (draw(clamps),), "masked_fill_": (draw(ban_values),),
+                "setitem": (draw(ban_values),), "setitem_view": (draw(ban_values),), "index_fill_": (draw(ban_values),),
+                "scatter_": (draw(ban_values),), "out_self": (draw(temps),), "copy_clamp": (draw(clamps),),
+                "nan_to_num_fn": (-50.0,),
             }.get(name, ())
             step = (name, *params)
         elif kind == "row":
-            step = (draw(st.sampled_from(sorted(ROW_OPS))),)
+            step = (draw(st.sampled_from(sorted(ROW_OPS | NORMALISE))),)
         elif kind == "view":
-            options = ["contiguous"] + (["last", "flatten"] if layout == "bsv" else []) + ([] if sliced else ["vslice", "vslice"])
-            step = (draw(st.sampled_from(options)),)
-            if step[0] == "last":
-                layout = "bv"
-            elif step[0] == "flatten":
-                layout = "nv"
-            elif step[0] == "vslice":
+            options = ["contiguous"] + (["mT"] if ndim >= 2 else []) + ([] if sliced else ["vslice", "vslice"])
+            if ndim == 3:
+                options += ["last", "last_ellipsis", "flatten", "transpose", "permute"] + (["view_n"] if contiguous else [])
+            if ndim >= 2:
+                options += ["reshape", "unsqueeze"]
+            if unsqueezed:
+                options += ["squeeze", "squeeze"]
+            name = draw(st.sampled_from(options))
+            step = (name,)
+            if name in ("last", "last_ellipsis", "flatten", "view_n"):
+                ndim, contiguous = 2, contiguous and name not in ("last", "last_ellipsis")
+            elif name == "reshape":
+                ndim, contiguous = 2, True
+            elif name in ("transpose", "permute"):
+                contiguous = False
+            elif name == "unsqueeze":
+                ndim, unsqueezed = ndim + 1, unsqueezed + 1
+            elif name == "squeeze":
+                ndim, unsqueezed = ndim - 1, unsqueezed - 1
+            elif name == "contiguous":
+                contiguous = True
+            elif name == "mT":
+                s = draw(st.sampled_from(SCALAR_STEPS))
+                step = ("mT", s, 2.0 if s == "softcap" else 1.5)
+            elif name == "vslice":
                 sliced = True
-        elif kind == "consumer":
-            name = draw(st.sampled_from(sorted(CONSUMERS)))
+        elif kind in ("consumer", "post_norm"):
+            pool = ["topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe", "multinomial"]
+            if kind == "post_norm":
+                pool = sorted(CONSUMERS - set(pool)) + ["multinomial"]
+            name = draw(st.sampled_from(pool))
             via = draw(st.sampled_from(["none", "none", "log_softmax", "softmax"]))
             width = recipe_vocab if sliced else recipe_vocab + head_pad
             if name == "topk":
                 step = ("topk", draw(st.integers(1, min(8, capacity, width))), draw(st.booleans()), via)
             elif name == "sort":
                 step = ("sort", draw(st.booleans()), via)
-            elif name in ("argmax", "max", "multinomial"):
+            elif name in ("argmax", "max", "multinomial", "inverse_cdf"):
                 step = (name, via)
+            elif name == "gather_ids" and unsqueezed:
+                continue
             else:
                 step = (name,)
         else:
@@ -460,10 +751,11 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
             options += [] if broke else ["graph_break"]
             if not options:
                 continue
-            step = (draw(st.sampled_from(options)),)
-            if step[0] == "out_new_softcap":
-                step = (step[0], draw(st.sampled_from([2.0, 5.0])))
-            broke = broke or step[0] == "graph_break"
+            name = draw(st.sampled_from(options))
+            if name == "out_new_softcap":
+                step = (name, draw(st.sampled_from([2.0, 5.0])))
+            else:
+                step, broke = (name, draw(st.sampled_from(BREAKS))), True
         steps.append(step)
     if not sliced and draw(st.booleans()):
         steps.append(("vslice",))
@@ -479,8 +771,8 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     head_pad = draw(st.sampled_from([0, 0, 0, 0, 1, 24]))
     tied = "tied" in head
     embed_pad = 0 if tied else draw(st.sampled_from([0, 0, 0, 0, 3, 16]))
-    mode = draw(st.sampled_from(["inference", "inference", "no_grad", "grad"]))
-    grad = mode == "grad"
+    mode = draw(st.sampled_from(["inference", "inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward"]))
+    grad = mode in GRAD_MODES
     dtype = "float32" if grad else draw(st.sampled_from(["float32", "float32", "float32", "bfloat16", "float16"]))
     autocast = not grad and dtype == "float32" and draw(st.integers(0, 9)) == 0
     capacity = draw(st.sampled_from([4, 16, 32, 64, 512]))
@@ -490,16 +782,25 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         body = ("mlp",) + body
     if body.count("graph_break") > 1:
         body = tuple(o for i, o in enumerate(body) if o != "graph_break" or i == body.index("graph_break"))
-    chain = draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
+    lookup = draw(st.sampled_from(LOOKUPS + ("embedding",) * 4))
+    batch = draw(st.integers(1, 3))
+    order = draw(st.sampled_from(["embed_first", "embed_first", "embed_first", "head_first", "head_first"]))
+    draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
+    chain = () if draft_steps else draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
+    if draft_steps:
+        dtype, autocast, capacity = "float32", False, 512  # argmax fed back: no near ties, no eviction inside a call
     seq = draw(st.integers(1, 4))
     return Recipe(
-        vocab=vocab, hidden=hidden, head=head, head_bias=draw(st.booleans()) and head != "functional_tied" and head not in ("buffer", "dequant"),
+        vocab=vocab, hidden=hidden, head=head,
+        head_bias=draw(st.booleans()) and head != "functional_tied" and head not in ("buffer", "dequant"),
         head_pad=head_pad, embed_pad=embed_pad, position=draw(st.booleans()), body=body,
-        order=draw(st.sampled_from(["embed_first", "embed_first", "embed_first", "head_first"])),
-        chain=chain, return_logits=draw(st.booleans()),
+        order=order, chain=chain, return_logits=draw(st.booleans()),
         extra_outputs=tuple(draw(st.lists(st.sampled_from(EXTRA_OUTPUTS), max_size=2, unique=True))),
         dtype=dtype, mode=mode, autocast=autocast, capacity=capacity,
-        batch=draw(st.integers(1, 3)), seq=seq, seq2=draw(st.sampled_from([seq, seq, seq + 1])),
+        batch=batch, seq=seq, seq2=draw(st.sampled_from([seq, seq, seq + 1])),
         feed_padded_ids=embed_pad > 0 and draw(st.booleans()), extra_active=draw(st.sampled_from([0, 3, 20])),
         n_ban=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)),
+        lookup=lookup, head_break=draw(st.sampled_from(("",) * 4 + BREAKS)),
+        hook=head in ("linear", "linear_tied") and draw(st.integers(0, 5)) == 0,
+        draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
     )
