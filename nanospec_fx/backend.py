@@ -29,7 +29,7 @@ from nanospec_fx.passes import (
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns
-from nanospec_fx.passes.find_head import token_tables
+from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
 from nanospec_fx.policies import resolve
@@ -59,11 +59,14 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
     heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
     if not heads:
-        if position.whole_call or notes:  # a piece of a call without a head: the head's own graph says why
+        # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
+        # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense).
+        if position.whole_call or notes or projections_reaching_output(gm):
             warn_once(
-                "nanospec: no LM head found in this graph (a linear/matmul/einsum whose vocabulary-sized output "
-                "reaches the output, with the vocabulary of the token embedding"
-                + (f"; {'; '.join(notes)}" if notes else "") + "); this graph runs unchanged. "
+                "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
+                "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"
+                + (f"; {'; '.join(notes)}" if notes else "")
+                + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
         return _compile(gm, example_inputs, opts, config_patches)
@@ -127,7 +130,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
-        snapshot_state_reads(builder.graph, into.state)
+        snapshot_state_reads(builder.graph, into.state,
+                             grad=grad_enabled_at(builder.graph, list(builder.graph.nodes), torch.is_grad_enabled()))
         if observe and not report.observers and token_tables(builder.gm):
             warn_once(
                 f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "

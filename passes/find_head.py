@@ -123,9 +123,9 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
       narrows this to that width); a table with more rows than any projection has outputs (a
       padded vocabulary) says nothing about V: none, with a note naming the candidates (the
       ``vocab_size`` or ``head`` option picks one, and its ids in [0, V) are observed); with no
-      token embedding in the graph: the one projection wider than its input whose logits (not only a
-      selection of them) reach the output (a router or a hidden-state projection is narrower or is
-      not alone); several such: none, with a note saying why.
+      token embedding in the graph: the one projection wider than its input that reaches the output, if
+      its logits (not only a selection of them) do (a router or a hidden-state projection is narrower or
+      is not alone); several wider projections reaching the output: none, with a note saying why.
     * several candidates left: HeadSelectionError naming them. None: an empty list.
     """
     groups = _projection_groups(gm, example_inputs)
@@ -157,12 +157,29 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
                          f"padded vocabulary name the head's width, e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
                          f"(candidates: {_describe(padded)})")
         return []
-    candidates = [g for g in reaching if reaching[g] == "logits" and g.vocab_size > g.hidden_size]
+    # Every projection wider than its input that reaches the output counts (through its logits or only
+    # through a selection of them): a wider one returned as logits is not the head because the head's own
+    # logits are only selected from. Several: nothing says which.
+    wider = [g for g in reaching if g.vocab_size > g.hidden_size]
+    candidates = [g for g in wider if reaching[g] == "logits"] if len(wider) == 1 else wider
     if len(candidates) > 1:
         if notes is not None:
             notes.append(f"several projections could be the head and no token embedding says which ({_describe(candidates)})")
         return []
     return candidates
+
+
+def projections_reaching_output(gm: fx.GraphModule) -> list[fx.Node]:
+    """Every projection wider than its input (any weight, a computed one too) whose output reaches the graph
+    output: what could be a head."""
+    found = []
+    for node in gm.graph.nodes:
+        m = patterns.match_projection(node)
+        shape = patterns.tensor_shape(m[1]) if m is not None else None
+        if shape and len(shape) == 2 and isinstance(shape[0], int) and shape[0] > shape[1] \
+                and reaches_output(node, shape[0]):
+            found.append(node)
+    return found
 
 
 def _unique(heads: list[HeadMatch]) -> list[HeadMatch]:

@@ -395,7 +395,7 @@ def _earliest_after(graph: fx.Graph, ids: fx.Node, lookup: fx.Node) -> fx.Node:
     return lookup
 
 
-def snapshot_state_reads(graph: fx.Graph, state: StateNodes) -> int:
+def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False) -> int:
     """Keep each projection's reads of the slot table consistent across observes.
 
     ``compact_logits`` fixes which slot holds which token; every later read made for the same
@@ -404,6 +404,8 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes) -> int:
     slots with that table. When an observe (which may evict and refill slots) runs in between, those
     reads get a copy of ``ids``/``cursor`` taken right before ``compact_logits``. Each projection has
     its own copy: a draft loop inside ``forward`` reads, at step k, the set as it is at step k.
+    With ``grad`` (autograd records the head), ``compact_logits`` also reads a copy of the cached rows:
+    its backward needs them as they were, and a later observe writes them in place.
     Returns how many snapshots.
     """
     ops = torch.ops.nanospec
@@ -429,6 +431,14 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes) -> int:
         for r in reads:
             r.replace_input_with(state.ids, ids)
             r.replace_input_with(state.cursor, cursor)
+        if grad:
+            compact.replace_input_with(state.cursor, cursor)
+            for cached in compact.args[1:3]:
+                if isinstance(cached, fx.Node):
+                    with graph.inserting_before(compact):
+                        copy = graph.call_method("clone", (cached,))
+                    set_example_value(copy)
+                    compact.replace_input_with(cached, copy)
         taken += 1
     return taken
 

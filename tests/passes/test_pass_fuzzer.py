@@ -27,7 +27,6 @@ if __name__ == "__main__" and shutil.which("nvidia-smi") is None:  # as tests/co
 import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
@@ -443,23 +442,14 @@ def scenarios(draw, max_steps: int = 3) -> Scenario:
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
-# Defect classes found and not fixed yet: (reason, predicate on the recipe). The CI-sized runs skip recipes
-# of these classes (each has an xfail case in test_pass_fuzzer_regressions.py); long runs
+# Defect classes found and not fixed yet: (reason, predicate on the recipe or scenario). The CI-sized runs skip
+# them (each has a strict xfail case in test_pass_fuzzer_regressions.py); long runs
 # (``python tests/passes/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
 _POST_NORM_STEPS = NORMALISE | ROW_OPS | (CONSUMERS - {"topk", "argmax", "max", "sort", "softmax", "log_softmax",
                                                       "gather_ids", "gather_probe", "multinomial", "inverse_cdf"})
-KNOWN_OPEN: list[tuple[str, object]] = [
-    ("class 3/11: lookups other than nn.Embedding, F.embedding, E[ids]",
-     lambda r: r.lookup not in ("embedding", "f_embedding", "index")),
-    ("class 8: draft loops in forward (given ids, gradients, a graph break in the body)", lambda r: r.draft_steps > 0),
-    ("class 5: ops after a normalisation", lambda r: any(s[0] in _POST_NORM_STEPS for s in r.chain)),
-    ("class 4: z[..., -1, :]", lambda r: any(s[0] == "last_ellipsis" for s in r.chain)),
-    ("contract: top-k(largest=False)", lambda r: any(s[0] == "topk" and s[2] is False for s in r.chain)),
-    ("class 2: head first", lambda r: r.order == "head_first"),
-]
+KNOWN_OPEN: list[tuple[str, object]] = []
 KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = [
-    ("class 1: prefill calls, several drafters", lambda sc: len(sc.drafters) > 1 or any(a == "prefill" for _, a in sc.schedule)),
-    ("class 6: save/pickle after a call", lambda sc: any(a.startswith("save:") and a != "save:deepcopy" for _, a in sc.schedule)),
+    ("class 1: prefill calls (ids of a call without the head)", lambda sc: any(a == "prefill" for _, a in sc.schedule)),
 ]
 
 
@@ -491,8 +481,6 @@ def test_fuzz_reference_kernels(recipe):
         event(run_case(recipe).split(" (")[0])  # matched / dense / error: see --hypothesis-show-statistics
 
 
-@pytest.mark.xfail(strict=False, reason="issue 16 classes 1 and 6 open: nearly every scenario is known-open, so the "
-                                        "filtered draw is unsatisfiable; drop this mark with the KNOWN_OPEN_SCENARIOS entries")
 @_settings(ci=8)
 @given(scenarios())
 def test_fuzz_scenarios(scenario):
@@ -513,7 +501,6 @@ def test_fuzz_inductor(recipe):
     event(run_case(recipe, {"inductor": True}).split(" (")[0])
 
 
-@pytest.mark.xfail(strict=False, reason="fails against the pass of 1e66396 with the issue-16 oracle; not yet shrunk")
 @_settings(ci=3)
 @given(recipes(max_steps=4))
 def test_fuzz_triton_interpreter(recipe):
