@@ -174,8 +174,8 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
 
     * the graph writes the head's weight or bias in place (an ``nn.Embedding(max_norm=...)`` tied to
       the head renormalises the rows it looks up, after the observer copied them);
-    * an op computes the head's input from a vocabulary-sized table ([>= V, ...]) and is not a
-      recognised lookup (``torch.take``, a lookup inside ``torch.cond``, a custom op...), or mixes
+    * an op anywhere in the graph reads a vocabulary-sized table ([>= V, ...]) by integer data and is not
+      a recognised lookup (``torch.take``, a lookup inside ``torch.cond``, a custom op...), or mixes
       integer data with a tensor as wide as the vocabulary (a hand-written one-hot): its ids cannot
       be read, so they would not join the set.
     """
@@ -188,18 +188,16 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
     vocab = head.vocab_size
     lookups = {lk.node: lk for lk in table_lookups(graph)}
     lookups.update({n: lk for lk in list(lookups.values()) for n in _one_hot_internals(lk.node)})
-    inputs = [patterns.match_projection(p)[0] for p in head.nodes]
-    ancestors = _ancestors([x for x in inputs if isinstance(x, fx.Node)])
+    logits = set(head.nodes).union(*(_downstream(p) for p in head.nodes))  # the head's outputs and what follows
     integer = _integer_data(graph, lookups)
     for node in graph.nodes:
-        if node not in ancestors or node in lookups or node.op not in ("call_function", "call_method", "call_module"):
+        if node in lookups or node.op not in ("call_function", "call_method", "call_module"):
             continue
         mixes = any(a in integer for a in node.all_input_nodes) and any(
-            a not in integer and _vocabulary_wide(a, vocab) for a in node.all_input_nodes)
+            a not in integer and a not in logits and _vocabulary_wide(a, vocab) for a in node.all_input_nodes)
         if mixes or _soft_lookup(node, vocab):
-            return (f"its input is computed by {describe(node)} ({where(node)}), which reads integer data and a "
-                    "tensor as wide as the vocabulary but is not a lookup nanospec can observe (nn.Embedding, "
-                    "F.embedding, E[ids], index_select, "
+            return (f"{describe(node)} ({where(node)}) reads integer data and a tensor as wide as the vocabulary "
+                    "but is not a lookup nanospec can observe (nn.Embedding, F.embedding, E[ids], index_select, "
                     "gather, embedding_bag, a one-hot matmul), so the ids it reads would not join the active set. "
                     "Use one of those lookups, or compile with options={'observe_inputs': False} and feed the set "
                     "with nanospec_fx.active_vocab(model).observe(ids)")
