@@ -15,11 +15,13 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
@@ -58,34 +60,67 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
     heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
+    said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
     if not heads:
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense).
         if position.whole_call or notes or projections_reaching_output(gm):
-            warn_once(
+            said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
                 "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"
                 + (f"; {'; '.join(notes)}" if notes else "")
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
-        return _compile(gm, example_inputs, opts, config_patches)
+        return _dense(gm, example_inputs, opts, config_patches, said)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
         reason = _dense_reason(gm, head, real, position, opts)
         if reason:
-            warn_once(f"nanospec: the head {head.name} runs dense: {reason}")
+            said.append(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
             rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
     while rewritable:
         try:
-            return _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
+            compiled = _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
+            for message in said:
+                warn_once(message)
+            return compiled
         except DenseFallback as reason:
             head = reason.args[1]
-            warn_once(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
+            said.append(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
             rewritable = [r for r in rewritable if r[0] is not head]
-    return _compile(gm, example_inputs, opts, config_patches)
+    return _dense(gm, example_inputs, opts, config_patches, said)
+
+
+def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str]):
+    """The graph compiled unchanged; its warnings given now, and again when another model runs it."""
+    for message in said:
+        warn_once(message, stacklevel=4)
+    compiled = _compile(gm, example_inputs, opts, config_patches)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs))
+                     if isinstance(v, nn.Parameter)), None)
+    return _DenseCall(compiled, said, position, example_inputs[position]) if said and position is not None else compiled
+
+
+class _DenseCall:
+    """A graph that runs a head dense, shared by several instances of one class (Dynamo compiles it once):
+    each instance that runs it (told apart by its first parameter) is told so once."""
+
+    def __init__(self, compiled: Callable, said: list[str], position: int, first: torch.Tensor):
+        self.compiled, self.said, self.position = compiled, said, position
+        self.seen = WeakIdKeyDictionary({first: True})  # by identity: tensors compare by value
+
+    def __call__(self, *args: Any) -> Any:
+        key = args[self.position]
+        if key not in self.seen:
+            self.seen[key] = True
+            for message in self.said:
+                warnings.warn(f"{message} (another model runs this compiled graph: the same holds for it)",
+                              NanoSpecWarning, stacklevel=2)
+        return self.compiled(*args)
 
 
 def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:

@@ -509,3 +509,12 @@ def test_ids_copied_into_a_buffer_after_the_head_read_leave_it_dense():
     with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: the ids looked up"):
         out = compiled(IDS, prev)
     _close(out, model(IDS, prev))
+
+
+def test_every_instance_that_runs_a_dense_graph_is_told_so():
+    a, b = Lookup("take").eval(), Lookup("take").eval()  # one class: Dynamo compiles the graph once
+    torch._dynamo.reset()
+    compiled = {m: torch.compile(m, backend="nanospec", options={"inductor": False, "capacity": 32}) for m in (a, b)}
+    for m in (a, b):
+        with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: take"):
+            compiled[m](IDS)
