@@ -100,14 +100,14 @@ def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, conf
         warn_once(message, stacklevel=4)
     compiled = _compile(gm, example_inputs, opts, config_patches)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs))
-                     if isinstance(v, nn.Parameter)), None)
+    position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
+                     and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))), None)
     return _DenseCall(compiled, said, position, example_inputs[position]) if said and position is not None else compiled
 
 
 class _DenseCall:
     """A graph that runs a head dense, shared by several instances of one class (Dynamo compiles it once):
-    each instance that runs it (told apart by its first parameter) is told so once."""
+    each instance that runs it (told apart by its first parameter or buffer) is told so once."""
 
     def __init__(self, compiled: Callable, said: list[str], position: int, first: torch.Tensor):
         self.compiled, self.said, self.position = compiled, said, position
