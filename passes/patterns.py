@@ -551,3 +551,15 @@ def is_reshape_or_permute(node: fx.Node) -> bool:
         return node.args[1] in ("T", "mT", "H", "mH")
     return is_call(node, RESHAPE_FUNCTIONS | PERMUTE_FUNCTIONS, RESHAPE_METHODS | PERMUTE_METHODS) or \
         _op_name(node) in ("numpy_T", "mT", "mH", "adjoint")
+
+
+# Writes of values at positions, returned as a new tensor (``z.scatter(-1, ids, -inf)``, ``z.index_fill(-1, ids, 0)``):
+# each entry keeps its column, so on logits they are steps of the chain (bans), like their in-place forms.
+WRITE_LIKE = {"scatter", "scatter_add", "scatter_reduce", "index_fill", "index_put", "index_add", "index_copy",
+              "masked_scatter", "slice_scatter", "select_scatter", "diagonal_scatter"}
+
+
+def is_write_like(node: fx.Node) -> bool:
+    """An out-of-place positional write of its first argument (its result has the argument's shape)."""
+    name = _call_name(node) if node.op in ("call_function", "call_method") else None
+    return name in WRITE_LIKE and bool(node.args) and tensor_shape(node) is not None

@@ -323,7 +323,8 @@ def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, rep
         if handled:
             report.consumers.extend(handled)
             return
-    if writes or effects.may_alias_input(n) and not _elementwise_into(n):
+    if writes or effects.may_alias_input(n) and not _elementwise_into(n) or (
+            patterns.is_write_like(n) and n.args[0] is a):  # ``z.scatter(-1, ban, -inf)``: a step, on [..., V]
         _materialise(region, n, compact_inputs, report)
         return
     for c in compact_inputs:  # a plain reader: the value as of this point
@@ -368,6 +369,13 @@ def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
                 region.dense_masks[n] = region.dense_masks[writes[0]]
             return
         with graph.inserting_after(n):
+            remasked = graph.call_method("masked_fill", (n, region.mask_node(mask, n), float("-inf")))
+        n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
+        set_example_value(remasked)
+        region.dense_masks[remasked] = mask
+        return
+    if not writes and not other_writes and n.args and n.args[0] is a and patterns.is_write_like(n):
+        with graph.inserting_after(n):  # a ban written out of place: the chain goes on in its result
             remasked = graph.call_method("masked_fill", (n, region.mask_node(mask, n), float("-inf")))
         n.replace_all_uses_with(remasked, delete_user_cb=lambda u: u is not remasked)
         set_example_value(remasked)

@@ -518,3 +518,19 @@ def test_every_instance_that_runs_a_dense_graph_is_told_so():
     for m in (a, b):
         with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: take"):
             compiled[m](IDS)
+
+
+class OutOfPlaceBans(Drafter):
+    """Bans written out of place (scatter/index_fill of constants) are steps of the chain, like in-place ones."""
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))
+        z = z.scatter(-1, self.ban.expand(*z.shape[:-1], -1), 0.0)
+        z = z.index_fill(-1, self.ban + 1, 5.0)
+        return _chain_end(2.0 * torch.tanh(z / 2.0), mask)
+
+
+def test_bans_written_out_of_place_are_steps_of_the_chain():
+    out, oracle, warned = _run(OutOfPlaceBans().eval(), IDS)
+    assert not warned
+    _close(out, oracle)
