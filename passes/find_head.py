@@ -161,10 +161,14 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     # through a selection of them): a wider one returned as logits is not the head because the head's own
     # logits are only selected from. Several: nothing says which.
     wider = [g for g in reaching if g.vocab_size > g.hidden_size]
-    candidates = [g for g in wider if reaching[g] == "logits"] if len(wider) == 1 else wider
-    if len(candidates) > 1:
+    grouped = {n for g in groups for n in g.nodes}
+    computed = [n for n in projections_reaching_output(gm) if n not in grouped]  # a weight computed in the graph
+    candidates = [g for g in wider if reaching[g] == "logits"] if len(wider) == 1 and not computed else wider
+    if len(candidates) > 1 or (candidates and computed):
         if notes is not None:
-            notes.append(f"several projections could be the head and no token embedding says which ({_describe(candidates)})")
+            notes.append("several projections could be the head and no token embedding says which ("
+                         + ", ".join([_describe(candidates)] * bool(candidates)
+                                     + [f"{n.name} (a weight computed in the graph)" for n in computed]) + ")")
         return []
     return candidates
 

@@ -129,10 +129,9 @@ def table_lookups(graph: fx.Graph) -> list[Lookup]:
 
 
 def embedding_lookups(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, int]]:
-    """``(lookup, ids, table, rows)`` of the lookups whose ids are data computed from a user input
-    (the token embedding; head finding uses its rows as the vocabulary size)."""
-    return [(lk.node, lk.ids, lk.table, lk.rows) for lk in table_lookups(graph)
-            if isinstance(lk.ids, fx.Node) and _depends_on_user_input(lk.ids)]
+    """``(lookup, ids, table, rows)`` of the token lookups: ids that are data (a user input, a buffer) or
+    written in the code, not positions (head finding uses the tables' rows as the vocabulary size)."""
+    return [(lk.node, lk.ids, lk.table, lk.rows) for lk in table_lookups(graph) if not _positions(lk.ids)]
 
 
 def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[Lookup]:
@@ -264,30 +263,6 @@ def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
         isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in patterns.source_name(source)))
     return weight_like and any(isinstance(d, int) and d >= vocab for d in shape)
-
-
-def _depends_on_user_input(node: fx.Node) -> bool:
-    """Whether ``node``'s *values* are computed from a graph input that is not a parameter or buffer.
-
-    Only tensor data counts: a size read from an input (``torch.arange(ids.shape[-1])`` with
-    dynamic shapes) is a number, so positions never look like token ids.
-    """
-    seen, stack = set(), [node]
-    while stack:
-        cur = stack.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        if cur.op == "placeholder":
-            value = patterns.example_value(cur)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
-                    and "_buffers[" not in patterns.source_name(cur):
-                return True
-            continue
-        if cur is not node and not isinstance(patterns.example_value(cur), torch.Tensor):
-            continue  # a number (a shape, a size): not data of the input
-        stack.extend(cur.all_input_nodes)
-    return False
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:

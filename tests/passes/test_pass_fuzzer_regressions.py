@@ -126,6 +126,16 @@ CASES.update({
     "enable_grad_inside_no_grad": (R(mode="enable_grad_inside"), ()),
     "no_grad_forward_in_grad_mode": (R(mode="no_grad_forward"), ()),
     "forward_hook_on_head": (R(hook=True, chain=(("softcap", 2.0), ("argmax", "none"))), ()),
+    # found by a long run: a head with a computed (dequantised) weight next to a wider returned projection, ids from
+    # a buffer: the wider projection was taken for the head and masked
+    "computed_head_next_to_a_wider_projection": (R(vocab=164, head="dequant", chain=(("last",),), return_logits=False,
+                                                   extra_outputs=("wide_proj", "router"), lookup="buffer_ids"), ()),
+    # found by a long run: bans written out of place (scatter of a constant) are steps of the chain
+    "scatter_ban_then_index_fill_then_sample": (R(vocab=184, hidden=32, head="functional_tied", order="head_first",
+                                                  chain=(("out_self", 0.7), ("scatter_ban", "-inf"), ("out_self", 0.5),
+                                                         ("index_fill_", 0.0), ("multinomial", "log_softmax")),
+                                                  return_logits=False, mode="no_grad_forward", capacity=16, batch=1,
+                                                  seq=2, seq2=2, extra_active=3, n_ban=1), ()),
 })
 
 
