@@ -4,7 +4,8 @@ Everything else follows from here: :mod:`kernels.ops` registers each op with the
 below, and a test checks that the Python signatures of the op bodies, of the reference
 (:mod:`kernels.reference`) and of the Triton wrappers (:mod:`kernels.triton_kernels`) name the
 same arguments in the same order. :class:`nanospec_fx.ActiveVocab` hands its tensors over in
-:data:`STATE` order.
+:data:`STATE` order. The FX passes build and read op calls through :func:`op_call` / :func:`op_arg` with
+the argument names declared here, never by position.
 """
 from __future__ import annotations
 
