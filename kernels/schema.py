@@ -4,7 +4,8 @@ Everything else follows from here: :mod:`kernels.ops` registers each op with the
 below, and a test checks that the Python signatures of the op bodies, of the reference
 (:mod:`kernels.reference`) and of the Triton wrappers (:mod:`kernels.triton_kernels`) name the
 same arguments in the same order. :class:`nanospec_fx.ActiveVocab` hands its tensors over in
-:data:`STATE` order.
+:data:`STATE` order. The FX passes build and read op calls through :func:`op_call` / :func:`op_arg` with
+the argument names declared here, never by position.
 """
 from __future__ import annotations
 
@@ -44,19 +45,93 @@ SCHEMAS: dict[str, str] = {
 }
 OPS = tuple(SCHEMAS)
 
-_ARG = re.compile(r"^\s*(?P<type>[\w?\[\]]+(?:\([a-z]!\))?)\s+(?P<name>\w+)(?:\s*=.*)?$")
+_ARG = re.compile(r"^\s*(?P<type>[\w?\[\]]+(?:\([a-z]!\))?)\s+(?P<name>\w+)(?P<default>\s*=.*)?$")
+
+
+def _parsed(schema: str) -> list[re.Match]:
+    return [_ARG.match(a) for a in schema.split("->")[0].strip()[1:-1].split(",")]
 
 
 def arguments(op: str) -> tuple[str, ...]:
     """Argument names of ``op`` in order."""
-    inner = SCHEMAS[op].split("->")[0].strip()[1:-1]
-    return tuple(_ARG.match(a).group("name") for a in inner.split(","))
+    return tuple(m.group("name") for m in _parsed(SCHEMAS[op]))
 
 
 def mutated(op: str) -> tuple[str, ...]:
     """Arguments ``op`` writes in place."""
-    inner = SCHEMAS[op].split("->")[0].strip()[1:-1]
-    return tuple(m.group("name") for a in inner.split(",") if "!)" in a and (m := _ARG.match(a)))
+    return tuple(m.group("name") for m in _parsed(SCHEMAS[op]) if "!)" in m.group("type"))
+
+
+class OpSignature:
+    """Builds and reads FX call nodes of one op by the argument names its schema declares, so the
+    passes never write an argument position: a renamed or missing argument fails at the first build,
+    a reordered one moves every emitted call and every read with it."""
+
+    def __init__(self, op: str, schema: str | None = None):
+        if op not in SCHEMAS and schema is None:
+            raise KeyError(f"nanospec op {op!r} is not declared in kernels/schema.py (declared: {', '.join(OPS)})")
+        self.op = op
+        parsed = _parsed(SCHEMAS[op] if schema is None else schema)
+        self.names = tuple(m.group("name") for m in parsed)
+        self.optional = frozenset(m.group("name") for m in parsed if m.group("default"))
+
+    @property
+    def target(self):
+        """The op's overload in the graph (``kernels.ops`` registers it)."""
+        return getattr(torch.ops.nanospec, self.op).default
+
+    def args(self, **given) -> tuple:
+        """``given`` as the op's positional arguments, in declared order (a trailing default may be left out)."""
+        unknown = [n for n in given if n not in self.names]
+        if unknown:
+            raise TypeError(f"nanospec.{self.op} declares no argument {', '.join(unknown)}; it takes {self.names}")
+        last = max((self.names.index(n) for n in given), default=-1)
+        missing = [n for i, n in enumerate(self.names) if n not in given and (i <= last or n not in self.optional)]
+        if missing:
+            raise TypeError(f"nanospec.{self.op}: argument(s) {', '.join(missing)} not given; it takes {self.names}")
+        return tuple(given[n] for n in self.names[:last + 1])
+
+    def call(self, graph, **given):
+        """A ``call_function`` node of this op at ``graph``'s insertion point."""
+        return graph.call_function(self.target, self.args(**given))
+
+    def index(self, name: str) -> int:
+        """Position of argument ``name`` in a call built by :meth:`call`."""
+        if name not in self.names:
+            raise TypeError(f"nanospec.{self.op} declares no argument {name}; it takes {self.names}")
+        return self.names.index(name)
+
+
+#: One signature per declared op (built at import: a malformed declaration fails here).
+SIGNATURES: dict[str, OpSignature] = {op: OpSignature(op) for op in OPS}
+
+
+def op_call(graph, op: str, **given):
+    """``graph.call_function(torch.ops.nanospec.<op>.default, ...)`` with arguments named as in :data:`SCHEMAS`."""
+    return signature(op).call(graph, **given)
+
+
+def signature(op: str) -> OpSignature:
+    """The declared signature of ``op`` (``KeyError`` naming the declared ops if there is none)."""
+    if op not in SIGNATURES:
+        raise KeyError(f"nanospec op {op!r} is not declared in kernels/schema.py (declared: {', '.join(OPS)})")
+    return SIGNATURES[op]
+
+
+def is_op(node, op: str) -> bool:
+    """``node`` calls ``torch.ops.nanospec.<op>`` (checked against the declared names)."""
+    signature(op)
+    target = getattr(node, "target", None)
+    return getattr(node, "op", None) == "call_function" and isinstance(target, torch._ops.OpOverload) \
+        and target.namespace == "nanospec" and target._opname == op
+
+
+def op_arg(node, name: str):
+    """Argument ``name`` of a call node of a nanospec op, found by its declared position."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "nanospec"):
+        raise TypeError(f"{node.name} does not call a nanospec op (it calls {target})")
+    return node.args[signature(target._opname).index(name)]
 
 
 def new_state(vocab: int, hidden: int, capacity: int, dtype: torch.dtype, device) -> list[torch.Tensor]:

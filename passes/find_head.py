@@ -70,9 +70,6 @@ def _is_weight_like(node: fx.Node, example: object) -> bool:
     return "_buffers[" in patterns.source_name(node)
 
 
-LOGIT_CARRIERS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
-
-
 def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
     """How the [..., V] value of ``node`` reaches the graph output: ``"logits"`` (through
     post-ops, views, softmax, stacking), ``"selection"`` (only through top-k/argmax-like
@@ -91,7 +88,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 patterns.elementwise_operands_ok(user, cur, vocab_size, carriers)
                 or patterns.view_keeps_vocab(user, cur, vocab_size)
                 or patterns.is_reshape_or_permute(user)
-                or patterns.is_call(user, LOGIT_CARRIERS, {"softmax", "log_softmax"})
+                or patterns.is_call(user, patterns.SOFTMAX_FUNCTIONS, patterns.SOFTMAX_METHODS)
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
                 or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
             ):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from nanospec_fx.kernels.schema import is_op, op_arg, op_call
+
 from . import effects, patterns
 from .rewrite_head import DenseFallback, StateNodes, describe, set_example_value, where
 
@@ -278,10 +280,8 @@ def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
         for n in (ge, lt, ok, safe, mapped, rows):
             set_example_value(n)
     s = into.state
-    node = graph.call_function(
-        torch.ops.nanospec.observe.default,
-        (rows, into.weight, into.bias, s.ids, s.slot_of, s.cursor, s.cache_w, s.cache_b, into.num_pinned),
-    )
+    node = op_call(graph, "observe", token_ids=rows, weight=into.weight, bias=into.bias, ids=s.ids, slot_of=s.slot_of,
+                   cursor=s.cursor, cache_w=s.cache_w, cache_b=s.cache_b, num_pinned=into.num_pinned)
     node.meta["val"] = node.meta["example_value"] = None  # returns nothing; writes the state
     return node
 
@@ -321,7 +321,7 @@ def _state_reads(graph: fx.Graph, state: StateNodes) -> list[fx.Node]:
     """The nodes that read the active set for a head (not observes), in graph order."""
     placeholders = {state.ids, state.slot_of, state.cursor, state.cache_w, state.cache_b}
     return [n for n in graph.nodes if n.op in ("call_function", "call_method")
-            and n.target is not torch.ops.nanospec.observe.default and any(a in placeholders for a in n.all_input_nodes)]
+            and not is_op(n, "observe") and any(a in placeholders for a in n.all_input_nodes)]
 
 
 _RANDOM = ("rand", "bernoulli", "multinomial", "normal", "uniform", "dropout", "exponential", "poisson", "cauchy")
@@ -381,14 +381,13 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     its backward needs them as they were, and a later observe writes them in place.
     Returns how many snapshots.
     """
-    ops = torch.ops.nanospec
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    observes = [pos[n] for n in nodes if n.op == "call_function" and n.target is ops.observe.default]
+    observes = [pos[n] for n in nodes if is_op(n, "observe")]
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         compact = n.meta.get("nanospec_compact")
-        if compact in pos and compact.args[3] is state.cursor and (state.ids in n.all_input_nodes
+        if compact in pos and op_arg(compact, "cursor") is state.cursor and (state.ids in n.all_input_nodes
                                                                     or state.cursor in n.all_input_nodes):
             groups.setdefault(compact, []).append(n)
     taken = 0
@@ -406,7 +405,7 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
             r.replace_input_with(state.cursor, cursor)
         if grad:
             compact.replace_input_with(state.cursor, cursor)
-            for cached in compact.args[1:3]:
+            for cached in (op_arg(compact, "cache_w"), op_arg(compact, "cache_b")):
                 if isinstance(cached, fx.Node):
                     with graph.inserting_before(compact):
                         copy = graph.call_method("clone", (cached,))

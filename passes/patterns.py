@@ -82,12 +82,14 @@ ELEMENTWISE_METHODS = {*_POINTWISE, *(n + "_" for n in _POINTWISE if n != "where
 # Ops that gather several region values along a non-vocabulary axis (Medusa heads, stacked).
 JOIN_FUNCTIONS = {torch.stack, torch.cat, torch.concat}
 
+# Softmax and log_softmax over the vocabulary axis: the logits go on through them (find_head), and they
+# may read compact logits (match_softmax). The one definition of this op set.
+SOFTMAX_FUNCTIONS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
+SOFTMAX_METHODS = {"softmax", "log_softmax"}
 # Ops that consume the vocabulary axis; what they return reaches the output "through the head".
-CONSUMER_FUNCTIONS = {
-    torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
-    torch.topk, torch.argmax, torch.max, torch.sort, torch.argsort, torch.multinomial,
-}
-CONSUMER_METHODS = {"softmax", "log_softmax", "topk", "argmax", "max", "sort", "argsort"}
+CONSUMER_FUNCTIONS = {*SOFTMAX_FUNCTIONS, torch.topk, torch.argmax, torch.max, torch.sort, torch.argsort,
+                      torch.multinomial}
+CONSUMER_METHODS = {*SOFTMAX_METHODS, "topk", "argmax", "max", "sort", "argsort"}
 
 
 def is_elementwise(node: fx.Node) -> bool:
@@ -354,10 +356,10 @@ def reads_row_size(node: fx.Node, logits: fx.Node) -> bool:
 # ---------------------------------------------------------------------------- compact consumers
 # Consumers that can read the compact logits directly, mapping slots back to token ids, so the
 # [..., V] logits are never built: top-k and argmax over the vocabulary axis, and softmax /
-# log_softmax over it when only those feed them (how EAGLE and tree drafters pick candidates).
+# log_softmax over it when only those feed them (how EAGLE and tree drafters pick candidates;
+# SOFTMAX_FUNCTIONS above).
 TOPK_FUNCTIONS = {torch.topk}
 ARGMAX_FUNCTIONS = {torch.argmax}
-SOFTMAX_FUNCTIONS = {torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax}
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -402,7 +404,7 @@ def match_log_softmax(user: fx.Node, logits: fx.Node) -> bool:
 
 def match_softmax(user: fx.Node, logits: fx.Node) -> bool:
     """``user`` is a softmax/log_softmax of ``logits`` over the last dim (no dtype change)."""
-    if not is_call(user, SOFTMAX_FUNCTIONS, {"softmax", "log_softmax"}) or user.args[0] is not logits:
+    if not is_call(user, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS) or user.args[0] is not logits:
         return False
     shape = tensor_shape(logits)
     dtype = user.kwargs.get("dtype", user.args[3] if user.op == "call_function" and len(user.args) > 3 else None)

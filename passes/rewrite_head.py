@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from nanospec_fx.kernels.schema import is_op, op_arg, op_call
+
 from . import effects, patterns
 
 if TYPE_CHECKING:
@@ -124,8 +126,8 @@ class _Region:
             g, st = self.graph, self.state
             with g.inserting_before(before):
                 zeros = g.call_method("new_zeros", (st.ids, (self.capacity,)), {"dtype": torch.float32})
-                row = self.tag(g.call_function(torch.ops.nanospec.scatter_logits.default,
-                                               (zeros, st.ids, st.cursor, self.vocab)))
+                row = self.tag(op_call(g, "scatter_logits", compact=zeros, ids=st.ids, cursor=st.cursor,
+                                       vocab_size=self.vocab))
                 self._inactive = g.call_function(torch.isneginf, (row,))
             for n in (zeros, row, self._inactive):
                 set_example_value(n)
@@ -133,8 +135,8 @@ class _Region:
 
     def scatter(self, value: fx.Node, before: fx.Node) -> fx.Node:
         with self.graph.inserting_before(before):
-            node = self.tag(self.graph.call_function(torch.ops.nanospec.scatter_logits.default,
-                                                     (value, self.state.ids, self.state.cursor, self.vocab)))
+            node = self.tag(op_call(self.graph, "scatter_logits", compact=value, ids=self.state.ids,
+                                    cursor=self.state.cursor, vocab_size=self.vocab))
         set_example_value(node)
         return node
 
@@ -189,7 +191,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
-        compact = graph.call_function(torch.ops.nanospec.compact_logits.default, (x, cache_w, cache_b, state.cursor))
+        compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
     compact.meta.update({k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
     proj.replace_all_uses_with(compact)
@@ -225,7 +227,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
         if reads_chain and n not in erased and n not in region.members and n not in region.dense_masks and (
                 patterns.is_comparison(n) or patterns.is_elementwise(n) or patterns.is_reshape_or_permute(n)):
             region.side.add(n)
-    scatters = [u for u in compact.users if u.target is torch.ops.nanospec.scatter_logits.default]
+    scatters = [u for u in compact.users if is_op(u, "scatter_logits")]
     if len(compact.users) == 1 and scatters:
         _fuse_plain_head(graph, compact, scatters[0], vocab)
 
@@ -493,7 +495,7 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
     softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
     ignore such slots themselves.
     """
-    graph, state, ops = region.graph, region.state, torch.ops.nanospec
+    graph, state = region.graph, region.state
     if patterns.match_softmax(user, logits):
         readers = list(user.users)
         if not readers or not all(_largest(patterns.match_topk(r, user)) or patterns.match_argmax(r, user) is not None
@@ -509,14 +511,15 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
     if _largest(topk):  # the k smallest are inactive tokens (-inf): read on the [..., V] logits
         k, largest = topk
         with graph.inserting_before(user):
-            new = region.tag(graph.call_function(ops.compact_topk.default, (logits, state.ids, state.cursor, k, largest)))
+            new = region.tag(op_call(graph, "compact_topk", compact=logits, ids=state.ids, cursor=state.cursor, k=k,
+                                     largest=largest))
         set_example_value(new)
     else:
         keepdim = patterns.match_argmax(user, logits)
         if keepdim is None:
             return []
         with graph.inserting_before(user):
-            new = region.tag(graph.call_function(ops.compact_argmax.default, (logits, state.ids, state.cursor)))
+            new = region.tag(op_call(graph, "compact_argmax", compact=logits, ids=state.ids, cursor=state.cursor))
             set_example_value(new)
             if keepdim:
                 new = graph.call_function(torch.unsqueeze, (new, -1))
@@ -534,10 +537,9 @@ def _largest(topk: tuple | None) -> bool:
 
 def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab: int) -> None:
     """``scatter_logits(compact_logits(x))`` with nothing in between -> one ``head_logits`` op."""
-    x, cache_w, cache_b, cursor = compact.args
-    _, ids, _, _ = scatter.args
     with graph.inserting_before(scatter):
-        fused = graph.call_function(torch.ops.nanospec.head_logits.default, (x, cache_w, cache_b, ids, cursor, vocab))
+        fused = op_call(graph, "head_logits", **{n: op_arg(compact, n) for n in ("x", "cache_w", "cache_b", "cursor")},
+                        ids=op_arg(scatter, "ids"), vocab_size=vocab)
     set_example_value(fused)
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)
