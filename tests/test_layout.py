@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_ONLY = ("click", "rich", "matplotlib", "transformers")
 
 
 def run_fresh(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_python(code).stdout
 
 
 def test_import_nanospec_fx_is_lean():

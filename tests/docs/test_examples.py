@@ -1,17 +1,11 @@
 """The examples run and say what they should (small settings)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_python
 
 
 def run(*args: str) -> str:
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return run_python(None, *args).stdout
 
 
 def test_policies_example():

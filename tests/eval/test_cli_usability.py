@@ -1,7 +1,5 @@
 """What a newcomer meets first: install hints, error messages that name the option, fast --help, help texts."""
 import json
-import subprocess
-import sys
 
 import click
 import pytest
@@ -10,6 +8,7 @@ from click.testing import CliRunner
 import nanospec_fx.eval
 from nanospec_fx.eval import cli, loaders
 from nanospec_fx.eval.commands import coverage as coverage_command
+from helpers import run_python
 
 
 def test_missing_cli_packages_print_a_plain_install_hint(monkeypatch, capsys):
@@ -50,7 +49,7 @@ def test_help_does_not_import_torch():
             "for args in ([], ['bench'], ['coverage'], ['bench', 'draft']):\n"
             "    assert CliRunner().invoke(cli.main, args + ['--help']).exit_code == 0\n"
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = run_python(code).stdout
     assert out.strip() == "[]"
 
 

@@ -7,10 +7,6 @@ logits within a per-dtype tolerance of an fp32 oracle; selection exactly.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +17,7 @@ pytest.importorskip("triton")
 
 from nanospec_fx.kernels import ops, reference as R, triton_kernels as T  # noqa: E402
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch  # noqa: E402
+from helpers import run_python  # noqa: E402
 
 NEG = float("-inf")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -229,15 +226,13 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
         implementation_for("compact_logits", torch.zeros(1))
 
 
-def _subprocess(code_or_args, env_extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOSPEC_KERNELS")}
-    env.update(env_extra)
-    return subprocess.run([sys.executable, *code_or_args], env=env, capture_output=True, text=True, timeout=300)
+_UNSET = ("TRITON_INTERPRET", "NANOSPEC_KERNELS")  # the fresh process picks its kernels itself
 
 
 def test_kernels_compile_for_sm90():
     """A real GPU compile (ptxas included in the triton wheel) of every kernel variant."""
-    proc = _subprocess(["-m", "nanospec_fx.kernels.compile_check", "--arch", "90"], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
+    proc = run_python(None, "-m", "nanospec_fx.kernels.compile_check", "--arch", "90", unset=_UNSET, timeout=300,
+                      env={"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}, check=False)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -275,8 +270,9 @@ print("ok")
 def test_triton_op_registration_traces():
     """The CUDA-machine registration (triton_op), forced on CPU: schemas, fake impls and the
     functional decomposition under torch.compile work (CPU tensors take the reference branch)."""
-    proc = _subprocess(["-c", _TRITON_OP_SCRIPT], {"NANOSPEC_TRITON_OP": "force", "TRITON_INTERPRET": "0"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    proc = run_python(_TRITON_OP_SCRIPT, env={"NANOSPEC_TRITON_OP": "force", "TRITON_INTERPRET": "0"}, unset=_UNSET,
+                      timeout=300)
+    assert "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- CUDA only

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nanospec_fx
-from test_soundness_state import Drafter, V
+from test_state_invariants import Drafter, V
 
 IDS = torch.tensor([[1, 2, 3]])
 

@@ -1,5 +1,5 @@
-"""Issue 9, state / API / op classes: every rewritten head is reachable, cached rows never go stale,
-autocast and autograd behave as eager, top-k pads with valid ids, observe() rejects what is not ids,
+"""The active vocabulary's invariants across state, API and ops: every rewritten head is reachable, cached rows
+never go stale, autocast and autograd behave as eager, top-k pads with valid ids, observe() rejects what is not ids,
 one state per head weight."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Defects that only a GPU would expose, caught on a CPU (issue 12).
+"""Defects that only a GPU would expose, caught on a CPU.
 
 int64 offsets (TTIR of every launched variant), the device guard, the observe launch grid, the
 num_pinned check, the one-time contiguous copy of a transposed head, the head configurations,
@@ -8,10 +8,7 @@ and a rehearsal of benchmarks/gpu_check.sh that must pass - and fail when a step
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,15 +19,14 @@ pytest.importorskip("triton")
 from nanospec_fx.kernels import ops, reference as R, schema, triton_kernels as T  # noqa: E402
 from nanospec_fx.kernels import triton_head, triton_observe, triton_select, triton_util  # noqa: E402
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch  # noqa: E402
+from helpers import ROOT, run_command, run_python  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
 
 
-def _subprocess(args, env_extra, timeout=300, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOSPEC_KERNELS")}
-    env.update(env_extra)
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+# A fresh process that compiles Triton kernels for real (not the interpreter) and picks its kernels itself.
+_UNSET = ("TRITON_INTERPRET", "NANOSPEC_KERNELS")
+_COMPILED_TRITON = {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
 # --------------------------------------------------------------------------- 1. int64 offsets
@@ -61,8 +57,7 @@ def test_int32_product_check_flags_a_row_times_stride_in_int32(tmp_path):
     ``row * stride`` is flagged, the same product after ``.to(tl.int64)`` is not."""
     script = tmp_path / "bad_kernel.py"  # @triton.jit needs a source file
     script.write_text(_BAD_KERNEL)
-    proc = _subprocess([sys.executable, str(script)], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python(None, script, env=_COMPILED_TRITON, unset=_UNSET, timeout=300)
     assert proc.stdout.split() == ["False", "1", "True", "0"]
 
 
@@ -270,8 +265,8 @@ def test_inductor_sees_the_read_only_kernels_as_read_only():
     """Inductor's TTIR mutation analysis must find that the head, scatter and top-k kernels write
     only their outputs. When the analysis fails it assumes every argument is written, and the
     compiled graph then clones the [C, H] cache on every step, silently."""
-    proc = _subprocess([sys.executable, "-c", _MUTATION_SCRIPT], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_python(_MUTATION_SCRIPT, env=_COMPILED_TRITON, unset=_UNSET, timeout=300)
+    assert "ok" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
 # --------------------------------------------------------------------------- schema
@@ -306,7 +301,8 @@ def _gpu_check(tmp_path, bench_extra="", **env):
         "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
     base.update(env)
-    proc = _subprocess(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], base, timeout=600, cwd=tmp_path)
+    proc = run_command(["bash", ROOT / "benchmarks" / "gpu_check.sh"], env=base, unset=_UNSET, cwd=tmp_path,
+                       check=False)
     return proc, results
 
 
