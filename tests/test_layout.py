@@ -4,6 +4,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,6 +16,7 @@ def run_fresh(code: str) -> str:
     return run_python(code).stdout
 
 
+@pytest.mark.slow
 def test_import_nanospec_fx_is_lean():
     out = run_fresh(f"""
         import sys

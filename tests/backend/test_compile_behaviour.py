@@ -1,6 +1,7 @@
 """How the backend behaves under torch.compile: registration, recompiles, state binding."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -14,6 +15,7 @@ def _run_fresh(code: str) -> str:
     return run_python(code, timeout=300).stdout
 
 
+@pytest.mark.slow
 def test_backend_works_in_a_fresh_process_without_importing_the_package():
     out = _run_fresh("""
         import sys, torch
@@ -26,6 +28,7 @@ def test_backend_works_in_a_fresh_process_without_importing_the_package():
     assert out.split() == ["4", "True"]  # 2 rows x 2 active tokens finite; loaded via the entry point
 
 
+@pytest.mark.slow
 def test_importing_the_package_after_the_entry_point_does_not_duplicate():
     out = _run_fresh("""
         import torch

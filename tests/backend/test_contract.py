@@ -182,6 +182,7 @@ def test_in_place_post_ops_keep_inactive_tokens_at_minus_inf():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(drafter_cases())
 def test_contract_with_triton_kernels(monkeypatch, case):

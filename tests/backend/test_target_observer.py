@@ -44,6 +44,7 @@ def test_target_observer_under_inductor_matches_plain_inductor():
     assert state.contains(out.topk(2, dim=-1).indices).all()
 
 
+@pytest.mark.slow
 def test_assisted_generation_with_target_observer_is_lossless():
     torch._dynamo.reset()
     target, drafter = tiny_llama(3000, 2, 0), tiny_llama(3000, 1, 1)

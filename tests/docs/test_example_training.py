@@ -3,9 +3,13 @@ load_state_dict afterwards is picked up without refresh()."""
 from __future__ import annotations
 
 import re
+
+import pytest
+
 from helpers import run_python
 
 
+@pytest.mark.slow
 def test_train_drafter_body_example():
     out = run_python(None, "examples/train_drafter_body.py").stdout
     losses = [float(x) for x in re.findall(r"loss (\S+)", out)]

@@ -1,6 +1,8 @@
 """The examples run and say what they should (small settings)."""
 from __future__ import annotations
 
+import pytest
+
 from helpers import run_python
 
 
@@ -8,12 +10,14 @@ def run(*args: str) -> str:
     return run_python(None, *args).stdout
 
 
+@pytest.mark.slow
 def test_policies_example():
     out = run("examples/policies.py")
     assert "static   active=['the', '.', 'cat', 'dog']" in out
     assert "hybrid   active=['the', '.', 'a', 'dog', 'met', 'cat']" in out
 
 
+@pytest.mark.slow
 def test_assisted_generation_example():
     out = run("examples/assisted_generation.py", "--no-inductor", "--vocab", "3000", "--new-tokens", "8")
     assert out.count("assisted output == greedy target output: True") == 2

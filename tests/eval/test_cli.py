@@ -116,6 +116,7 @@ def test_draft_round_is_eagles_tree_with_each_head():
     torch.testing.assert_close(full.scores, nano.scores)
 
 
+@pytest.mark.slow
 def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
     run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[:2]", "--static-corpus", "sample",
         "--static-n", "64", "--capacity", "64", "--max-new", "12", "--draft-layers", "1", "--out", tmp_path, "--threads", "1")
@@ -179,6 +180,7 @@ def test_coverage_on_the_targets_greedy_continuations(tmp_path, tiny_model_dir):
     assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
 
 
+@pytest.mark.slow
 def test_e2e_through_speculative_pair(tmp_path, tiny_model_dir):
     run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[5:7]", "--static-corpus", "sample",
         "--static-n", "64", "--capacity", "64", "--max-new", "10", "--draft-layers", "1", "--observer", "api",

@@ -261,6 +261,7 @@ print("ok", len(cases))
 """
 
 
+@pytest.mark.slow
 def test_inductor_sees_the_read_only_kernels_as_read_only():
     """Inductor's TTIR mutation analysis must find that the head, scatter and top-k kernels write
     only their outputs. When the analysis fails it assumes every argument is written, and the
@@ -306,6 +307,7 @@ def _gpu_check(tmp_path, bench_extra="", **env):
     return proc, results
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_gpu_check_rehearsal_passes_through_the_fallback_tree(tmp_path):
     proc, results = _gpu_check(tmp_path)
@@ -319,6 +321,7 @@ def test_gpu_check_rehearsal_passes_through_the_fallback_tree(tmp_path):
     assert bench["rows"]["1"]["insertions_per_step"] >= 2  # fresh tokens were inserted
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     """pytest hidden and the benchmark's logits corrupted: both steps are reported, the later

@@ -267,6 +267,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_op_registration_traces():
     """The CUDA-machine registration (triton_op), forced on CPU: schemas, fake impls and the
     functional decomposition under torch.compile work (CPU tensors take the reference branch)."""
