@@ -56,13 +56,19 @@ def test_passes_and_kernels_import_nothing_else_of_nanospec_fx():
 
 
 def test_the_runtime_never_imports_the_evaluation():
-    runtime = [p for p in sorted((ROOT / "nanospec_fx").rglob("*.py")) if "eval" not in p.relative_to(ROOT / "nanospec_fx").parts]
+    runtime = [
+        p
+        for p in sorted((ROOT / "nanospec_fx").rglob("*.py"))
+        if "eval" not in p.relative_to(ROOT / "nanospec_fx").parts
+    ]
     runtime += sorted((ROOT / "passes").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
     assert len(runtime) > 15
     for path in runtime:
         for module, _ in _imports(path):
             assert not module.startswith("nanospec_fx.eval"), f"{path.relative_to(ROOT)} imports {module}"
-            assert module.split(".")[0] not in ("click", "rich", "matplotlib"), f"{path.relative_to(ROOT)} imports {module}"
+            assert module.split(".")[0] not in ("click", "rich", "matplotlib"), (
+                f"{path.relative_to(ROOT)} imports {module}"
+            )
 
 
 def test_every_package_directory_is_installed():

@@ -86,10 +86,14 @@ def test_target_observer_rejects_bad_options():
         torch.compile(target, backend="nanospec", options={"observe_topk": 3})(torch.tensor([[1]]))
     torch._dynamo.reset()
     with pytest.raises(Exception, match="60 tokens"):
-        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(torch.tensor([[1]]))
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(
+            torch.tensor([[1]])
+        )
     torch._dynamo.reset()
     with pytest.raises(Exception, match="must be the drafter module or its ActiveVocab"):
-        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(torch.tensor([[1]]))
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(
+            torch.tensor([[1]])
+        )
 
 
 def test_static_state_is_not_fed_by_the_target():

@@ -129,7 +129,10 @@ def test_fails_on_a_wrong_reference_structure():
 
 
 def test_fails_without_a_head():
-    with pytest.raises(AssertionError, match="did not rewrite a head"), pytest.warns(NanoSpecWarning, match="no LM head"):
+    with (
+        pytest.raises(AssertionError, match="did not rewrite a head"),
+        pytest.warns(NanoSpecWarning, match="no LM head"),
+    ):
         assert_equivalent(NoHead(4).eval(), (torch.randn(2, 4),))
 
 

@@ -45,8 +45,8 @@ def copy_rows(src, out, stride, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out + row * stride + offs, tl.load(src + row * stride + offs))
 
 for wide in (False, True):
-    src = ASTSource(copy_rows, {"src": "*fp32", "out": "*fp32", "stride": "i32", "WIDE": "constexpr", "BLOCK": "constexpr"},
-                    {"WIDE": wide, "BLOCK": 16})
+    signature = {"src": "*fp32", "out": "*fp32", "stride": "i32", "WIDE": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(copy_rows, signature, {"WIDE": wide, "BLOCK": 16})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     print(wide, len(int32_argument_products(c.asm["ttir"])))
 """
@@ -120,7 +120,10 @@ def test_observe_grid_depends_on_a_bucket_of_the_length_and_is_2d(monkeypatch):
     monkeypatch.setattr(triton_observe, "wrap_triton", recording_wrap)
     vocab, hidden, capacity = 300, 600, 64
     w = torch.randn(vocab, hidden)
-    got, want = schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"), schema.new_state(vocab, hidden, capacity, torch.float32, "cpu")
+    got, want = (
+        schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"),
+        schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"),
+    )
     with direct_launch():
         for n in (1, 3, 11, 16):
             t = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
@@ -246,13 +249,15 @@ cur, ids, out = torch.zeros(1, dtype=torch.int64), torch.zeros(32, dtype=torch.i
 cases = []
 for scatter in (False, True):
     for use_dot in (False, True):
-        cases.append((th._head_kernel, dict(x_ptr=x, w_ptr=w, b_ptr=b, cursor_ptr=cur, ids_ptr=ids, out_ptr=out, M=4, C=32, H=64,
-            V=100, stride_xm=64, stride_wc=64, stride_om=32, HAS_BIAS=True, SCATTER=scatter, UPCAST=False, IEEE=False,
-            USE_DOT=use_dot, BLOCK_M=16 if use_dot else 4, BLOCK_C=32, BLOCK_K=128), {"out_ptr"}))
-cases.append((th._scatter_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, out_ptr=torch.empty(4, 100), C=32, V=100,
-    stride_sm=32, stride_om=100, BLOCK=1024), {"out_ptr"}))
+        cases.append((th._head_kernel, dict(x_ptr=x, w_ptr=w, b_ptr=b, cursor_ptr=cur, ids_ptr=ids, out_ptr=out,
+            M=4, C=32, H=64, V=100, stride_xm=64, stride_wc=64, stride_om=32, HAS_BIAS=True, SCATTER=scatter,
+            UPCAST=False, IEEE=False, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 4, BLOCK_C=32, BLOCK_K=128),
+            {"out_ptr"}))
+cases.append((th._scatter_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, out_ptr=torch.empty(4, 100),
+    C=32, V=100, stride_sm=32, stride_om=100, BLOCK=1024), {"out_ptr"}))
 cases.append((ts._topk_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, val_ptr=torch.empty(4, 3),
-    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, LARGEST=True, BLOCK=32), {"val_ptr", "tok_ptr"}))
+    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, LARGEST=True, BLOCK=32),
+    {"val_ptr", "tok_ptr"}))
 for kernel, kwargs, want in cases:
     acc = identify_accessed_tensors(kernel, kwargs, {})
     got = {d.name for d in acc.read_writes.writes}
@@ -279,7 +284,9 @@ def test_every_implementation_follows_the_schema(op):
         assert tuple(inspect.signature(fn).parameters) == want, (op, fn.__module__)
     registered = getattr(torch.ops.nanospec, op).default._schema
     assert tuple(a.name for a in registered.arguments) == want
-    assert {a.name for a in registered.arguments if a.alias_info is not None and a.alias_info.is_write} == set(schema.mutated(op))
+    assert {a.name for a in registered.arguments if a.alias_info is not None and a.alias_info.is_write} == set(
+        schema.mutated(op)
+    )
 
 
 def test_state_order_is_the_schemas():
@@ -334,7 +341,9 @@ def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     proc, results = _gpu_check(tmp_path, bench_extra="--corrupt --fail-fast", PYTHONPATH=str(fake))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "STEP FAILED: pytest and hypothesis are required" in out and "STEP FAILED: gpu_bench.py failed" in out, out[-3000:]
+    assert "STEP FAILED: pytest and hypothesis are required" in out and "STEP FAILED: gpu_bench.py failed" in out, out[
+        -3000:
+    ]
     checks = json.loads((results / "gpu_bench_cpu_small.json").read_text())["checks"]
     assert checks["observe_stress"] == "pass"  # the JSON was written before the failing step
     assert checks["logits_match_dense_rows1"].startswith("FAIL")

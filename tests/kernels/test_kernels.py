@@ -23,7 +23,11 @@ NEG = float("-inf")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernel (fp32 accumulation, one rounding) vs F.linear in fp32 rounded once: summation order
 # and at most ~1 ulp of the output dtype apart.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-4),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")),
@@ -84,7 +88,10 @@ def test_observe_many_duplicates_across_blocks(device):
     vocab, hidden, capacity = 97, 5, 40
     w = torch.randn(vocab, hidden, device=device)
     t = torch.randint(0, vocab, (1100,), generator=torch.Generator().manual_seed(1)).to(device)
-    got, want = make_state(vocab, hidden, capacity, torch.float32, device), make_state(vocab, hidden, capacity, torch.float32, device)
+    got, want = (
+        make_state(vocab, hidden, capacity, torch.float32, device),
+        make_state(vocab, hidden, capacity, torch.float32, device),
+    )
     run(T.observe, t, w, None, *got, 3)
     R.observe(t, w, None, *want, 3)
     assert_same_state(got, want)
@@ -96,7 +103,10 @@ def test_observe_transposed_weight(device):
     vocab, hidden, capacity = 50, 9, 12
     w = torch.randn(hidden, vocab, device=device).t()  # non-unit stride along H
     t = torch.tensor([4, 9, 4, 49, 0], device=device)
-    got, want = make_state(vocab, hidden, capacity, torch.float32, device), make_state(vocab, hidden, capacity, torch.float32, device)
+    got, want = (
+        make_state(vocab, hidden, capacity, torch.float32, device),
+        make_state(vocab, hidden, capacity, torch.float32, device),
+    )
     run(T.observe, t, w, None, *got, 0)
     R.observe(t, w, None, *want, 0)
     assert_same_state(got, want)
@@ -126,7 +136,9 @@ def filled_state(vocab, hidden, capacity, n_tokens, dtype, device, with_bias, se
 )
 def test_head_kernels_match_reference(device, vocab, hidden, capacity, n_tokens, rows, dtype, with_bias, seed):
     capacity = min(capacity, vocab)
-    w, b, (ids, slot_of, cursor, cache_w, cache_b) = filled_state(vocab, hidden, capacity, n_tokens, dtype, device, with_bias, seed)
+    w, b, (ids, slot_of, cursor, cache_w, cache_b) = filled_state(
+        vocab, hidden, capacity, n_tokens, dtype, device, with_bias, seed
+    )
     cb = cache_b if with_bias else None
     x = torch.randn(*rows, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
 
@@ -172,7 +184,9 @@ def test_head_kernel_skips_tiles_past_the_count():
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 1000),
 )
-def test_topk_and_argmax_match_reference(device, vocab, capacity, n_tokens, rows, k, largest, levels, specials, dtype, seed):
+def test_topk_and_argmax_match_reference(
+    device, vocab, capacity, n_tokens, rows, k, largest, levels, specials, dtype, seed
+):
     capacity = min(capacity, vocab)
     _, _, (ids, _, cursor, _, _) = filled_state(vocab, 1, capacity, n_tokens, torch.float32, device, False, seed)
     g = torch.Generator().manual_seed(seed)

@@ -80,6 +80,8 @@ def test_every_op_in_the_schema_is_checked():
     assert {op for _, op, _ in CASES} == set(schema.OPS)
 
 
-@pytest.mark.parametrize("op,args", [pytest.param(op, args, id=name, marks=_marks(op, args)) for name, op, args in CASES])
+@pytest.mark.parametrize(
+    "op,args", [pytest.param(op, args, id=name, marks=_marks(op, args)) for name, op, args in CASES]
+)
 def test_opcheck(op, args):
     torch.library.opcheck(getattr(torch.ops.nanospec, op).default, args)

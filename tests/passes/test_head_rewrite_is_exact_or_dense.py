@@ -241,7 +241,9 @@ def test_inserted_nodes_carry_fake_tensor_metadata():
         backend._compile = original
     nodes = [n for n in seen[-1].graph.nodes if n.op == "call_function" and "nanospec" in str(n.target)]
     assert nodes and all("val" in n.meta and "example_value" in n.meta for n in nodes)
-    missing = [n.name for n in nodes if "observe" not in n.name and not isinstance(n.meta["val"], (torch.Tensor, tuple))]
+    missing = [
+        n.name for n in nodes if "observe" not in n.name and not isinstance(n.meta["val"], (torch.Tensor, tuple))
+    ]
     assert not missing
 
 
@@ -476,9 +478,13 @@ class BreakBetweenEmbeddingAndHead(Base):
 def test_a_head_after_a_graph_break_stays_dense_naming_the_break_and_the_remedy():
     # The ids are embedded in another graph: nothing proves they are observed before this head
     # reads the set (same model instance, same call), so it runs dense and says where and why.
-    _assert_dense_with_warning(BreakBetweenEmbeddingAndHead().eval(), _ids(),
-                               r"resumes after a graph break at .*test_head_rewrite_is_exact_or_dense.py:\d+ \(forward\).*"
-                               r"observe_inputs': False", capacity=16)
+    _assert_dense_with_warning(
+        BreakBetweenEmbeddingAndHead().eval(),
+        _ids(),
+        r"resumes after a graph break at .*test_head_rewrite_is_exact_or_dense.py:\d+ \(forward\).*"
+        r"observe_inputs': False",
+        capacity=16,
+    )
 
 
 def test_with_observe_inputs_off_a_head_after_a_graph_break_is_rewritten_and_fed_by_the_user():
