@@ -116,9 +116,9 @@ if ! $PY -c 'import pytest, hypothesis' >/dev/null 2>&1; then
     fail_step "pytest and hypothesis are required for the kernel tests and could not be installed (carry wheels: GPU_CHECK_WHEELS=dir)"
 else
 K=${GPU_CHECK_PYTEST_K:-}
-say "pytest -m '$MARK' ${K:+-k '$K' }tests/kernels/test_kernels.py tests/kernels/test_kernels_gpu_ready.py"
+say "pytest -m '$MARK' ${K:+-k '$K' }tests/kernels/test_kernels.py tests/kernels/test_gpu_defects_caught_on_cpu.py"
 timeout "${GPU_CHECK_PYTEST_S:-210}" $PY -m pytest -q -m "$MARK" ${K:+-k "$K"} -p no:cacheprovider --durations=10 --junitxml="$RES/gpu_pytest.xml" \
-    tests/kernels/test_kernels.py tests/kernels/test_kernels_gpu_ready.py >"$RES/gpu_pytest.log" 2>&1
+    tests/kernels/test_kernels.py tests/kernels/test_gpu_defects_caught_on_cpu.py >"$RES/gpu_pytest.log" 2>&1
 rc=$?
 tail -30 "$RES/gpu_pytest.log" | tee -a "$LOG"
 # Pass = exit 0, at least one test run, and (on CUDA) nothing skipped.

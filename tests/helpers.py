@@ -1,5 +1,12 @@
-"""Shared test helpers: compile with nanospec, build the eager oracle, compare per dtype, a tiny Llama."""
+"""Shared test helpers: compile with nanospec, build the eager oracle, compare per dtype, a tiny Llama, and run
+a fresh Python (or any command) in a subprocess."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -8,6 +15,8 @@ import nanospec_fx
 
 from nanospec_fx.eval.loaders import tiny_llama as _tiny_llama
 from nanospec_fx.testing import TOLERANCES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compile_nanospec(model, **options):
@@ -42,3 +51,24 @@ def assert_close_per_dtype(actual, expected, compute_dtype=None):
 def tiny_llama(vocab: int, layers: int, seed: int, hidden: int = 32, **config):
     """A random-weight LlamaForCausalLM small enough for CPU tests (``config``: more LlamaConfig fields)."""
     return _tiny_llama(vocab, layers, hidden=hidden, seed=seed, **config)
+
+
+def run_command(args, *, env=None, unset=(), timeout=600, cwd=ROOT, check=True) -> subprocess.CompletedProcess:
+    """Run ``args`` with this process's environment, less the variables named in ``unset``, plus ``env``.
+
+    ``check``: assert it exited 0 (the message is the tail of its stderr); pass False to judge a failure yourself.
+    """
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    environ.update(env or {})
+    done = subprocess.run([str(a) for a in args], env=environ, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done
+
+
+def run_python(code: str | None = None, *args, **kw) -> subprocess.CompletedProcess:
+    """A fresh Python (this interpreter) running ``code`` (dedented, as ``-c``) or, without code, ``args``
+    (a script or ``-m module`` and its arguments); ``kw`` as for :func:`run_command`."""
+    head = ["-c", textwrap.dedent(code)] if code is not None else []
+    return run_command([sys.executable, *head, *args], **kw)

@@ -2,21 +2,21 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+
+import pytest
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_ONLY = ("click", "rich", "matplotlib", "transformers")
 
 
 def run_fresh(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_python(code).stdout
 
 
+@pytest.mark.slow
 def test_import_nanospec_fx_is_lean():
     out = run_fresh(f"""
         import sys
@@ -58,13 +58,19 @@ def test_passes_and_kernels_import_nothing_else_of_nanospec_fx():
 
 
 def test_the_runtime_never_imports_the_evaluation():
-    runtime = [p for p in sorted((ROOT / "nanospec_fx").rglob("*.py")) if "eval" not in p.relative_to(ROOT / "nanospec_fx").parts]
+    runtime = [
+        p
+        for p in sorted((ROOT / "nanospec_fx").rglob("*.py"))
+        if "eval" not in p.relative_to(ROOT / "nanospec_fx").parts
+    ]
     runtime += sorted((ROOT / "passes").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
     assert len(runtime) > 15
     for path in runtime:
         for module, _ in _imports(path):
             assert not module.startswith("nanospec_fx.eval"), f"{path.relative_to(ROOT)} imports {module}"
-            assert module.split(".")[0] not in ("click", "rich", "matplotlib"), f"{path.relative_to(ROOT)} imports {module}"
+            assert module.split(".")[0] not in ("click", "rich", "matplotlib"), (
+                f"{path.relative_to(ROOT)} imports {module}"
+            )
 
 
 def test_every_package_directory_is_installed():

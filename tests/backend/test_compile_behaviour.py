@@ -1,25 +1,21 @@
 """How the backend behaves under torch.compile: registration, recompiles, state binding."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import nanospec_fx
 from drafters import TinyDrafter
-from helpers import active_mask, compile_nanospec
+from helpers import active_mask, compile_nanospec, run_python
 
 
 def _run_fresh(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return run_python(code, timeout=300).stdout
 
 
+@pytest.mark.slow
 def test_backend_works_in_a_fresh_process_without_importing_the_package():
     out = _run_fresh("""
         import sys, torch
@@ -32,6 +28,7 @@ def test_backend_works_in_a_fresh_process_without_importing_the_package():
     assert out.split() == ["4", "True"]  # 2 rows x 2 active tokens finite; loaded via the entry point
 
 
+@pytest.mark.slow
 def test_importing_the_package_after_the_entry_point_does_not_duplicate():
     out = _run_fresh("""
         import torch

@@ -42,7 +42,9 @@ def drafter_cases(draw):
 @given(drafter_cases())
 def test_compiled_drafter_matches_masked_eager(case):
     torch.manual_seed(case["seed"])
-    model = TinyDrafter(case["vocab"], case["hidden"], case["head"], case["post"], case["returns"]).to(case["dtype"]).eval()
+    model = (
+        TinyDrafter(case["vocab"], case["hidden"], case["head"], case["post"], case["returns"]).to(case["dtype"]).eval()
+    )
     ids = torch.randint(0, case["vocab"], (case["batch"], case["seq"]))
     compiled = compile_nanospec(model, capacity=case["capacity"])
     with torch.inference_mode():
@@ -182,7 +184,10 @@ def test_in_place_post_ops_keep_inactive_tokens_at_minus_inf():
     torch.testing.assert_close(out, expected)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@pytest.mark.slow
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(drafter_cases())
 def test_contract_with_triton_kernels(monkeypatch, case):
     """The whole backend on our Triton kernels (the interpreter on CPU, real kernels on CUDA)."""

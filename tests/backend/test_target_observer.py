@@ -44,6 +44,7 @@ def test_target_observer_under_inductor_matches_plain_inductor():
     assert state.contains(out.topk(2, dim=-1).indices).all()
 
 
+@pytest.mark.slow
 def test_assisted_generation_with_target_observer_is_lossless():
     torch._dynamo.reset()
     target, drafter = tiny_llama(3000, 2, 0), tiny_llama(3000, 1, 1)
@@ -85,10 +86,14 @@ def test_target_observer_rejects_bad_options():
         torch.compile(target, backend="nanospec", options={"observe_topk": 3})(torch.tensor([[1]]))
     torch._dynamo.reset()
     with pytest.raises(Exception, match="60 tokens"):
-        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(torch.tensor([[1]]))
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(
+            torch.tensor([[1]])
+        )
     torch._dynamo.reset()
     with pytest.raises(Exception, match="must be the drafter module or its ActiveVocab"):
-        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(torch.tensor([[1]]))
+        torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(
+            torch.tensor([[1]])
+        )
 
 
 def test_static_state_is_not_fed_by_the_target():

@@ -5,16 +5,14 @@ reference, an observer that does nothing), so a checker that always passes would
 """
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import tiny_llama
+from helpers import run_python, tiny_llama
 from drafters import EagleLikeDrafter, HiddenOnlyDrafter, NoHead, TinyDrafter
 import nanospec_fx
 from nanospec_fx import NanoSpecWarning
@@ -131,7 +129,10 @@ def test_fails_on_a_wrong_reference_structure():
 
 
 def test_fails_without_a_head():
-    with pytest.raises(AssertionError, match="did not rewrite a head"), pytest.warns(NanoSpecWarning, match="no LM head"):
+    with (
+        pytest.raises(AssertionError, match="did not rewrite a head"),
+        pytest.warns(NanoSpecWarning, match="no LM head"),
+    ):
         assert_equivalent(NoHead(4).eval(), (torch.randn(2, 4),))
 
 
@@ -147,12 +148,11 @@ def test_transformers_probe_does_not_load_a_second_copy_of_the_ops():
     directory as a top-level package; it must stay empty (no second registration of the ops)."""
     probe = ("import sys, nanospec_fx; from transformers.utils.import_utils import is_kernels_available; "
              "print(is_kernels_available(), sorted(n for n in sys.modules if n.startswith('kernels.')))")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True).stdout
+    out = run_python(probe).stdout
     assert out.split() == ["False", "[]"]
 
 
-# ----------------------------------------------------------------------------- isolation (issue 16, class 7)
+# ----------------------------------------------------------------------------- isolation of the checks
 def test_options_whose_tensors_print_alike_are_compiled_separately():
     """Two static policies whose frequency tensors print alike (summarised) but rank other tokens first:
     each check must run its own configuration, judged by a reference built from the frequencies."""

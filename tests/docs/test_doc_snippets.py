@@ -27,7 +27,9 @@ V = 300
 def snippets():
     for doc in DOCS:
         for i, m in enumerate(BLOCK.finditer((ROOT / doc).read_text())):
-            yield pytest.param(m["name"], m["code"], id=f"{doc}#{i}")
+            # a tiny target + drafter pair generating text: seconds each
+            slow = [pytest.mark.slow] if m["name"] == "tiny-pair" else []
+            yield pytest.param(m["name"], m["code"], id=f"{doc}#{i}", marks=slow)
 
 
 class PickingDrafter(nn.Module):

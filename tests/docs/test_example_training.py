@@ -3,18 +3,15 @@ load_state_dict afterwards is picked up without refresh()."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from helpers import run_python
 
 
+@pytest.mark.slow
 def test_train_drafter_body_example():
-    result = subprocess.run([sys.executable, "examples/train_drafter_body.py"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    out = run_python(None, "examples/train_drafter_body.py").stdout
     losses = [float(x) for x in re.findall(r"loss (\S+)", out)]
     assert len(losses) == 4 and all(x < 10 for x in losses) and losses[-1] < losses[0] - 0.5
     assert "head gradient: None" in out

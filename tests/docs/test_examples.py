@@ -1,25 +1,23 @@
 """The examples run and say what they should (small settings)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_python
 
 
 def run(*args: str) -> str:
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return run_python(None, *args).stdout
 
 
+@pytest.mark.slow
 def test_policies_example():
     out = run("examples/policies.py")
     assert "static   active=['the', '.', 'cat', 'dog']" in out
     assert "hybrid   active=['the', '.', 'a', 'dog', 'met', 'cat']" in out
 
 
+@pytest.mark.slow
 def test_assisted_generation_example():
     out = run("examples/assisted_generation.py", "--no-inductor", "--vocab", "3000", "--new-tokens", "8")
     assert out.count("assisted output == greedy target output: True") == 2

@@ -38,7 +38,8 @@ def rows_of(path):
 
 
 def test_coverage_inputs_only(tmp_path):
-    run("coverage", "--tokenizer", "bytes", "--corpus", "sample[1:]", "--static-corpus", "sample[:1]",  # disjoint records
+    run("coverage", "--tokenizer", "bytes", "--corpus", "sample[1:]",
+        "--static-corpus", "sample[:1]",  # disjoint records
         "--static-sizes", "16,64", "--capacities", "32,0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
     rows = {(r["category"], r["policy"]): r for r in rows_of(tmp_path / "coverage.json")}
     assert {"conversation", "code", "literature", "all"} <= {c for c, _ in rows}
@@ -116,9 +117,11 @@ def test_draft_round_is_eagles_tree_with_each_head():
     torch.testing.assert_close(full.scores, nano.scores)
 
 
+@pytest.mark.slow
 def test_e2e_output_is_the_targets(tmp_path, tiny_model_dir):
     run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[:2]", "--static-corpus", "sample",
-        "--static-n", "64", "--capacity", "64", "--max-new", "12", "--draft-layers", "1", "--out", tmp_path, "--threads", "1")
+        "--static-n", "64", "--capacity", "64", "--max-new", "12", "--draft-layers", "1", "--out", tmp_path,
+        "--threads", "1")
     rows = rows_of(tmp_path / "e2e.json")
     assert [r["variant"] for r in rows] == ["target only", "full head", "static-64", "nanospec@64"]
     assert all(r["identical"] for r in rows)
@@ -179,10 +182,11 @@ def test_coverage_on_the_targets_greedy_continuations(tmp_path, tiny_model_dir):
     assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
 
 
+@pytest.mark.slow
 def test_e2e_through_speculative_pair(tmp_path, tiny_model_dir):
-    run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[5:7]", "--static-corpus", "sample",
-        "--static-n", "64", "--capacity", "64", "--max-new", "10", "--draft-layers", "1", "--observer", "api",
-        "--out", tmp_path, "--threads", "1")
+    run("e2e", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", "sample[5:7]",
+        "--static-corpus", "sample", "--static-n", "64", "--capacity", "64", "--max-new", "10", "--draft-layers", "1",
+        "--observer", "api", "--out", tmp_path, "--threads", "1")
     data = json.loads((tmp_path / "e2e.json").read_text())
     assert data["meta"]["observer"] == "api"
     assert all(r["identical"] for r in data["rows"])

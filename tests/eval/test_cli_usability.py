@@ -1,7 +1,5 @@
 """What a newcomer meets first: install hints, error messages that name the option, fast --help, help texts."""
 import json
-import subprocess
-import sys
 
 import click
 import pytest
@@ -10,11 +8,14 @@ from click.testing import CliRunner
 import nanospec_fx.eval
 from nanospec_fx.eval import cli, loaders
 from nanospec_fx.eval.commands import coverage as coverage_command
+from helpers import run_python
 
 
 def test_missing_cli_packages_print_a_plain_install_hint(monkeypatch, capsys):
     real = nanospec_fx.eval.importlib.util.find_spec
-    monkeypatch.setattr(nanospec_fx.eval.importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a))
+    monkeypatch.setattr(
+        nanospec_fx.eval.importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as e:
         nanospec_fx.eval.main()
     assert e.value.code == 2
@@ -50,7 +51,7 @@ def test_help_does_not_import_torch():
             "for args in ([], ['bench'], ['coverage'], ['bench', 'draft']):\n"
             "    assert CliRunner().invoke(cli.main, args + ['--help']).exit_code == 0\n"
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = run_python(code).stdout
     assert out.strip() == "[]"
 
 
@@ -75,9 +76,10 @@ def test_every_option_has_a_help_text_and_out_says_where_results_go():
 
 
 def test_bench_head_caps_sizes_at_the_vocabulary(tmp_path):
-    result = CliRunner().invoke(cli.main, ["bench", "head", "--shapes", "16x200", "--active", "500", "--static-n", "300",
-                                           "--rows", "1", "--repeats", "1", "--sweep", "64,1000", "--no-compiled",
-                                           "--out", str(tmp_path), "--threads", "1"], catch_exceptions=False)
+    result = CliRunner().invoke(cli.main, ["bench", "head", "--shapes", "16x200", "--active", "500",
+                                           "--static-n", "300", "--rows", "1", "--repeats", "1", "--sweep", "64,1000",
+                                           "--no-compiled", "--out", str(tmp_path), "--threads", "1"],
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "bench-head.json").read_text())["rows"]
     assert max(r["size"] for r in rows) == 200  # never more rows than the vocabulary has

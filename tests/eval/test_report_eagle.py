@@ -54,8 +54,17 @@ def test_paired_runs_show_intervals_comparisons_and_provenance(tmp_path):
             {**_row("full head", 1, "all", 2.0, 12.0, 1.21), "speedup_low": 1.1, "speedup_high": 1.3}]
     comparisons = [{"a": "full head", "a_depth": 1, "b": "target only", "b_depth": 0, "metric": "tokens_per_s",
                     "median": 1.21, "low": 1.1, "high": 1.3, "requests": 5}]
-    meta = {"command": "c", "provenance": {"git_commit": "abcdef0123456789", "git_dirty": False, "torch": "2.13.0",
-                                           "threads": 2, "load_average_start": [0.5, 0, 0], "load_average_end": [0.7, 0, 0]}}
+    meta = {
+        "command": "c",
+        "provenance": {
+            "git_commit": "abcdef0123456789",
+            "git_dirty": False,
+            "torch": "2.13.0",
+            "threads": 2,
+            "load_average_start": [0.5, 0, 0],
+            "load_average_end": [0.7, 0, 0],
+        },
+    }
     path = tmp_path / "e2e-eagle-p.json"
     path.write_text(json.dumps({"rows": rows, "meta": meta, "comparisons": comparisons}))
     text = _report().render(path)

@@ -117,10 +117,15 @@ def test_train_eagle_then_e2e_eagle_is_lossless(tmp_path, tiny_model_dir, monkey
     assert "held-out top-1 agreement" in out
     folder = tmp_path / "cache" / "eagle" / "model"
     meta = json.loads((folder / T.META).read_text())
-    assert meta["train"]["steps_done"] == 4 and meta["val_tokens"] == 256 and 0 <= meta["validation"]["top1_agreement"] <= 1
+    assert (
+        meta["train"]["steps_done"] == 4
+        and meta["val_tokens"] == 256
+        and 0 <= meta["validation"]["top1_agreement"] <= 1
+    )
     # the bundled sample was the training text: the evaluation refuses it ...
-    result = CliRunner().invoke(cli.main, ["e2e", "--drafter", "eagle", "--model", str(tiny_model_dir), "--tokenizer",
-                                           "bytes", "--corpus", "sample[:2]", "--static-corpus", "sample", "--out", str(tmp_path)])
+    result = CliRunner().invoke(cli.main, ["e2e", "--drafter", "eagle", "--model", str(tiny_model_dir),
+                                           "--tokenizer", "bytes", "--corpus", "sample[:2]", "--static-corpus",
+                                           "sample", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "training text" in result.output
     # ... and measures other requests
     requests = tmp_path / "requests.jsonl"

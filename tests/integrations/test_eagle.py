@@ -95,7 +95,9 @@ def test_tree_scores_are_log_probs_of_each_path_drafted_one_token_at_a_time():
                 score += torch.log_softmax(logits.float(), -1)[token].item()
                 slot = torch.tensor([12 + d])
                 mask = (torch.arange(cache.max_len) <= slot)[None]
-                out, h = drafter(torch.tensor([[token]]), hidden.view(1, 1, -1), slot.view(1, 1), slot, mask, cache.k, cache.v)
+                out, h = drafter(
+                    torch.tensor([[token]]), hidden.view(1, 1, -1), slot.view(1, 1), slot, mask, cache.k, cache.v
+                )
                 logits, hidden = out[0, -1], h[0, -1]
         assert tree.scores[index].item() == pytest.approx(score, abs=1e-4), f"candidate {index}, path {path}"
     # The frontier kept at each depth is the best top_k by cumulative score.

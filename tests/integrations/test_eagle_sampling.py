@@ -135,7 +135,9 @@ class DenseLogits:
         return self._orig_mod(*args)
 
 
-@pytest.mark.parametrize("broken", [ActiveResidual, UnprunedQ], ids=["residual-on-active-set", "q-from-unpruned-logits"])
+@pytest.mark.parametrize(
+    "broken", [ActiveResidual, UnprunedQ], ids=["residual-on-active-set", "q-from-unpruned-logits"]
+)
 def test_broken_samplers_fail_the_statistical_test(setup, broken):
     forward, module, compiled, exact = setup
     _compiled_once(compiled, forward)

@@ -53,6 +53,7 @@ def build(family: str, layers: int, seed: int):
     return model_cls(make_config(vocab, layers)).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_assisted_generation_is_token_for_token_greedy(family):
     torch._dynamo.reset()

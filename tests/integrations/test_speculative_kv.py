@@ -36,15 +36,25 @@ def llama(layers: int = 1):
 
 def gemma3(sliding_window: int = 4):
     """A tiny Gemma-3 with sliding-window layers whose window the test sequences overrun."""
-    config = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                           sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
+    config = transformers.Gemma3TextConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     return transformers.Gemma3ForCausalLM(config).eval()
 
 
 def copying_drafter(target, noise: float = 0.0) -> EagleDrafter:
-    drafter = EagleDrafter(EagleConfig.from_target(target.config), target.model.embed_tokens, target.lm_head, final_norm(target))
+    drafter = EagleDrafter(
+        EagleConfig.from_target(target.config), target.model.embed_tokens, target.lm_head, final_norm(target)
+    )
     return drafter.copy_target_layer(target.model.layers[0], noise).eval()
 
 

@@ -76,7 +76,9 @@ def test_verification_with_a_pruned_draft_keeps_the_target_distribution(candidat
     )
 
 
-@pytest.mark.parametrize("broken", [UnprunedQ, ActiveResidual], ids=["q-from-unpruned-logits", "residual-on-active-set"])
+@pytest.mark.parametrize(
+    "broken", [UnprunedQ, ActiveResidual], ids=["q-from-unpruned-logits", "residual-on-active-set"]
+)
 def test_the_chi_square_test_catches_broken_samplers(broken):
     p = distributions()[0]
     result = chi_square_test(one_position_samples(broken(), 1, 2000), p)
@@ -124,7 +126,9 @@ def test_warp_matches_transformers_logits_warpers():
         assert torch.equal(SpeculativeSampler(temperature, top_k, top_p).warp(logits), expected)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(top_k=-1), dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=0), dict(top_k=-1), dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5)]
+)
 def test_bad_sampling_settings_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SpeculativeSampler(**kwargs)

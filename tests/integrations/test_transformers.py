@@ -11,6 +11,7 @@ import nanospec_fx  # noqa: E402
 from helpers import tiny_llama  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inductor", [False, True])
 def test_llama_assisted_generation_is_token_for_token_greedy(inductor):
     torch._dynamo.reset()

@@ -1,6 +1,6 @@
 """transformers' assisted generation with do_sample=True through speculative_pair keeps the target's distribution.
 
-transformers verifies drafts with ``_speculative_sampling`` (generation/utils.py): q is the softmax
+transformers verifies drafts with ``transformers.generation.utils._speculative_sampling``: q is the softmax
 of the assistant's *processed* scores (``output_scores`` of its ``generate``: after temperature,
 top-k, top-p), acceptance is ``rand <= p(x) / q(x)`` and the residual is ``clamp(p - q, 0)``
 normalised over the whole vocabulary. With a nanospec drafter the scores are -inf outside the

@@ -49,7 +49,9 @@ def test_head_and_scatter_equal_the_reference(n_tokens, bias):
     post = got.clone()
     post[..., n:] = 7.0  # a post-op made the padding finite: scatter must still ignore it
     assert torch.equal(H.scatter_logits(post, ids, cursor, vocab), R.scatter_logits(post, ids, cursor, vocab))
-    torch.testing.assert_close(H.head_logits(x, cache_w, cb, ids, cursor, vocab), R.head_logits(x, cache_w, cb, ids, cursor, vocab))
+    torch.testing.assert_close(
+        H.head_logits(x, cache_w, cb, ids, cursor, vocab), R.head_logits(x, cache_w, cb, ids, cursor, vocab)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -116,7 +118,10 @@ def test_head_flops_follow_the_active_count(n_active):
         with FlopCounterMode(display=False) as counter:
             impl.compact_logits(x, s[3], None, s[2])
         flops[name] = counter.get_total_flops()
-    assert flops == {"host": 2 * rows * hidden * H.bucket(n_active, capacity), "reference": 2 * rows * hidden * capacity}
+    assert flops == {
+        "host": 2 * rows * hidden * H.bucket(n_active, capacity),
+        "reference": 2 * rows * hidden * capacity,
+    }
 
 
 def test_dispatch_takes_the_host_path_for_real_cpu_tensors_only(monkeypatch):
@@ -146,7 +151,9 @@ def test_compiled_op_calls_run_the_host_path(monkeypatch):
     real = H.compact_logits
     monkeypatch.setattr(H, "compact_logits", lambda *a: called.append(1) or real(*a))
     _, _, (ids, _, cursor, cache_w, _) = filled_state(50, 4, 8, 5, bias=False)
-    fn = torch.compile(lambda x: torch.ops.nanospec.compact_logits(x, cache_w, None, cursor), backend="eager", fullgraph=True)
+    fn = torch.compile(
+        lambda x: torch.ops.nanospec.compact_logits(x, cache_w, None, cursor), backend="eager", fullgraph=True
+    )
     x = torch.randn(1, 4)
     torch.testing.assert_close(fn(x), R.compact_logits(x, cache_w, None, cursor))
     assert called

@@ -7,10 +7,6 @@ logits within a per-dtype tolerance of an fp32 oracle; selection exactly.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,12 +17,17 @@ pytest.importorskip("triton")
 
 from nanospec_fx.kernels import ops, reference as R, triton_kernels as T  # noqa: E402
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch  # noqa: E402
+from helpers import run_python  # noqa: E402
 
 NEG = float("-inf")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernel (fp32 accumulation, one rounding) vs F.linear in fp32 rounded once: summation order
 # and at most ~1 ulp of the output dtype apart.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-4),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")),
@@ -87,7 +88,10 @@ def test_observe_many_duplicates_across_blocks(device):
     vocab, hidden, capacity = 97, 5, 40
     w = torch.randn(vocab, hidden, device=device)
     t = torch.randint(0, vocab, (1100,), generator=torch.Generator().manual_seed(1)).to(device)
-    got, want = make_state(vocab, hidden, capacity, torch.float32, device), make_state(vocab, hidden, capacity, torch.float32, device)
+    got, want = (
+        make_state(vocab, hidden, capacity, torch.float32, device),
+        make_state(vocab, hidden, capacity, torch.float32, device),
+    )
     run(T.observe, t, w, None, *got, 3)
     R.observe(t, w, None, *want, 3)
     assert_same_state(got, want)
@@ -99,7 +103,10 @@ def test_observe_transposed_weight(device):
     vocab, hidden, capacity = 50, 9, 12
     w = torch.randn(hidden, vocab, device=device).t()  # non-unit stride along H
     t = torch.tensor([4, 9, 4, 49, 0], device=device)
-    got, want = make_state(vocab, hidden, capacity, torch.float32, device), make_state(vocab, hidden, capacity, torch.float32, device)
+    got, want = (
+        make_state(vocab, hidden, capacity, torch.float32, device),
+        make_state(vocab, hidden, capacity, torch.float32, device),
+    )
     run(T.observe, t, w, None, *got, 0)
     R.observe(t, w, None, *want, 0)
     assert_same_state(got, want)
@@ -129,7 +136,9 @@ def filled_state(vocab, hidden, capacity, n_tokens, dtype, device, with_bias, se
 )
 def test_head_kernels_match_reference(device, vocab, hidden, capacity, n_tokens, rows, dtype, with_bias, seed):
     capacity = min(capacity, vocab)
-    w, b, (ids, slot_of, cursor, cache_w, cache_b) = filled_state(vocab, hidden, capacity, n_tokens, dtype, device, with_bias, seed)
+    w, b, (ids, slot_of, cursor, cache_w, cache_b) = filled_state(
+        vocab, hidden, capacity, n_tokens, dtype, device, with_bias, seed
+    )
     cb = cache_b if with_bias else None
     x = torch.randn(*rows, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
 
@@ -175,7 +184,9 @@ def test_head_kernel_skips_tiles_past_the_count():
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 1000),
 )
-def test_topk_and_argmax_match_reference(device, vocab, capacity, n_tokens, rows, k, largest, levels, specials, dtype, seed):
+def test_topk_and_argmax_match_reference(
+    device, vocab, capacity, n_tokens, rows, k, largest, levels, specials, dtype, seed
+):
     capacity = min(capacity, vocab)
     _, _, (ids, _, cursor, _, _) = filled_state(vocab, 1, capacity, n_tokens, torch.float32, device, False, seed)
     g = torch.Generator().manual_seed(seed)
@@ -229,15 +240,13 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
         implementation_for("compact_logits", torch.zeros(1))
 
 
-def _subprocess(code_or_args, env_extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOSPEC_KERNELS")}
-    env.update(env_extra)
-    return subprocess.run([sys.executable, *code_or_args], env=env, capture_output=True, text=True, timeout=300)
+_UNSET = ("TRITON_INTERPRET", "NANOSPEC_KERNELS")  # the fresh process picks its kernels itself
 
 
 def test_kernels_compile_for_sm90():
     """A real GPU compile (ptxas included in the triton wheel) of every kernel variant."""
-    proc = _subprocess(["-m", "nanospec_fx.kernels.compile_check", "--arch", "90"], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
+    proc = run_python(None, "-m", "nanospec_fx.kernels.compile_check", "--arch", "90", unset=_UNSET, timeout=300,
+                      env={"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}, check=False)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -272,11 +281,13 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_op_registration_traces():
     """The CUDA-machine registration (triton_op), forced on CPU: schemas, fake impls and the
     functional decomposition under torch.compile work (CPU tensors take the reference branch)."""
-    proc = _subprocess(["-c", _TRITON_OP_SCRIPT], {"NANOSPEC_TRITON_OP": "force", "TRITON_INTERPRET": "0"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    proc = run_python(_TRITON_OP_SCRIPT, env={"NANOSPEC_TRITON_OP": "force", "TRITON_INTERPRET": "0"}, unset=_UNSET,
+                      timeout=300)
+    assert "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- CUDA only

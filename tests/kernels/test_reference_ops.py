@@ -249,7 +249,9 @@ def test_compact_and_scatter_match_masked_dense_linear(bias, tokens):
     active[s["ids"][:n]] = True
     torch.testing.assert_close(full[..., active], dense[..., active])
     assert (full[..., ~active] == NEG).all()
-    torch.testing.assert_close(R.head_logits(x, s["cache_w"], s["cache_b"] if bias else None, s["ids"], s["cursor"], 31), full)
+    torch.testing.assert_close(
+        R.head_logits(x, s["cache_w"], s["cache_b"] if bias else None, s["ids"], s["cursor"], 31), full
+    )
 
 
 def test_scatter_ignores_slots_past_the_count_whatever_they_hold():

@@ -268,7 +268,10 @@ def test_a_head_scored_before_a_graph_break_and_the_embedding_stays_dense_naming
     model = HeadFirst(brk).eval()
     prev = torch.randn(1, 4, H)
     compiled = compile_nanospec(model, capacity=32)
-    with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match=r"runs dense: this graph is one piece.*ends at"):
+    with (
+        torch.no_grad(),
+        pytest.warns(nanospec_fx.NanoSpecWarning, match=r"runs dense: this graph is one piece.*ends at"),
+    ):
         out = compiled(IDS, prev)
     _close(out, model(IDS, prev))
 

@@ -141,7 +141,9 @@ def test_input_observer_sees_token_ids_not_positions():
     model = TinyDrafter(V, H).eval()
     x = ids(1, 6)
     gm = trace(model, x)
-    assert insert_input_observers(gm.graph, observe_into(gm.graph)) == 1  # the token table, not the 16-row position table
+    assert (
+        insert_input_observers(gm.graph, observe_into(gm.graph)) == 1
+    )  # the token table, not the 16-row position table
     gm.recompile()
     state = ActiveVocab(model.lm_head.weight, capacity=16)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Issue 16, class 6: the ActiveVocab lives outside the head weight (a registry weakly keyed by it),
+"""The ActiveVocab's lifetime: it lives outside the head weight (a registry weakly keyed by it),
 so a drafter stays picklable, saveable and copyable after a compiled call, a copy gets its own state,
 and the registry keeps neither the weight nor the state alive."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nanospec_fx
-from test_soundness_state import Drafter, V
+from test_state_invariants import Drafter, V
 
 IDS = torch.tensor([[1, 2, 3]])
 

@@ -1,5 +1,5 @@
-"""Issue 9, state / API / op classes: every rewritten head is reachable, cached rows never go stale,
-autocast and autograd behave as eager, top-k pads with valid ids, observe() rejects what is not ids,
+"""The active vocabulary's invariants across state, API and ops: every rewritten head is reachable, cached rows
+never go stale, autocast and autograd behave as eager, top-k pads with valid ids, observe() rejects what is not ids,
 one state per head weight."""
 from __future__ import annotations
 
@@ -380,7 +380,9 @@ def test_head_op_backward_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda x: finite(ops.head_logits(x, cw, cb, ids, cursor, V)), x)
     assert torch.autograd.gradcheck(
         lambda x: finite(ops.scatter_logits(torch.tanh(ops.compact_logits(x, cw, cb, cursor)), ids, cursor, V)), x)
-    assert torch.autograd.gradcheck(lambda x: finite(ops.compact_topk(ops.compact_logits(x, cw, cb, cursor), ids, cursor, 6)[0]), x)
+    assert torch.autograd.gradcheck(
+        lambda x: finite(ops.compact_topk(ops.compact_logits(x, cw, cb, cursor), ids, cursor, 6)[0]), x
+    )
     # and against the dense masked oracle
     mask = state.contains(torch.arange(V))
     g = torch.randn(2, 3, V, dtype=torch.float64)

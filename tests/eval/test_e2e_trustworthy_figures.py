@@ -68,7 +68,9 @@ def test_paired_repeats_rotate_the_order_and_report_intervals(trained):
     assert len(variants) == 1 + 2 * 4
     assert ("nanospec context@64 [observe accepted]", 2) in variants
     assert len(runs) == len(variants) * 3 * 2  # every variant x 3 requests x 2 repeats
-    assert all(r["identical"] and r["new_tokens"] == 8 and len(r["accepted"]) == r["rounds"] for r in runs if r["depth"])
+    assert all(
+        r["identical"] and r["new_tokens"] == 8 and len(r["accepted"]) == r["rounds"] for r in runs if r["depth"]
+    )
     # rotated: the target alone is not always decoded first, and each (request, repeat) starts elsewhere
     firsts = [(r["request"], r["repeat"]) for r in runs if r["order"] == 0]
     starts = {next(x["variant"] + str(x["depth"]) for x in runs if (x["request"], x["repeat"]) == k and x["order"] == 0)

@@ -1,4 +1,4 @@
-"""Soundness of the head rewrite (issue 9): every use of the logits is exact, materialised or dense+warned.
+"""The head rewrite is exact or runs dense: every use of the logits is exact, materialised or dense+warned.
 
 Each test is one defect class: the compiled drafter is compared with the oracle "eager dense
 drafter with inactive logits set to -inf after the head's last elementwise step" (``_mask``;
@@ -126,7 +126,7 @@ def test_a_write_with_no_compact_form_is_a_materialisation_point():
     _run(model, _ids())
     (report,) = nanospec_fx.active_vocab(model).rewrites
     assert any("setitem" in m for m in report.materialised)
-    assert any("test_soundness_pass.py" in m for m in report.materialised)  # where it is
+    assert any("test_head_rewrite_is_exact_or_dense.py" in m for m in report.materialised)  # where it is
 
 
 # ----------------------------------------------------------------------------- 2. head selection
@@ -241,7 +241,9 @@ def test_inserted_nodes_carry_fake_tensor_metadata():
         backend._compile = original
     nodes = [n for n in seen[-1].graph.nodes if n.op == "call_function" and "nanospec" in str(n.target)]
     assert nodes and all("val" in n.meta and "example_value" in n.meta for n in nodes)
-    missing = [n.name for n in nodes if "observe" not in n.name and not isinstance(n.meta["val"], (torch.Tensor, tuple))]
+    missing = [
+        n.name for n in nodes if "observe" not in n.name and not isinstance(n.meta["val"], (torch.Tensor, tuple))
+    ]
     assert not missing
 
 
@@ -258,7 +260,7 @@ def test_logits_living_across_a_graph_break_leave_the_head_dense_naming_the_brea
     # stays dense and the warning names the break (not "no LM head found").
     _assert_dense_with_warning(BreakBeforeSoftcap().eval(), _ids(),
                                r"runs dense: this graph is one piece of a call split by graph breaks \(it ends at a "
-                               r"graph break at .*test_soundness_pass.py")
+                               r"graph break at .*test_head_rewrite_is_exact_or_dense.py")
 
 
 # ----------------------------------------------------------------------------- 5. dead code
@@ -476,9 +478,13 @@ class BreakBetweenEmbeddingAndHead(Base):
 def test_a_head_after_a_graph_break_stays_dense_naming_the_break_and_the_remedy():
     # The ids are embedded in another graph: nothing proves they are observed before this head
     # reads the set (same model instance, same call), so it runs dense and says where and why.
-    _assert_dense_with_warning(BreakBetweenEmbeddingAndHead().eval(), _ids(),
-                               r"resumes after a graph break at .*test_soundness_pass.py:\d+ \(forward\).*"
-                               r"observe_inputs': False", capacity=16)
+    _assert_dense_with_warning(
+        BreakBetweenEmbeddingAndHead().eval(),
+        _ids(),
+        r"resumes after a graph break at .*test_head_rewrite_is_exact_or_dense.py:\d+ \(forward\).*"
+        r"observe_inputs': False",
+        capacity=16,
+    )
 
 
 def test_with_observe_inputs_off_a_head_after_a_graph_break_is_rewritten_and_fed_by_the_user():

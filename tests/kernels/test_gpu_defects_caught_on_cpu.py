@@ -1,4 +1,4 @@
-"""Defects that only a GPU would expose, caught on a CPU (issue 12).
+"""Defects that only a GPU would expose, caught on a CPU.
 
 int64 offsets (TTIR of every launched variant), the device guard, the observe launch grid, the
 num_pinned check, the one-time contiguous copy of a transposed head, the head configurations,
@@ -8,10 +8,7 @@ and a rehearsal of benchmarks/gpu_check.sh that must pass - and fail when a step
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,15 +19,14 @@ pytest.importorskip("triton")
 from nanospec_fx.kernels import ops, reference as R, schema, triton_kernels as T  # noqa: E402
 from nanospec_fx.kernels import triton_head, triton_observe, triton_select, triton_util  # noqa: E402
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch  # noqa: E402
+from helpers import ROOT, run_command, run_python  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
 
 
-def _subprocess(args, env_extra, timeout=300, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NANOSPEC_KERNELS")}
-    env.update(env_extra)
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+# A fresh process that compiles Triton kernels for real (not the interpreter) and picks its kernels itself.
+_UNSET = ("TRITON_INTERPRET", "NANOSPEC_KERNELS")
+_COMPILED_TRITON = {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
 # --------------------------------------------------------------------------- 1. int64 offsets
@@ -49,8 +45,8 @@ def copy_rows(src, out, stride, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out + row * stride + offs, tl.load(src + row * stride + offs))
 
 for wide in (False, True):
-    src = ASTSource(copy_rows, {"src": "*fp32", "out": "*fp32", "stride": "i32", "WIDE": "constexpr", "BLOCK": "constexpr"},
-                    {"WIDE": wide, "BLOCK": 16})
+    signature = {"src": "*fp32", "out": "*fp32", "stride": "i32", "WIDE": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(copy_rows, signature, {"WIDE": wide, "BLOCK": 16})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     print(wide, len(int32_argument_products(c.asm["ttir"])))
 """
@@ -61,8 +57,7 @@ def test_int32_product_check_flags_a_row_times_stride_in_int32(tmp_path):
     ``row * stride`` is flagged, the same product after ``.to(tl.int64)`` is not."""
     script = tmp_path / "bad_kernel.py"  # @triton.jit needs a source file
     script.write_text(_BAD_KERNEL)
-    proc = _subprocess([sys.executable, str(script)], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python(None, script, env=_COMPILED_TRITON, unset=_UNSET, timeout=300)
     assert proc.stdout.split() == ["False", "1", "True", "0"]
 
 
@@ -125,7 +120,10 @@ def test_observe_grid_depends_on_a_bucket_of_the_length_and_is_2d(monkeypatch):
     monkeypatch.setattr(triton_observe, "wrap_triton", recording_wrap)
     vocab, hidden, capacity = 300, 600, 64
     w = torch.randn(vocab, hidden)
-    got, want = schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"), schema.new_state(vocab, hidden, capacity, torch.float32, "cpu")
+    got, want = (
+        schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"),
+        schema.new_state(vocab, hidden, capacity, torch.float32, "cpu"),
+    )
     with direct_launch():
         for n in (1, 3, 11, 16):
             t = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
@@ -251,13 +249,15 @@ cur, ids, out = torch.zeros(1, dtype=torch.int64), torch.zeros(32, dtype=torch.i
 cases = []
 for scatter in (False, True):
     for use_dot in (False, True):
-        cases.append((th._head_kernel, dict(x_ptr=x, w_ptr=w, b_ptr=b, cursor_ptr=cur, ids_ptr=ids, out_ptr=out, M=4, C=32, H=64,
-            V=100, stride_xm=64, stride_wc=64, stride_om=32, HAS_BIAS=True, SCATTER=scatter, UPCAST=False, IEEE=False,
-            USE_DOT=use_dot, BLOCK_M=16 if use_dot else 4, BLOCK_C=32, BLOCK_K=128), {"out_ptr"}))
-cases.append((th._scatter_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, out_ptr=torch.empty(4, 100), C=32, V=100,
-    stride_sm=32, stride_om=100, BLOCK=1024), {"out_ptr"}))
+        cases.append((th._head_kernel, dict(x_ptr=x, w_ptr=w, b_ptr=b, cursor_ptr=cur, ids_ptr=ids, out_ptr=out,
+            M=4, C=32, H=64, V=100, stride_xm=64, stride_wc=64, stride_om=32, HAS_BIAS=True, SCATTER=scatter,
+            UPCAST=False, IEEE=False, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 4, BLOCK_C=32, BLOCK_K=128),
+            {"out_ptr"}))
+cases.append((th._scatter_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, out_ptr=torch.empty(4, 100),
+    C=32, V=100, stride_sm=32, stride_om=100, BLOCK=1024), {"out_ptr"}))
 cases.append((ts._topk_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, val_ptr=torch.empty(4, 3),
-    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, LARGEST=True, BLOCK=32), {"val_ptr", "tok_ptr"}))
+    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, LARGEST=True, BLOCK=32),
+    {"val_ptr", "tok_ptr"}))
 for kernel, kwargs, want in cases:
     acc = identify_accessed_tensors(kernel, kwargs, {})
     got = {d.name for d in acc.read_writes.writes}
@@ -266,12 +266,13 @@ print("ok", len(cases))
 """
 
 
+@pytest.mark.slow
 def test_inductor_sees_the_read_only_kernels_as_read_only():
     """Inductor's TTIR mutation analysis must find that the head, scatter and top-k kernels write
     only their outputs. When the analysis fails it assumes every argument is written, and the
     compiled graph then clones the [C, H] cache on every step, silently."""
-    proc = _subprocess([sys.executable, "-c", _MUTATION_SCRIPT], {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_python(_MUTATION_SCRIPT, env=_COMPILED_TRITON, unset=_UNSET, timeout=300)
+    assert "ok" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
 # --------------------------------------------------------------------------- schema
@@ -283,7 +284,9 @@ def test_every_implementation_follows_the_schema(op):
         assert tuple(inspect.signature(fn).parameters) == want, (op, fn.__module__)
     registered = getattr(torch.ops.nanospec, op).default._schema
     assert tuple(a.name for a in registered.arguments) == want
-    assert {a.name for a in registered.arguments if a.alias_info is not None and a.alias_info.is_write} == set(schema.mutated(op))
+    assert {a.name for a in registered.arguments if a.alias_info is not None and a.alias_info.is_write} == set(
+        schema.mutated(op)
+    )
 
 
 def test_state_order_is_the_schemas():
@@ -306,10 +309,12 @@ def _gpu_check(tmp_path, bench_extra="", **env):
         "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
     base.update(env)
-    proc = _subprocess(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], base, timeout=600, cwd=tmp_path)
+    proc = run_command(["bash", ROOT / "benchmarks" / "gpu_check.sh"], env=base, unset=_UNSET, cwd=tmp_path,
+                       check=False)
     return proc, results
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_gpu_check_rehearsal_passes_through_the_fallback_tree(tmp_path):
     proc, results = _gpu_check(tmp_path)
@@ -323,6 +328,7 @@ def test_gpu_check_rehearsal_passes_through_the_fallback_tree(tmp_path):
     assert bench["rows"]["1"]["insertions_per_step"] >= 2  # fresh tokens were inserted
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     """pytest hidden and the benchmark's logits corrupted: both steps are reported, the later
@@ -335,7 +341,9 @@ def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     proc, results = _gpu_check(tmp_path, bench_extra="--corrupt --fail-fast", PYTHONPATH=str(fake))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "STEP FAILED: pytest and hypothesis are required" in out and "STEP FAILED: gpu_bench.py failed" in out, out[-3000:]
+    assert "STEP FAILED: pytest and hypothesis are required" in out and "STEP FAILED: gpu_bench.py failed" in out, out[
+        -3000:
+    ]
     checks = json.loads((results / "gpu_bench_cpu_small.json").read_text())["checks"]
     assert checks["observe_stress"] == "pass"  # the JSON was written before the failing step
     assert checks["logits_match_dense_rows1"].startswith("FAIL")

@@ -1,0 +1,87 @@
+"""``torch.library.opcheck`` with its default checks on every nanospec op (small shapes, CPU).
+
+opcheck runs each op through its schema (declared mutations and aliasing), its fake (meta) implementation,
+its autograd registration and AOT dispatch: the ways torch.compile reaches an op that a plain call never does.
+The state is written out by hand (not by ``observe``), so the inputs do not depend on the op under test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanospec_fx.kernels import ops, schema  # noqa: F401  (importing ops registers torch.ops.nanospec)
+
+V, H, C, ACTIVE = 20, 4, 8, 5
+
+
+def _state(dtype=torch.float32, with_bias=True):
+    """A state holding ACTIVE tokens of a random head, and that head (weight, bias)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g, dtype=dtype)
+    bias = torch.randn(V, generator=g, dtype=dtype) if with_bias else None
+    tokens = torch.tensor([3, 17, 0, 11, 6])
+    ids, slot_of, cursor, cache_w, cache_b = schema.new_state(V, H, C, dtype, "cpu")
+    ids[:ACTIVE] = tokens
+    slot_of[tokens] = torch.arange(ACTIVE, dtype=torch.int32)
+    cursor[0] = ACTIVE
+    cache_w[:ACTIVE] = weight[tokens]
+    if bias is not None:
+        cache_b[:ACTIVE] = bias[tokens]
+    return weight, bias, [ids, slot_of, cursor, cache_w, cache_b]
+
+
+def _compact(grad: bool):
+    g = torch.Generator().manual_seed(1)
+    compact = torch.randn(3, C, generator=g)
+    compact[:, ACTIVE:] = float("-inf")  # slots past the count, as compact_logits leaves them
+    return compact.requires_grad_(grad)
+
+
+def _cases():
+    """(op name, args) pairs: with and without bias, with and without inputs that need a gradient."""
+    for with_bias in (True, False):
+        weight, bias, state = _state(with_bias=with_bias)
+        ids, _, cursor, cache_w, cache_b = state
+        b = cache_b if with_bias else None
+        tag = "bias" if with_bias else "nobias"
+        # fresh ids, ids already active, and enough new ids to evict (num_pinned 2 keeps two slots)
+        for name, tokens in (("new", [1, 2]), ("active", [3, 17]), ("evicting", [1, 2, 4, 5, 7, 8])):
+            yield f"observe-{tag}-{name}", "observe", (torch.tensor(tokens), weight, bias, *state, 2)
+        for grad in (False, True):
+            x = torch.randn(2, 3, H).requires_grad_(grad)
+            g = "grad" if grad else "nograd"
+            yield f"compact_logits-{tag}-{g}", "compact_logits", (x, cache_w, b, cursor)
+            yield f"head_logits-{tag}-{g}", "head_logits", (x, cache_w, b, ids, cursor, V)
+    _, _, (ids, _, cursor, _, _) = _state()
+    for grad in (False, True):
+        g = "grad" if grad else "nograd"
+        yield f"scatter_logits-{g}", "scatter_logits", (_compact(grad), ids, cursor, V)
+        for largest in (True, False):
+            yield f"compact_topk-{g}-largest{largest}", "compact_topk", (_compact(grad), ids, cursor, 3, largest)
+    yield "compact_topk-k-past-count", "compact_topk", (_compact(False), ids, cursor, C - 1, True)
+    yield "compact_argmax", "compact_argmax", (_compact(False), ids, cursor)
+
+
+# A real defect opcheck finds (kernels/host.py, the CPU path): with k <= the active count, compact_topk returns
+# ``vals[..., :found]``, a view with the sort's row stride (count), while its fake promises a contiguous [..., k]
+# tensor; a compiled graph that trusts the fake's strides reads the wrong elements (or fails a stride assert).
+# Strict: the cases turn red, to be unmarked, once the values are made contiguous.
+_TOPK_STRIDE = pytest.mark.xfail(strict=True, reason="host compact_topk values are a strided view, fake is contiguous")
+
+
+def _marks(op, args):
+    return [_TOPK_STRIDE] if op == "compact_topk" and args[3] <= ACTIVE else []
+
+
+CASES = list(_cases())
+
+
+def test_every_op_in_the_schema_is_checked():
+    assert {op for _, op, _ in CASES} == set(schema.OPS)
+
+
+@pytest.mark.parametrize(
+    "op,args", [pytest.param(op, args, id=name, marks=_marks(op, args)) for name, op, args in CASES]
+)
+def test_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.nanospec, op).default, args)
