@@ -144,7 +144,7 @@ def compact_topk(
     tokens, by_id = torch.sort(ids[:n])  # active ids are distinct
     vals, order = torch.sort(compact[..., :n].index_select(-1, by_id), dim=-1, descending=largest, stable=True)
     found = min(k, n)
-    vals, tokens = vals[..., :found], tokens[order[..., :found]]
+    vals, tokens = vals[..., :found].contiguous(), tokens[order[..., :found]]  # the fake promises contiguous
     if k > found:  # padding: the k - found smallest inactive ids, all in [0, k)
         taken = torch.zeros(k, dtype=torch.bool, device=ids.device)
         taken[tokens.new_tensor([t for t in ids[:n].tolist() if t < k])] = True

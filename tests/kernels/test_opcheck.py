@@ -62,17 +62,6 @@ def _cases():
     yield "compact_argmax", "compact_argmax", (_compact(False), ids, cursor)
 
 
-# A real defect opcheck finds (kernels/host.py, the CPU path): with k <= the active count, compact_topk returns
-# ``vals[..., :found]``, a view with the sort's row stride (count), while its fake promises a contiguous [..., k]
-# tensor; a compiled graph that trusts the fake's strides reads the wrong elements (or fails a stride assert).
-# Strict: the cases turn red, to be unmarked, once the values are made contiguous.
-_TOPK_STRIDE = pytest.mark.xfail(strict=True, reason="host compact_topk values are a strided view, fake is contiguous")
-
-
-def _marks(op, args):
-    return [_TOPK_STRIDE] if op == "compact_topk" and args[3] <= ACTIVE else []
-
-
 CASES = list(_cases())
 
 
@@ -81,7 +70,7 @@ def test_every_op_in_the_schema_is_checked():
 
 
 @pytest.mark.parametrize(
-    "op,args", [pytest.param(op, args, id=name, marks=_marks(op, args)) for name, op, args in CASES]
+    "op,args", [pytest.param(op, args, id=name) for name, op, args in CASES]
 )
 def test_opcheck(op, args):
     torch.library.opcheck(getattr(torch.ops.nanospec, op).default, args)

@@ -472,6 +472,7 @@ def _kernels(name: str):
         os.environ.pop("NANOSPEC_KERNELS", None)
 
 
+@pytest.mark.slow
 @_settings(ci=60)
 @given(recipes())
 def test_fuzz_reference_kernels(recipe):
@@ -481,6 +482,7 @@ def test_fuzz_reference_kernels(recipe):
         event(run_case(recipe).split(" (")[0])  # matched / dense / error: see --hypothesis-show-statistics
 
 
+@pytest.mark.slow
 @_settings(ci=8)
 @given(scenarios())
 def test_fuzz_scenarios(scenario):
@@ -493,6 +495,7 @@ def test_fuzz_scenarios(scenario):
         event(run_scenario(scenario).split(" (")[0])
 
 
+@pytest.mark.slow
 @_settings(ci=2)
 @given(recipes(max_steps=4))
 def test_fuzz_inductor(recipe):
