@@ -27,6 +27,8 @@ if __name__ == "__main__" and shutil.which("nvidia-smi") is None:  # as tests/co
 import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
+import pytest  # noqa: E402
+
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
