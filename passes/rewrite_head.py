@@ -238,15 +238,23 @@ _METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_emp
 
 
 def _value_downstream(node: fx.Node) -> set[fx.Node]:
-    """Every node whose value is computed from ``node``'s values (not only from its shape or dtype)."""
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user in seen or describe(user) in _METADATA_ONLY or (
-                    user.op == "call_function" and user.target is getattr and user.args[1] in ("shape", "dtype", "device")):
-                continue
+    """Every node whose value is computed from ``node``'s values (not only from its shape or dtype), in graph
+    order: a value written into another tensor (``torch.tanh(z, out=buf)``, ``buf.copy_(z)``) makes that tensor,
+    and what reads it later, computed from ``node`` too."""
+    seen: set[fx.Node] = {node}
+    started = False
+    for user in node.graph.nodes:
+        if user is node:
+            started = True
+            continue
+        if not started or describe(user) in _METADATA_ONLY or (
+                user.op == "call_function" and user.target is getattr and user.args[1] in ("shape", "dtype", "device")):
+            continue
+        if any(a in seen for a in user.all_input_nodes if a not in effects.mutated_inputs(user)) or any(
+                a in seen for a in effects.mutated_inputs(user) if a is user.args[0] and not user.kwargs.get("out")):
             seen.add(user)
-            stack.append(user)
+            seen.update(effects.mutated_inputs(user))
+    seen.discard(node)
     return seen
 
 

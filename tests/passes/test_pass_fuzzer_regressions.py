@@ -130,6 +130,10 @@ CASES.update({
     # a buffer: the wider projection was taken for the head and masked
     "computed_head_next_to_a_wider_projection": (R(vocab=164, head="dequant", chain=(("last",),), return_logits=False,
                                                    extra_outputs=("wide_proj", "router"), lookup="buffer_ids"), ()),
+    # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
+    "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
+                                                                                               ("categorical_entropy",)),
+                                               return_logits=False, mode="no_grad", batch=1, seq=1, seq2=1, n_ban=1), ()),
     # found by a long run: bans written out of place (scatter of a constant) are steps of the chain
     "scatter_ban_then_index_fill_then_sample": (R(vocab=184, hidden=32, head="functional_tied", order="head_first",
                                                   chain=(("out_self", 0.7), ("scatter_ban", "-inf"), ("out_self", 0.5),
