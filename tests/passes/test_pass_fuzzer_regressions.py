@@ -130,6 +130,12 @@ CASES.update({
     # a buffer: the wider projection was taken for the head and masked
     "computed_head_next_to_a_wider_projection": (R(vocab=164, head="dequant", chain=(("last",),), return_logits=False,
                                                    extra_outputs=("wide_proj", "router"), lookup="buffer_ids"), ()),
+    # found by a long run, open: an out= step into a buffer made like a transposed view of the logits (not contiguous);
+    # Dynamo breaks the graph at that op at run time, and the call equals neither the oracle nor the dense drafter
+    "transpose_then_out_softcap": (R(vocab=150, head="linear_tied", chain=(("transpose",), ("out_new_softcap", 5.0)),
+                                     return_logits=False, dtype="float16", batch=3, seq=1, seq2=2, lookup="python_ids",
+                                     hook=True),
+                                   _open16(4, "an out= step into a non-contiguous buffer after a transpose of the logits")),
     # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
     "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
                                                                                                ("categorical_entropy",)),
