@@ -29,8 +29,8 @@ inactive tokens, and every *use* of a chain value is exactly one of
    (gathered at the active ids); a cast; a view that keeps the vocabulary axis last; the
    *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
    compact alias sees the write just as the dense aliases would; or a compact consumer:
-   ``topk(largest=True)``/``argmax`` (behind ``softmax``/``log_softmax`` over V or not), which read
-   slots and map them to token ids;
+   ``topk(largest=True)``/``argmax`` (behind ``log_softmax`` over V or not), which read slots and map
+   them to token ids (behind ``softmax`` they read the materialised probabilities: an inactive token's is 0);
 2. **a materialisation point** - any other use. A reader that neither writes its input nor may
    return an alias of it (schemas say which: ``effects.py``) is the end of the chain: it gets its own
    ``scatter_logits`` right before it, i.e. the value as of that point, and what it computes is plain

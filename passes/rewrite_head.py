@@ -496,15 +496,16 @@ def _mask_unfilled(region: _Region, user: fx.Node, logits: fx.Node) -> None:
 
 
 def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: set) -> list[str]:
-    """Run ``user`` (top-k / argmax, maybe behind a softmax) on the compact logits, if it is one;
+    """Run ``user`` (top-k / argmax, maybe behind a log_softmax) on the compact logits, if it is one;
     returns the names of the ops now running on compact logits (empty if none).
 
     Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so a
-    softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
-    ignore such slots themselves.
+    log_softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
+    ignore such slots themselves. Not behind a softmax: where k exceeds the active count, the compact
+    top-k pads with -inf, but the probabilities of inactive tokens are 0.
     """
     graph, state = region.graph, region.state
-    if patterns.match_softmax(user, logits):
+    if patterns.match_log_softmax(user, logits):
         readers = list(user.users)
         if not readers or not all(_largest(patterns.match_topk(r, user)) or patterns.match_argmax(r, user) is not None
                                   for r in readers):

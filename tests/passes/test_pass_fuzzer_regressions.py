@@ -136,6 +136,14 @@ CASES.update({
                                      return_logits=False, dtype="float16", batch=3, seq=1, seq2=2, lookup="python_ids",
                                      hook=True),
                                    _open16(4, "an out= step into a non-contiguous buffer after a transpose of the logits")),
+    # found by a long run: top-k of softmax probabilities with k above the active count pads with 0 (inactive
+    # tokens' probability), not -inf: softmax -> top-k no longer runs on the compact logits
+    "softmax_topk_more_than_active": (R(vocab=40, hidden=32, head="einsum", head_bias=True, head_pad=24, position=True,
+                                        order="head_first", chain=(("gather_probe",), ("entropy_nansum",),
+                                                                   ("temperature", 2.0), ("topk", 4, True, "softmax"),
+                                                                   ("mT", "scale", 1.5)),
+                                        return_logits=False, extra_outputs=("hidden",), mode="grad", capacity=64,
+                                        batch=1, seq=2, seq2=2, extra_active=3, n_ban=1, seed=2), ()),
     # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
     "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
                                                                                                ("categorical_entropy",)),
