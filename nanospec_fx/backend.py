@@ -15,7 +15,6 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -118,8 +117,7 @@ class _DenseCall:
         if key not in self.seen:
             self.seen[key] = True
             for message in self.said:
-                warnings.warn(f"{message} (another model runs this compiled graph: the same holds for it)",
-                              NanoSpecWarning, stacklevel=2)
+                warn_once(f"{message} (another model runs this compiled graph: the same holds for it)", stacklevel=2)
         return self.compiled(*args)
 
 

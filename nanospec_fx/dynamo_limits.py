@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from types import CodeType
 
-from nanospec_fx.warning import NanoSpecWarning
+from nanospec_fx.warning import warn_once
 
 _LOGGER = "torch._dynamo.convert_frame"
 _compiled: set[str] = set()  # "'name' (file:first line)" of every frame nanospec compiled
@@ -47,9 +46,8 @@ class _LimitHandler(logging.Handler):
         if function is None:
             return
         limit = record.args[0] if record.args else "recompile_limit"
-        warnings.warn(
+        warn_once(
             f"nanospec: Dynamo reached torch._dynamo.config.{limit} for {function}, so it runs that function's later "
             "calls as plain Python: the LM head there is dense and nanospec does not see them (no ids are observed). "
             "Call torch._dynamo.reset() between unrelated models, mark changing sizes dynamic, keep Python values that "
-            f"change every call out of forward, or raise torch._dynamo.config.{limit}.",
-            NanoSpecWarning, stacklevel=2)
+            f"change every call out of forward, or raise torch._dynamo.config.{limit}.", stacklevel=2)
