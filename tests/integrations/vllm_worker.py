@@ -1,0 +1,108 @@
+"""Runs vLLM (CPU build) with the NanoSpec plugin on tiny checkpoints and prints what the tests check, as JSON.
+
+    python vllm_worker.py SCENARIO ROOT    # SCENARIO: methods | preemption; ROOT: a scratch directory
+
+A subprocess of tests/integrations/test_vllm.py: vLLM owns process-wide state (its plugins, torch's threads, a
+process group), so each scenario gets a fresh interpreter. The engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor): the plugin's heads are readable here.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_checkpoints  # noqa: E402
+
+NUM_SPEC = 3
+# Prompts with disjoint tokens, so a token fed only to one request is easy to name.
+PROMPTS = [[5, 17, 300, 42, 99, 5, 17], [700, 3, 3, 800, 11], [512, 256, 128, 64, 1000, 901, 77, 78]]
+
+
+def run(dirs, spec, prompts, max_tokens, **engine):
+    """Generate greedily; return outputs, the plugin heads' counters and released sets, and vLLM's counters."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import nanospec_fx.vllm_plugin as plugin
+
+    engine = {"max_model_len": 128, "max_num_seqs": 4, **engine}
+    llm = LLM(model=str(dirs["target"]), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
+              enforce_eager=True, seed=0, distributed_executor_backend="uni", disable_log_stats=False, **engine)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        ids = [o.request_id for o in outs]
+        # One more step: vLLM tells the runner which requests finished at the next schedule, where rows are released.
+        llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(temperature=0, max_tokens=1,
+                                                                          detokenize=False))
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
+              "released": h.released, "holding": list(h.vocabs.request_ids),
+              "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
+    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
+              "preemptions": metrics.get("vllm:num_preemptions"),
+              "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
+              "drafted": metrics.get("vllm:spec_decode_num_draft_tokens"),
+              "warnings": [str(w.message) for w in caught if "nanospec" in str(w.message)]}
+    del llm
+    gc.collect()
+    return result
+
+
+def _released_set(head, request_id: str):
+    """The set of a request when it released its row (the engine core's id is the output's id plus a suffix)."""
+    sets = [s for key, s in head.released_sets.items() if key == request_id or key.startswith(f"{request_id}-")]
+    return sets[-1] if sets else None
+
+
+def methods(dirs):
+    out = {"target": run(dirs, None, PROMPTS, 24)}
+    for method in ("draft_model", "eagle", "eagle3"):
+        spec = {"method": method, "model": str(dirs[method]), "num_speculative_tokens": NUM_SPEC}
+        out[method] = run(dirs, spec, PROMPTS, 24)
+    os.environ["NANOSPEC_VLLM_TOPK"] = "0"  # sets of fed tokens only: what each request holds is known exactly
+    spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
+    out["draft_model_topk0"] = run(dirs, spec, PROMPTS, 24)
+    del os.environ["NANOSPEC_VLLM_TOPK"]
+    out["ngram"] = run(dirs, {"method": "ngram", "num_speculative_tokens": NUM_SPEC, "prompt_lookup_max": 2},
+                       PROMPTS, 8)
+    import vllm
+
+    import nanospec_fx.vllm_plugin as plugin
+
+    vllm.__version__ = "0.31.0"  # what register() does on a vLLM it was not tested with
+    try:
+        plugin.register()
+        out["old_version_error"] = None
+    except RuntimeError as e:
+        out["old_version_error"] = str(e)
+    return out
+
+
+def preemption(dirs):
+    """Four requests in a KV cache of three 32-token blocks: vLLM preempts (and later resumes) requests."""
+    prompts = [[5 + i, 17, 300 + i, 42, 99, 7 + i] for i in range(4)]
+    engine = {"max_model_len": 64, "block_size": 32, "num_gpu_blocks_override": 3}
+    spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
+    out = {"target": run(dirs, None, prompts, 40, **engine), "draft_model": run(dirs, spec, prompts, 40, **engine)}
+    os.environ["NANOSPEC_VLLM_MAX_REQUESTS"] = "2"  # fewer request rows than requests in the batch
+    out["two_rows"] = run(dirs, spec, prompts, 16)
+    del os.environ["NANOSPEC_VLLM_MAX_REQUESTS"]
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["NANOSPEC_VLLM"] = "1"
+    os.environ["NANOSPEC_VLLM_RECORD"] = "1"
+    scenario, root = sys.argv[1], Path(sys.argv[2])
+    checkpoints = vllm_checkpoints.build(root / "checkpoints")
+    result = {"methods": methods, "preemption": preemption}[scenario](checkpoints)
+    (root / f"{scenario}.json").write_text(json.dumps(result))
