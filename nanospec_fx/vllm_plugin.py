@@ -80,6 +80,11 @@ def install() -> None:
     with _LOCK:
         if getattr(GPUModelRunner, "_nanospec_installed", False):
             return
+        # The hooks are on the V1 model runner (the one vLLM uses on CPU). GPU builds with Triton may pick the V2
+        # runner, where they would never fire: ask for V1 (child processes inherit it), or say it cannot work.
+        if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):
+            _warn("VLLM_USE_V2_MODEL_RUNNER=1: the plugin hooks vLLM's V1 model runner only; the drafter keeps "
+                  "its full head (output unchanged). Unset it to use NanoSpec")
         _wrap(SpecDecodeBaseProposer, "load_model", _after_load_model)
         _wrap(GPUModelRunner, "_update_states", _around_update_states)
         _wrap(GPUModelRunner, "_sample", _before_sample)
@@ -115,8 +120,9 @@ class NanoSpecHead:
 
     Counters (plain ints, read by tests and metrics): ``compact_calls`` (logits computed on the active sets),
     ``dense_calls`` (calls outside a draft step, e.g. vLLM's warm-up, or with an unexpected row count: the full
-    head, exact), ``assigned`` and ``released`` (request rows). With ``NANOSPEC_VLLM_RECORD=1``, ``released_sets``
-    keeps each released request's active token ids (tests).
+    head, exact), ``assigned`` and ``released`` (request rows). With ``NANOSPEC_VLLM_RECORD=1`` (tests, metrics:
+    it reads the sets on the host), ``released_sets`` and ``active_sizes`` keep each released request's active
+    token ids and their number.
     """
 
     def __init__(self, model, dense_compute_logits, max_requests: int, capacity: int, topk: int):
@@ -194,9 +200,9 @@ class NanoSpecHead:
     def release(self, rid) -> None:
         if rid not in self.vocabs:
             return
-        if self.record:
+        if self.record:  # reads the set on the host: a device sync, so only when asked for
             self.released_sets[rid] = sorted(self.vocabs.token_ids(rid).tolist())
-        self.active_sizes.append(self.vocabs.active_count(rid))
+            self.active_sizes.append(self.vocabs.active_count(rid))
         self.vocabs.release(rid)
         self.released += 1
 
