@@ -23,22 +23,26 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("target", "full", "nanospec")
 
 
-def drafter_dir(target: Path, layers: int) -> Path:
-    """The target's first ``layers`` layers, norm and (tied) head, as a checkpoint vLLM loads."""
+def vllm_dir(source: Path, name: str, layers: int | None = None) -> Path:
+    """``source`` as a checkpoint vLLM loads (its first ``layers`` layers, norm and tied head if given). The cached
+    fp32 copy still names its GGUF origin in ``quantization_config``, which vLLM would try to apply: dropped."""
     from safetensors.torch import load_file, save_file
 
-    out = target.parent / f"{target.name}-first{layers}"
+    out = source.parent / name
     if not (out / "model.safetensors").exists():
         out.mkdir(exist_ok=True)
-        config = json.loads((target / "config.json").read_text()) | {"num_hidden_layers": layers}
+        config = json.loads((source / "config.json").read_text())
+        config.pop("quantization_config", None)
+        if layers is not None:
+            config["num_hidden_layers"] = layers
         (out / "config.json").write_text(json.dumps(config, indent=1))
-        keep = {f"model.layers.{i}." for i in range(layers)}
-        weights = {k: v for k, v in load_file(str(target / "model.safetensors")).items()
+        keep = {f"model.layers.{i}." for i in range(layers if layers is not None else config["num_hidden_layers"])}
+        weights = {k: v for k, v in load_file(str(source / "model.safetensors")).items()
                    if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
         save_file(weights, str(out / "model.safetensors"))
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            if (target / name).exists():
-                (out / name).write_bytes((target / name).read_bytes())
+        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+            if (source / extra).exists():
+                (out / extra).write_bytes((source / extra).read_bytes())
     return out
 
 
@@ -113,10 +117,11 @@ def main():
     sys.path.insert(0, str(ROOT))
     from nanospec_fx.eval.loaders import CACHE, load_model
 
-    target = CACHE / "smollm2-135m"
-    if not (target / "config.json").exists():
+    cached = CACHE / "smollm2-135m"
+    if not (cached / "config.json").exists():
         load_model("smollm2-135m")
-    drafter = drafter_dir(target, args.layers)
+    target = vllm_dir(cached, "smollm2-135m-vllm")
+    drafter = vllm_dir(cached, f"smollm2-135m-first{args.layers}", args.layers)
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args.variant, target, drafter, args.spec, args.tokens)))
         return

@@ -144,6 +144,7 @@ class NanoSpecHead:
         self.vocabs = RequestVocabs(weight, bias[:rows] if bias is not None else None, max_requests=max_requests,
                                     capacity=capacity, token_to_row=token_to_row)
         self.scale, self.soft_cap = processor.scale, processor.soft_cap
+        self.head_dtype = getattr(processor, "head_dtype", None)  # vLLM's logits dtype when it differs from the model's
         self.dense_compute_logits = dense_compute_logits
         self.topk = topk
         self.rows = None  # batch row -> request row for the drafter calls of the current step
@@ -169,7 +170,7 @@ class NanoSpecHead:
             logits = (self.soft_cap * (logits / self.soft_cap).tanh()).masked_fill(inactive, float("-inf"))
         if self.scale != 1.0:
             logits = logits * self.scale
-        logits = logits.to(hidden_states.dtype)
+        logits = logits.to(self.head_dtype or hidden_states.dtype)
         if self.draft_to_target is None:
             return logits
         # EAGLE-3: vLLM's drafter returns logits over the target vocabulary, -inf outside the draft vocabulary.

@@ -131,6 +131,7 @@ class Policy:
     vocab_size: int | None = None
     param: int | None = None
     eviction: str = "fifo"
+    prompt_topk: bool = True  # False: the target's top-k at prompt positions is not observed (vLLM: docs/vllm.md)
 
 
 def full(vocab_size: int) -> Policy:
@@ -142,15 +143,18 @@ def static(ids: Sequence[int], n: int) -> Policy:
     return Policy(f"static-{n}", "static", static=tuple(ids[:n]), param=n)
 
 
-def context(capacity: int | None = DEFAULT_CAPACITY, topk: int = 0, eviction: str = "fifo") -> Policy:
+def context(capacity: int | None = DEFAULT_CAPACITY, topk: int = 0, eviction: str = "fifo",
+            prompt_topk: bool = True) -> Policy:
     """NanoSpec: prompt + committed tokens (+ the target's top-k at verified positions).
 
-    ``eviction="lru"`` (a measured alternative, not what ActiveVocab does) gets its own family.
+    ``eviction="lru"`` (a measured alternative, not what ActiveVocab does) gets its own family, and so does
+    ``prompt_topk=False``: the top-k at prompt positions is not observed (what the vLLM plugin sees).
     """
     family = (f"context+top{topk}" if topk else "context") + ("-lru" if eviction == "lru" else "")
+    family += "-noprompt" if topk and not prompt_topk else ""
     cap = capacity if capacity else "inf"
     return Policy(f"{family}@{cap}", family, context=True, topk=topk, capacity=capacity or None, param=capacity or None,
-                  eviction=eviction)
+                  eviction=eviction, prompt_topk=prompt_topk)
 
 
 def hybrid(ids: Sequence[int], core: int, capacity: int | None = DEFAULT_CAPACITY, topk: int = 0) -> Policy:
@@ -191,7 +195,7 @@ def simulate(req: Request, policy: Policy, verify_every: int = 1) -> Trace:
     active.add(policy.static)
     ids, n_prompt = req.ids, len(req.prompt)
     for j in range(n_prompt):  # prefill: the prompt, and the target's top-k at every prompt position
-        if k and j:
+        if k and j and policy.prompt_topk:
             active.add(pred[j][:k])
         active.add((ids[j],))
     trace, known = Trace(0), n_prompt - 1  # predictions known for tokens <= known

@@ -56,13 +56,19 @@ def test_coverage_inputs_only(tmp_path):
 
 def test_coverage_with_target_topk(tmp_path, tiny_model_dir):
     run("coverage", "--tokenizer", "bytes", "--model", tiny_model_dir, "--corpus", "sample[:4]", "--static-corpus",
-        "sample", "--static-sizes", "32", "--capacities", "0", "--cores", "16", "--capacity", "64", "--out", tmp_path)
+        "sample", "--static-sizes", "32", "--capacities", "0", "--cores", "16", "--capacity", "64",
+        "--compare-no-prompt-topk", "--out", tmp_path)
     data = json.loads((tmp_path / "coverage.json").read_text())
     rows = {(r["category"], r["policy"]): r for r in data["rows"]}
     assert data["meta"]["topk"] == 3
     # unbounded: adding the target's guesses only adds tokens, so coverage cannot drop
     assert rows[("all", "context+top3@inf")]["coverage"] >= rows[("all", "context@inf")]["coverage"]
     assert rows[("all", "context+top3@inf")]["mean_size"] >= rows[("all", "context@inf")]["mean_size"]
+    # without the guesses at prompt positions (the vLLM plugin): in between, set by set
+    noprompt = rows[("all", "context+top3-noprompt@inf")]
+    for key in ("coverage", "mean_size"):
+        assert rows[("all", "context@inf")][key] <= noprompt[key] <= rows[("all", "context+top3@inf")][key]
+    assert noprompt["mean_size"] < rows[("all", "context+top3@inf")]["mean_size"]
     assert ("all", "hybrid+top3-16@64") in rows
 
 

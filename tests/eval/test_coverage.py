@@ -49,6 +49,16 @@ def test_prefill_adds_the_targets_guesses_at_prompt_positions():
     assert tr.hits == 1 and tr.sizes == [4]
 
 
+def test_without_prompt_topk_prefill_adds_only_the_prompt():
+    prompt, cont = [10, 11, 12], [30, 12]
+    predicted = [[], [30], [12], [40], [41]]
+    policy = C.context(capacity=None, topk=1, prompt_topk=False)
+    tr = C.simulate(req(prompt, cont, predicted), policy)
+    # A = the prompt {10, 11, 12}; the guess 30 at a prompt position is never observed; 12 is in the prompt
+    assert tr.hits == 1 and tr.sizes[0] == 3
+    assert policy.family == "context+top1-noprompt"
+
+
 def test_rounds_delay_the_targets_guesses():
     # predicted[3] = [7]: the target's guess at position 2 (for token 3) names token 7 = token 4.
     prompt, cont = [1, 2], [3, 5, 7, 8]

@@ -38,12 +38,14 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               help="Capacity of the headline context/hybrid policies.")
 @click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
 @click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
+@click.option("--compare-no-prompt-topk", is_flag=True,
+              help="Also score context + top-k without the top-k at prompt positions (what the vLLM plugin observes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")
 @click.option("--max-new", default=128, show_default=True, help="Score the first N continuation tokens.")
 @out_option("coverage")
 @threads_option
 def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, static_sizes, capacities, cores, capacity,
-             verify_every, compare_lru, max_prompt, max_new, out, name, threads):
+             verify_every, compare_lru, compare_no_prompt_topk, max_prompt, max_new, out, name, threads):
     """Coverage of the next token by the active vocabulary, per task category and policy."""
     from rich.progress import track
 
@@ -110,6 +112,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
         policies += [C.context(c, topk=k) for c in caps]
     if compare_lru:
         policies += [C.context(c, topk=t, eviction="lru") for t in sorted({0, k}) for c in caps]
+    if compare_no_prompt_topk and k:
+        policies += [C.context(c, topk=k, prompt_topk=False) for c in caps]
     if static_corpus:
         policies += [C.hybrid(table, c, capacity, topk=k) for c in ints(cores) if c < capacity]
     results = C.evaluate(requests, policies, verify_every)
@@ -124,6 +128,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     headline = ["full", f"static-{max(ints(static_sizes) or [0])}", f"static-{capacity}", f"context@{capacity}"]
     if k:
         headline.append(f"context+top{k}@{capacity}")
+    if k and compare_no_prompt_topk:
+        headline.append(f"context+top{k}-noprompt@{capacity}")
     headline += [f"hybrid{'+top%d' % k if k else ''}-{DEFAULT_PINNED_SIZE}@{capacity}"]
     _table(results, headline, f"next-token coverage ({tok.name}, V={tok.vocab_size:,}"
            + (f", target {model} top-{k}" if k else ", inputs only") + f", {len(requests)} requests, "
