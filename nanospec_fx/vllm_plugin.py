@@ -133,7 +133,7 @@ class NanoSpecHead:
         processor, lm_head = model.logits_processor, model.lm_head
         rows = processor.org_vocab_size  # the head's weight may be padded past the vocabulary
         weight = lm_head.weight[:rows]
-        bias = getattr(lm_head, "bias", None)
+        bias = None  # vLLM's LogitsProcessor adds only the bias a model passes; the first call checks (below)
         d2t = getattr(model, "draft_id_to_target_id", None)
         self.target_vocab_size = int(model.config.vocab_size)
         self.draft_to_target = None
@@ -141,14 +141,16 @@ class NanoSpecHead:
         if d2t is not None:  # EAGLE-3's draft vocabulary: head row r is target token r + d2t[r]
             self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t.detach()
             token_to_row = token_to_row_from_d2t(d2t.detach(), self.target_vocab_size)
-        self.vocabs = RequestVocabs(weight, bias[:rows] if bias is not None else None, max_requests=max_requests,
-                                    capacity=capacity, token_to_row=token_to_row)
+        self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity, token_to_row=token_to_row)
         self.scale, self.soft_cap = processor.scale, processor.soft_cap
         self.head_dtype = getattr(processor, "head_dtype", None)  # vLLM's logits dtype when it differs from the model's
         self.dense_compute_logits = dense_compute_logits
+        self.model_name = type(model).__name__
         self.topk = topk
         self.rows = None  # batch row -> request row for the drafter calls of the current step
         self.compact_calls = self.dense_calls = self.assigned = self.released = 0
+        self.checked = False  # the first compact call is compared with vLLM's own compute_logits
+        self.disabled = False  # it differed: the full head from then on
         self.record = os.environ.get(ENV_RECORD, "") == "1"
         self.released_sets: dict[str, list[int]] = {}
         self.active_sizes: list[int] = []  # |A| of each request at release (metrics)
@@ -156,13 +158,27 @@ class NanoSpecHead:
     # ----------------------------------------------------------------- compute_logits
     def __call__(self, hidden_states, *args, **kwargs):
         rows = self.rows
-        if rows is None or args or kwargs or hidden_states.dim() != 2 or hidden_states.shape[0] != rows.numel():
-            if rows is not None:
+        if (rows is None or self.disabled or args or kwargs or hidden_states.dim() != 2
+                or hidden_states.shape[0] != rows.numel()):
+            if rows is not None and not self.disabled:
                 _warn(f"the drafter's compute_logits got {tuple(hidden_states.shape)} rows for a batch of "
                       f"{rows.numel()} requests; this call uses the full head (exact, not compact)")
             self.dense_calls += 1
             return self.dense_compute_logits(hidden_states, *args, **kwargs)
+        logits = self._compact(hidden_states, rows)
+        if not self.checked:
+            self.checked = True
+            dense = self.dense_compute_logits(hidden_states)
+            if not _same_where_active(logits, dense):
+                self.disabled = True
+                _warn(f"{self.model_name}'s compute_logits computes more than vLLM's logits processor over the head "
+                      "(a bias, a post-op or another head): the drafter keeps its full head (output unchanged)")
+                self.dense_calls += 1
+                return dense
         self.compact_calls += 1
+        return logits
+
+    def _compact(self, hidden_states, rows):
         x = hidden_states.to(self.vocabs.weight.dtype)
         logits = self.vocabs.logits(x, rows)
         if self.soft_cap is not None:  # vLLM's LogitsProcessor post-ops, keeping -inf at inactive tokens
@@ -206,6 +222,20 @@ class NanoSpecHead:
             self.active_sizes.append(self.vocabs.active_count(rid))
         self.vocabs.release(rid)
         self.released += 1
+
+
+def _same_where_active(compact, dense) -> bool:
+    """Whether the compact logits equal vLLM's full ones at every active token (within the dtype's tolerance);
+    elsewhere they are -inf by construction."""
+    import torch
+
+    if compact.shape != dense.shape:
+        return False
+    active = torch.isfinite(compact)
+    ours, theirs = compact[active].float(), dense[active].float()
+    tol = 1e-3 if compact.dtype == torch.float32 else 3e-2
+    scale = float(theirs.abs().max()) if theirs.numel() else 1.0
+    return bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * max(1.0, scale)))
 
 
 def _head_of(runner) -> NanoSpecHead | None:

@@ -177,6 +177,21 @@ def test_sets_hold_prompt_accepted_and_target_topk(methods, greedy, method):
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_drafter_computing_more_than_the_head_keeps_its_full_head(methods):
+    """A draft model whose compute_logits adds its own post-op: the first compact call is compared with vLLM's
+    compute_logits, differs, and the head stays full (with a warning)."""
+    run = methods["shifted"]
+    assert run["outputs"] == [o[:8] for o in methods["target"]["outputs"]]
+    (head,) = run["heads"]
+    assert head["checked"] and head["disabled"] and head["compact_calls"] == 0 and head["dense_calls"] > 0
+    assert any("ShiftedLlamaForCausalLM" in w and "full head" in w for w in run["warnings"])
+    for method in METHODS:  # vLLM's own drafters pass the check
+        (head,) = methods[method]["heads"]
+        assert head["checked"] and not head["disabled"]
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_unsupported_method_warns_and_runs_unchanged(methods):
     assert methods["ngram"]["heads"] == []
     assert methods["ngram"]["warnings"] and "'ngram'" in methods["ngram"]["warnings"][0]

@@ -43,6 +43,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
                                                                           detokenize=False))
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
+              "checked": h.checked, "disabled": h.disabled,
               "released": h.released, "holding": list(h.vocabs.request_ids),
               "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
@@ -61,11 +62,34 @@ def _released_set(head, request_id: str):
     return sets[-1] if sets else None
 
 
+def _shifted_drafter(dirs) -> dict:
+    """A draft model whose compute_logits adds a post-op of its own after vLLM's logits processor."""
+    import json as _json
+    import shutil
+
+    import torch
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    class ShiftedLlamaForCausalLM(LlamaForCausalLM):
+        def compute_logits(self, hidden_states):
+            logits = super().compute_logits(hidden_states)
+            return logits + 0.01 * torch.arange(logits.shape[-1], device=logits.device)
+
+    ModelRegistry.register_model("ShiftedLlamaForCausalLM", ShiftedLlamaForCausalLM)
+    shifted = dirs["draft_model"].parent / "shifted"
+    shutil.copytree(dirs["draft_model"], shifted, dirs_exist_ok=True)
+    config = _json.loads((shifted / "config.json").read_text()) | {"architectures": ["ShiftedLlamaForCausalLM"]}
+    (shifted / "config.json").write_text(_json.dumps(config))
+    return {"method": "draft_model", "model": str(shifted), "num_speculative_tokens": NUM_SPEC}
+
+
 def methods(dirs):
     out = {"target": run(dirs, None, PROMPTS, 24)}
     for method in ("draft_model", "eagle", "eagle3"):
         spec = {"method": method, "model": str(dirs[method]), "num_speculative_tokens": NUM_SPEC}
         out[method] = run(dirs, spec, PROMPTS, 24)
+    out["shifted"] = run(dirs, _shifted_drafter(dirs), PROMPTS, 8)
     os.environ["NANOSPEC_VLLM_TOPK"] = "0"  # sets of fed tokens only: what each request holds is known exactly
     spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
     out["draft_model_topk0"] = run(dirs, spec, PROMPTS, 24)
