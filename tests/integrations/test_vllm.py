@@ -177,6 +177,15 @@ def test_sets_hold_prompt_accepted_and_target_topk(methods, greedy, method):
 
 @needs_vllm
 @pytest.mark.slow
+def test_async_scheduling(methods):
+    run = methods["eagle_async"]
+    assert run["outputs"] == methods["target"]["outputs"]
+    (head,) = run["heads"]
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0 and head["released"] == len(run["outputs"])
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_a_drafter_computing_more_than_the_head_keeps_its_full_head(methods):
     """A draft model whose compute_logits adds its own post-op: the first compact call is compared with vLLM's
     compute_logits, differs, and the head stays full (with a warning)."""

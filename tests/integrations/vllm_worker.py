@@ -89,6 +89,9 @@ def methods(dirs):
     for method in ("draft_model", "eagle", "eagle3"):
         spec = {"method": method, "model": str(dirs[method]), "num_speculative_tokens": NUM_SPEC}
         out[method] = run(dirs, spec, PROMPTS, 24)
+    # vLLM's asynchronous scheduling (sampled tokens reach the runner one step late on the host side)
+    spec = {"method": "eagle", "model": str(dirs["eagle"]), "num_speculative_tokens": NUM_SPEC}
+    out["eagle_async"] = run(dirs, spec, PROMPTS, 24, async_scheduling=True)
     out["shifted"] = run(dirs, _shifted_drafter(dirs), PROMPTS, 8)
     os.environ["NANOSPEC_VLLM_TOPK"] = "0"  # sets of fed tokens only: what each request holds is known exactly
     spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
