@@ -31,6 +31,9 @@ from nanospec_fx.passes import (
 )
 from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
+from nanospec_fx.passes.observe_inputs import embedding_lookups, token_id_lookups
+from nanospec_fx.prefill import RecordingCall
+from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
 from nanospec_fx.policies import resolve
@@ -61,9 +64,12 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
     if not heads:
+        embeds = position.whole_call and _is_prefill(gm)
+        prefill = embeds and opts.observe_inputs and _recording_prefill(gm, example_inputs, opts, config_patches)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
-        # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense).
-        if position.whole_call or notes or projections_reaching_output(gm):
+        # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
+        # call that embeds tokens and projects nothing to the output is a prefill, not a head nanospec missed.
+        if notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
             said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
                 "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"
@@ -71,6 +77,10 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
+        if prefill:
+            for message in said:
+                warn_once(message)
+            return prefill
         return _dense(gm, example_inputs, opts, config_patches, said)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
@@ -119,6 +129,40 @@ class _DenseCall:
             for message in self.said:
                 warn_once(f"{message} (another model runs this compiled graph: the same holds for it)", stacklevel=2)
         return self.compiled(*args)
+
+
+def _is_prefill(gm: fx.GraphModule) -> bool:
+    """A graph that looks up token ids and returns nothing as wide as their table (a head nanospec missed
+    would: its logits are an output)."""
+    rows = {r for *_, r in embedding_lookups(gm.graph)}
+    outputs = [patterns.example_value(n) for n in gm.graph.output_node().all_input_nodes]
+    return bool(rows) and not any(isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] in rows for v in outputs)
+
+
+def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions,
+                       config_patches: dict) -> Callable | None:
+    """A head-less whole call that looks up token ids in a table it receives (a prefill): compiled with the
+    ids as extra outputs, recorded under their table for the next head of the same model (:mod:`prefill`).
+    None when it looks up nothing."""
+    builder = _GraphBuilder(gm)
+    lookups = [(builder.user_input_position(table), ids) for _, ids, table, _ in embedding_lookups(builder.graph)]
+    lookups = [(pos, ids) for pos, ids in lookups if pos is not None and isinstance(example_inputs[pos], torch.Tensor)]
+    if not lookups:
+        return None
+    out = builder.graph.output_node()
+    outputs = out.args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return None
+    extra, tables = [], []
+    for pos, ids in lookups:
+        if not isinstance(ids, fx.Node):  # ids written in the code: a constant tensor
+            with builder.graph.inserting_before(out):
+                ids = builder.graph.call_function(torch.tensor, (list(ids),), {"dtype": torch.int64})
+        tables.append((pos, len(outputs) + len(extra)))
+        extra.append(ids)
+    out.args = (tuple(outputs) + tuple(extra),)
+    builder.gm.recompile()
+    return RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables)
 
 
 def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:
@@ -172,8 +216,11 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
                 "observe_topk/vocab).")
         reports.append((state, report))
-        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
-                                        into.state.ids))
+        # Tables this graph observes lookups into: ids a prefill call of the same model embedded there join first.
+        tables = sorted({p for lk in (token_id_lookups(builder.graph, state.vocab_size) if observe else [])
+                         if (p := builder.user_input_position(lk.table)) is not None})
+        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight),
+                                        builder.user_input_position(into.bias), into.state.ids, tables))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         state.rewrites.append(report)
@@ -233,10 +280,19 @@ class _DrafterBinding(_Binding):
     parameter identity, e.g. a second instance of the same class), the new weight's state is used.
     """
 
-    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None):
+    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None,
+                 table_positions: list[int] = ()):
         self.weight_pos, self.bias_pos = weight_pos, bias_pos
         self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
+        self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
         self.track(state)
+
+    def observe_prefill(self, args: tuple) -> None:
+        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
+        for position in self.table_positions:
+            ids = prefill_ids.take(args[position])
+            if ids is not None:
+                self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
@@ -245,13 +301,16 @@ class _DrafterBinding(_Binding):
         bias = args[self.bias_pos] if self.bias_pos is not None else self.state.bias
         if self.weight_pos is None or self.state.is_weight(args[self.weight_pos]):
             self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
-            return self.sync()
-        old = self.state
-        self.track(state_for(args[self.weight_pos], bias, old.config()))
-        if not self.state.rewrites:
-            self.state.rewrites = list(old.rewrites)
-        self.sync()
-        return True
+            changed = self.sync()
+        else:
+            old = self.state
+            self.track(state_for(args[self.weight_pos], bias, old.config()))
+            if not self.state.rewrites:
+                self.state.rewrites = list(old.rewrites)
+            self.sync()
+            changed = True
+        self.observe_prefill(args)
+        return changed
 
 
 # ----------------------------------------------------------------------------- target role

@@ -456,9 +456,7 @@ KNOWN_OPEN: list[tuple[str, object]] = [
      and any(s[0] == "out_new_softcap" for s in r.chain[[s[0] for s in r.chain].index(next(
          s[0] for s in r.chain if s[0] in _MOVES_VOCAB)):])),
 ]
-KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = [
-    ("class 1: prefill calls (ids of a call without the head)", lambda sc: any(a == "prefill" for _, a in sc.schedule)),
-]
+KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = []
 
 
 def _skip_known_open(recipe: Recipe) -> None:

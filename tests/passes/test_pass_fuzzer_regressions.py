@@ -185,8 +185,9 @@ _SAVE = _issue16(6, "the ActiveVocab lives in the head weight's __dict__: saving
 SCENARIOS = {
     # class 1: a prefill call (no head) embeds the prompt; the next call's set must still hold it
     "prefill_then_call": (Scenario(drafters=(R(),), schedule=((0, "prefill"), (0, "call"))),
-                          _open16(1, "ids embedded by a prefill call without the head are lost (the contract asks "
-                                     "for the ids of the call that reads the set; nanospec does not link graphs)")),
+                          _issue16(1, "ids embedded by a prefill call without the head were lost")),
+    "two_instances_prefill_then_call": (Scenario(drafters=(R(), R(seed=5)), schedule=(
+        (0, "prefill"), (1, "prefill"), (1, "call"), (0, "call"))), ()),
     "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),
