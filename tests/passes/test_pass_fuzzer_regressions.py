@@ -130,12 +130,13 @@ CASES.update({
     # a buffer: the wider projection was taken for the head and masked
     "computed_head_next_to_a_wider_projection": (R(vocab=164, head="dequant", chain=(("last",),), return_logits=False,
                                                    extra_outputs=("wide_proj", "router"), lookup="buffer_ids"), ()),
-    # found by a long run, open: an out= step into a buffer made like a transposed view of the logits (not contiguous);
-    # Dynamo breaks the graph at that op at run time, and the call equals neither the oracle nor the dense drafter
+    # found by a long run: an out= step into a buffer made like a transposed view of the logits; with seq=1 the
+    # buffer is contiguous and the whole call is rewritten; with seq=2 Dynamo recompiles, breaks at the out= op, and
+    # that call runs dense with a warning. Both calls are right; the fuzzer's judge mixed the two calls' verdicts
     "transpose_then_out_softcap": (R(vocab=150, head="linear_tied", chain=(("transpose",), ("out_new_softcap", 5.0)),
                                      return_logits=False, dtype="float16", batch=3, seq=1, seq2=2, lookup="python_ids",
                                      hook=True),
-                                   _open16(4, "an out= step into a non-contiguous buffer after a transpose of the logits")),
+                                   ()),
     # found by a long run: top-k of softmax probabilities with k above the active count pads with 0 (inactive
     # tokens' probability), not -inf: softmax -> top-k no longer runs on the compact logits
     "softmax_topk_more_than_active": (R(vocab=40, hidden=32, head="einsum", head_bias=True, head_pad=24, position=True,
