@@ -145,6 +145,12 @@ CASES.update({
                                                                    ("mT", "scale", 1.5)),
                                         return_logits=False, extra_outputs=("hidden",), mode="grad", capacity=64,
                                         batch=1, seq=2, seq2=2, extra_active=3, n_ban=1, seed=2), ()),
+    # found by a long run: inverse-CDF sampling from softmax(-log_softmax(masked z)): inf - inf makes the oracle's
+    # probabilities NaN, which the judge read as "sampled an id of probability 0"; the sample must equal the oracle's
+    "inverse_cdf_over_neg_log_softmax": (R(vocab=142, hidden=24, head="linear_tied", chain=(
+        ("contiguous",), ("last",), ("to_neg_log_softmax",), ("inverse_cdf", "none"), ("contiguous",),
+        ("cast", "bfloat16")), mode="enable_grad_inside", lookup="index_select_method", batch=2, seq=1, seq2=1,
+        extra_active=3, n_ban=3, capacity=512, body=("mlp_vocab_width", "counter", "clamp_fn_")), ()),
     # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
     "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
                                                                                                ("categorical_entropy",)),
