@@ -132,11 +132,16 @@ class _DenseCall:
 
 
 def _is_prefill(gm: fx.GraphModule) -> bool:
-    """A graph that looks up token ids and returns nothing as wide as their table (a head nanospec missed
-    would: its logits are an output)."""
-    rows = {r for *_, r in embedding_lookups(gm.graph)}
-    outputs = [patterns.example_value(n) for n in gm.graph.output_node().all_input_nodes]
-    return bool(rows) and not any(isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] in rows for v in outputs)
+    """A graph that looks up token ids and computes nothing as wide as their table along any axis (a head
+    nanospec missed would, whatever reads its logits)."""
+    lookups = embedding_lookups(gm.graph)
+    rows, tables = {r for *_, r in lookups}, {t for _, _, t, _ in lookups}
+    for node in gm.graph.nodes:
+        value = patterns.example_value(node)
+        if node not in tables and isinstance(value, torch.Tensor) and any(
+                isinstance(d, int) and d in rows for d in value.shape):
+            return False
+    return bool(rows)
 
 
 def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions,

@@ -5,6 +5,7 @@ dense logits with -inf outside the state's active set.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -69,3 +70,20 @@ def test_without_observe_inputs_a_prefill_records_nothing():
         compiled(torch.tensor([[3, 17, 42]]), prefill=True)
         compiled(torch.tensor([[61]]))
     assert not {3, 17, 42, 61} & _active(model)
+
+
+class MultiplySumHead(PrefillDrafter):
+    """A head nanospec does not recognise (a broadcast multiply and a sum), read only by an argmax."""
+
+    def forward(self, ids, prefill: bool = False):
+        h = torch.tanh(self.body(self.embed(ids)))[:, -1]
+        return (h.unsqueeze(1) * self.lm_head.weight).sum(-1).argmax(-1)
+
+
+def test_a_head_nanospec_misses_is_not_taken_for_a_prefill():
+    """Its logits never reach an output, but they are vocabulary-wide: the call warns, and runs unchanged."""
+    model = MultiplySumHead().eval()
+    ids = torch.tensor([[3, 17, 42]])
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head found"), torch.inference_mode():
+        out = compile_nanospec(model)(ids)
+    torch.testing.assert_close(out, model(ids))
