@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.lookup",
     "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
-    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
+    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend",
+    "nanospec_backend": "nanospec_fx.backend",
     "NanoSpecOptions": "nanospec_fx.options",
     "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
