@@ -65,10 +65,9 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
     if not heads:
         embeds = position.whole_call and _is_prefill(gm)
-        prefill = embeds and opts.observe_inputs and _recording_prefill(gm, example_inputs, opts, config_patches)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
-        # call that embeds tokens and projects nothing to the output is a prefill, not a head nanospec missed.
+        # call that embeds tokens and computes nothing vocabulary-wide is a prefill, not a head nanospec missed.
         if notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
             said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
@@ -77,10 +76,10 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
-        if prefill:
-            for message in said:
-                warn_once(message)
-            return prefill
+        elif embeds and opts.observe_inputs:  # a clean prefill: its ids are kept for the head's next call
+            recording = _recording_prefill(gm, example_inputs, opts, config_patches)
+            if recording is not None:
+                return recording
         return _dense(gm, example_inputs, opts, config_patches, said)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
@@ -295,6 +294,7 @@ class _DrafterBinding(_Binding):
     def observe_prefill(self, args: tuple) -> None:
         """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
         for position in self.table_positions:
+            prefill_ids.link(args[position], self.state)
             ids = prefill_ids.take(args[position])
             if ids is not None:
                 self.state.observe(ids, validate=False)

@@ -195,6 +195,13 @@ SCENARIOS = {
                           _issue16(1, "ids embedded by a prefill call without the head were lost")),
     "two_instances_prefill_then_call": (Scenario(drafters=(R(), R(seed=5)), schedule=(
         (0, "prefill"), (1, "prefill"), (1, "call"), (0, "call"))), ()),
+    # found by a long run: a prefill after calls (the state exists) must make its ids active at once
+    "call_then_prefill": (Scenario(drafters=(R(),), schedule=((0, "call"), (0, "prefill"), (0, "call"))), ()),
+    # found by a long run: a second instance running a graph whose head nanospec could not find (padded table) must
+    # be warned too (a prefill-recording graph had skipped the per-instance warning)
+    "two_instances_head_not_found": (Scenario(drafters=tuple(
+        R(head="buffer", embed_pad=3, lookup="embedding_bag", draft_steps=2, draft_feed="input", batch=1, seq=3,
+          seq2=3, seed=s) for s in (0, 5)), schedule=((0, "call"), (1, "call"))), ()),
     "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),
