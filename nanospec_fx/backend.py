@@ -31,7 +31,7 @@ from nanospec_fx.passes import (
 )
 from nanospec_fx.passes import effects, patterns
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
-from nanospec_fx.passes.observe_inputs import embedding_lookups, token_id_lookups
+from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
 from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
@@ -134,10 +134,11 @@ def _is_prefill(gm: fx.GraphModule) -> bool:
     """A graph that looks up token ids and computes nothing as wide as their table along any axis (a head
     nanospec missed would, whatever reads its logits)."""
     lookups = embedding_lookups(gm.graph)
-    rows, tables = {r for *_, r in lookups}, {t for _, _, t, _ in lookups}
+    rows = {r for *_, r in lookups}
+    lookup_parts = {t for _, _, t, _ in lookups} | {n for lk, *_ in lookups for n in one_hot_internals(lk)}
     for node in gm.graph.nodes:
         value = patterns.example_value(node)
-        if node not in tables and isinstance(value, torch.Tensor) and any(
+        if node not in lookup_parts and isinstance(value, torch.Tensor) and any(
                 isinstance(d, int) and d in rows for d in value.shape):
             return False
     return bool(rows)

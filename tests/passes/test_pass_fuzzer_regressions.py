@@ -202,6 +202,11 @@ SCENARIOS = {
     "two_instances_head_not_found": (Scenario(drafters=tuple(
         R(head="buffer", embed_pad=3, lookup="embedding_bag", draft_steps=2, draft_feed="input", batch=1, seq=3,
           seq2=3, seed=s) for s in (0, 5)), schedule=((0, "call"), (1, "call"))), ()),
+    # found by a long run: a prefill whose lookup is a one-hot matmul (the one-hot tensor is vocabulary-wide) was
+    # taken for a missed head, so its ids were not kept for the next call
+    "one_hot_prefill_then_call": (Scenario(drafters=(R(vocab=40, lookup="one_hot", position=True, hook=True, batch=3,
+                                                       seq=1, seq2=1, dtype="float16", extra_outputs=("hidden",)),),
+                                           schedule=((0, "call"), (0, "prefill"), (0, "call"))), ()),
     "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),
