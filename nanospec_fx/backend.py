@@ -29,7 +29,7 @@ from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns
+from nanospec_fx.passes import effects, patterns, vocab_parallel
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
@@ -58,7 +58,9 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     width = opts.vocab_size
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
-    heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
+    heads = [h for h in vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
+             if width is None or h.vocab_size == width] or find_heads(gm, example_inputs, vocab_size=width,
+                                                                       head=opts.head, notes=notes)
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
     if not heads:
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
@@ -80,17 +82,33 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             said.append(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
             rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
+    _agree(heads, rewritable, said, opts)  # before any state is built: that may run a collective
     while rewritable:
         try:
             compiled = _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
-            for message in said:
-                warn_once(message)
-            return compiled
         except DenseFallback as reason:
             head = reason.args[1]
             said.append(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
             rewritable = [r for r in rewritable if r[0] is not head]
+            continue
+        _agree(heads, rewritable, said, opts)
+        for message in said:
+            warn_once(message)
+        return compiled
+    _agree(heads, rewritable, said, opts)
     return _dense(gm, example_inputs, opts, config_patches, said)
+
+
+def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: NanoSpecOptions) -> None:
+    """Every rank of a vocabulary-parallel head's group took the same decision, or all raise (no hang)."""
+    for head in heads:
+        if isinstance(head, vocab_parallel.GatheredHead):
+            from nanospec_fx import tensor_parallel
+
+            rewritten = any(r[0] is head for r in rewritable)
+            decision = (f"{head.name} rewritten with {opts.vocab_config}" if rewritten
+                        else f"{head.name} dense ({'; '.join(said) or 'no reason given'})")
+            tensor_parallel.agree(head.group_name, decision)
 
 
 def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str]):
@@ -147,8 +165,16 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, config, name=head.name)
-        mapped = builder.remap(head)
+        sharded = isinstance(head, vocab_parallel.GatheredHead)
+        if sharded:
+            from nanospec_fx import tensor_parallel
+
+            shard = tensor_parallel.VocabShard.of(head.group_name, head.world_size, head.shard_rows)
+            state = tensor_parallel.sharded_state_for(weight, bias, config, shard, name=head.name)
+            mapped = vocab_parallel.remap(builder.graph, head, builder.node_map)
+        else:
+            state = state_for(weight, bias, config, name=head.name)
+            mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
         try:
             report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
@@ -163,6 +189,10 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
+        if sharded:
+            zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+            builder.set_input_values(zero, state.graph_inputs())
+            tensor_parallel.shard_observers(builder.graph, into, zero, state.shard)
         snapshot_state_reads(builder.graph, into.state,
                              grad=grad_enabled_at(builder.graph, list(builder.graph.nodes), torch.is_grad_enabled()))
         if observe and not report.observers and token_tables(builder.gm):
@@ -172,8 +202,9 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
                 "observe_topk/vocab).")
         reports.append((state, report))
-        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
-                                        into.state.ids))
+        binding = _ShardedDrafterBinding if sharded else _DrafterBinding
+        bindings.append(binding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
+                                into.state.ids))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         state.rewrites.append(report)
@@ -247,16 +278,27 @@ class _DrafterBinding(_Binding):
             self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
             return self.sync()
         old = self.state
-        self.track(state_for(args[self.weight_pos], bias, old.config()))
+        self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory()))
         if not self.state.rewrites:
             self.state.rewrites = list(old.rewrites)
         self.sync()
         return True
 
 
+class _ShardedDrafterBinding(_DrafterBinding):
+    """A vocabulary-parallel head's inputs: its replicated state's tensors, then the zero tables its observers
+    pass to ``nanospec.observe`` (``tensor_parallel.ShardedActiveVocab``)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return _state_inputs(self.state) + self.state.graph_inputs()
+
+
 # ----------------------------------------------------------------------------- target role
 def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     state = resolve_vocab(opts.vocab, opts)
+    if getattr(state, "shard", None) is not None:
+        raise ValueError("nanospec: a target observer feeding a vocabulary-parallel (tensor-parallel) drafter head is "
+                         "not supported yet; observe the target's top-k yourself with state.observe(ids) on every rank")
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled

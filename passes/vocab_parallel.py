@@ -1,0 +1,252 @@
+"""Vocabulary-parallel LM heads in a Dynamo FX graph: recognise the gather of the logits, collapse it.
+
+A hand-written vocabulary-parallel head (Megatron style, vLLM's ``ParallelLMHead`` + gather) computes this
+rank's slice of the logits with its shard ``[V / tp, H]`` of the head and all-gathers them. Dynamo turns
+``funcol.all_gather_tensor``, ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
+collective and the ops that put the slices side by side::
+
+    local = linear(h, W_shard)                                    # [..., V / tp]
+    g = wait_tensor(all_gather_into_tensor(local, tp, group))     # [tp * B, ..., V / tp], rank r's rows r*B..
+    z = cat([g.chunk(tp)[0], ..., g.chunk(tp)[tp - 1]], dim=-1)   # [..., V]   (or slices, or copies into buffers)
+
+:func:`gathered_heads` finds such heads by following what every value holds (the stacked slices, rank r's
+slice) through ``chunk``/``split``/slices/``copy_`` into fresh buffers, up to a ``cat`` of the slices of ranks
+0..tp-1 in order along the vocabulary axis: then ``z[..., r * V/tp + i]`` is ``h . W_r[i]`` (rank r's row i),
+whatever the shards hold. Any other use of those values (a local argmax, a permuted cat) is no such head: it
+stays dense, with a note saying why. :func:`collapse_gather` replaces the whole pattern by one projection to
+``[..., V]`` that the usual rewrite (``rewrite_head``) turns into the compact head, and erases the collective
+itself (``wait_tensor`` has a side effect: dead-code elimination would keep it).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from . import patterns
+from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
+
+_C10D = torch.ops._c10d_functional
+FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", "zeros"}
+CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _is_c10d(node: fx.Node, name: str) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    packet = getattr(_C10D, name)
+    return target is packet or target is getattr(packet, "default", None)
+
+
+@dataclass
+class Gather:
+    """One rank's slice of the logits gathered into ``[..., V]``: the nodes to erase and the full logits."""
+
+    local: fx.Node  # the projection onto this rank's shard
+    world_size: int
+    group_name: str
+    full: fx.Node  # the ``cat`` giving [..., V]
+    nodes: list[fx.Node] = field(default_factory=list)  # collective, wait, chunks, buffers, copies, cat
+
+
+@dataclass(eq=False)
+class GatheredHead(HeadMatch):
+    """A vocabulary-parallel head: ``weight`` is this rank's shard ``[V / tp, H]``, ``nodes`` the local projections,
+    ``vocab_size`` the whole vocabulary V."""
+
+    world_size: int = 1
+    group_name: str = ""
+    shard_rows: int = 0
+
+    __hash__ = object.__hash__
+
+
+def match_gather(local: fx.Node) -> Gather | str | None:
+    """How ``local`` (a projection's ``[..., V / tp]`` output) is gathered into ``[..., V]``: a :class:`Gather`,
+    a reason (str) when it is gathered in a way that cannot be proven to be the concatenation of the slices in
+    rank order, or None when it is not gathered at all."""
+    gathers = [u for u in local.users if _is_c10d(u, "all_gather_into_tensor")]
+    if not gathers:
+        return None
+    if len(gathers) > 1:
+        return f"{local.name} is gathered {len(gathers)} times"
+    gather = gathers[0]
+    world, group = gather.args[1], gather.args[2]
+    shape = patterns.tensor_shape(local)
+    if not isinstance(world, int) or not shape or not isinstance(shape[0], int):
+        return f"{gather.name} gathers a slice whose leading size is not static"
+    rows, last = shape[0], len(shape) - 1
+    values: dict[fx.Node, tuple] = {gather: ("stack",)}
+    nodes = list(local.graph.nodes)
+    fresh = {n for n in nodes if n.op in ("call_function", "call_method") and _name(n) in FRESH_BUFFERS}
+    pattern = [gather]
+    full = None
+    for n in nodes[nodes.index(gather) + 1:]:
+        inputs = [a for a in n.all_input_nodes if a in values]
+        if not inputs:
+            continue
+        if n in fresh:  # ``torch.empty_like(gathered)``: reads only its shape
+            pattern.append(n)
+            continue
+        value = _step(n, values, fresh, world, rows, last)
+        if isinstance(value, str):
+            return value
+        pattern.append(n)
+        if value == ("full",):
+            full = n
+            break
+        values[n] = value
+        if _name(n) == "copy_":  # the buffer holds the copied value from here on
+            values[n.args[0]] = value
+            pattern.append(n.args[0])
+    if full is None:
+        return f"the gathered slices of {local.name} are not concatenated in rank order along the vocabulary axis"
+    inside = set(pattern) | {local}
+    for n in pattern:
+        if n is full:
+            continue
+        stray = [u for u in n.users if u not in inside]
+        if stray:
+            return (f"{stray[0].name} reads {n.name}, a value of the gather of {local.name} other than the full "
+                    "logits")
+    stray = [u for u in local.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    if stray:
+        return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
+    return Gather(local, world, group, full, _in_graph_order(pattern))
+
+
+def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, last: int) -> tuple | str:
+    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather)."""
+    name = _name(n)
+    src = n.args[0] if n.args else None
+    held = values.get(src)
+    if _is_c10d(n, "wait_tensor") and held == ("stack",):
+        return held
+    if name == "chunk" and held == ("stack",) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
+        return ("pieces",)
+    if name == "split" and held == ("stack",) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
+            == rows and _arg(n, 2, "dim", 0) == 0:
+        return ("pieces",)
+    if n.target is operator.getitem and held == ("pieces",) and isinstance(n.args[1], int):
+        return ("block", n.args[1] % world)
+    if n.target is operator.getitem and held == ("stack",):
+        r = _rank_slice(n.args[1], rows)
+        if r is not None:
+            return ("block", r)
+    if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
+            and patterns.tensor_shape(n.args[0]) == patterns.tensor_shape(n.args[1]):
+        return values[n.args[1]]
+    if n.op == "call_function" and n.target in CAT_FUNCTIONS:
+        parts = n.args[0] if n.args else n.kwargs.get("tensors")
+        dim = _arg(n, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [("block", r) for r in range(world)] \
+                and dim in (last, -1):
+            return ("full",)
+    return f"{n.name} ({name}) uses the gathered logits in a way nanospec does not follow"
+
+
+def _rank_slice(index, rows: int) -> int | None:
+    """r when ``index`` selects rows ``[r * rows, (r + 1) * rows)`` of dim 0 and keeps every other axis."""
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+    if not all(r == slice(None) or r is Ellipsis for r in rest) or not isinstance(first, slice):
+        return None
+    if first.step not in (None, 1) or not isinstance(first.start, int) or first.stop != first.start + rows:
+        return None
+    return first.start // rows if first.start % rows == 0 else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else default)
+
+
+def _name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(set(nodes), key=order.__getitem__)
+
+
+def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
+                   notes: list[str] | None = None) -> list[GatheredHead]:
+    """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
+    output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
+    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example_of = dict(zip(placeholders, example_inputs))
+    found: dict[fx.Node, GatheredHead] = {}
+    for node in gm.graph.nodes:
+        m = patterns.match_projection(node)
+        if m is None:
+            continue
+        x, w, b = m
+        shape = patterns.tensor_shape(w)
+        if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
+            continue
+        gather = match_gather(node)
+        if gather is None:
+            continue
+        if isinstance(gather, str):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}")
+            continue
+        vocab = gather.world_size * shape[0]
+        if not reaches_output(gather.full, vocab):
+            continue
+        match = found.get(w)
+        if match is None:
+            match = found[w] = GatheredHead(w, [], parameter_name(w), vocab, shape[1], module_path=module_path(node),
+                                            world_size=gather.world_size, group_name=gather.group_name,
+                                            shard_rows=shape[0])
+        elif (match.world_size, match.group_name) != (gather.world_size, gather.group_name):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {match.name} is gathered over two different groups")
+            found.pop(w)
+            continue
+        match.nodes.append(node)
+        match.biases.append(b)
+        match.reach = "logits"
+    heads = list(found.values())
+    if head is not None:
+        from .find_head import _name_matches
+
+        heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
+    return heads
+
+
+def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
+    """Replace ``local``'s gather into ``[..., V]`` by one projection ``linear(x, W_shard, b)`` whose value is the
+    full logits (its FakeTensor is the ``cat``'s); erase the collective and everything between. The new node is
+    a placeholder for ``rewrite_head``, which replaces it by the compact head: it must not run as it is."""
+    gather = match_gather(local)
+    if not isinstance(gather, Gather):
+        raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
+    x, w, b = patterns.match_projection(local)
+    with graph.inserting_after(local):
+        proj = graph.call_function(torch._C._nn.linear, (x, w, b))
+    proj.meta.update({k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    proj.meta["example_value"] = proj.meta["val"] = patterns.example_value(gather.full)
+    proj.meta["nanospec_gathered"] = (gather.world_size, gather.group_name)
+    gather.full.replace_all_uses_with(proj)
+    for node in reversed(gather.nodes):
+        graph.erase_node(node)
+    for buffer in [u for u in local.users if _name(u) in FRESH_BUFFERS and not u.users]:
+        graph.erase_node(buffer)
+    graph.erase_node(local)
+    return proj
+
+
+def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
+    """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
+    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
+    nodes = [collapse_gather(graph, node_map[n]) for n in head.nodes]
+    return HeadMatch(node_map[head.weight], nodes, head.name, head.vocab_size, head.hidden_size,
+                     [node_map[b] if b is not None else None for b in head.biases], head.module_path)
