@@ -1,0 +1,156 @@
+"""Vocabulary-parallel drafter heads (tensor parallelism): the gather of the logits is recognised and removed.
+
+* Graph tests in this process, on a fake process group (it traces the ranks' graph; its collectives compute
+  nothing): each gather form is rewritten with no logits collective left in the compiled graph, and the forms
+  nanospec cannot follow stay dense with one warning.
+* Two gloo processes (spawned, with a timeout; slow): exact against the dense tensor-parallel drafter masked to
+  the active set, every fed id active, identical sets and slot order on both ranks; and a rank disagreeing on the
+  decision raises the same error on every rank instead of hanging.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanospec_fx
+import nanospec_fx.backend as backend
+from nanospec_fx.warning import NanoSpecWarning
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_drafters import GATHERS, VocabParallelDrafter, gather_funcol  # noqa: E402
+
+V, H, TP = 64, 16, 2
+C10D = torch.ops._c10d_functional
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graphs the backend hands to its compiler (after the rewrite)."""
+    graphs = []
+    compile_graph = backend._compile
+
+    def spy(gm, example_inputs, opts, config_patches):
+        graphs.append(gm.graph)
+        return compile_graph(gm, example_inputs, opts, config_patches)
+
+    monkeypatch.setattr(backend, "_compile", spy)
+    return graphs
+
+
+def _targets(graph) -> list:
+    return [getattr(n.target, "overloadpacket", n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+def _compile_and_run(model, ids, **options):
+    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32, **options})
+    with torch.no_grad():
+        return compiled(ids)
+
+
+@pytest.mark.parametrize("gather", sorted(GATHERS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
+    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias)
+    out = _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert out.shape == (2, 3, V)
+    (graph,) = compiled_graphs
+    targets = _targets(graph)
+    assert C10D.all_gather_into_tensor not in targets and C10D.wait_tensor in targets  # the observer's only
+    assert targets.count(C10D.all_reduce) == 1 + bias  # the rows (and bias entries) of the fed ids, from their owners
+    state = nanospec_fx.active_vocab(model)
+    assert (state.vocab_size, state.capacity, state.shard.world_size, state.shard.shard_rows) == (V, 32, TP, V // TP)
+    assert "head_weight" in str(nanospec_fx.explain(model))
+
+
+class LocalArgmaxToo(VocabParallelDrafter):
+    """Reads its own slice of the logits besides gathering it: nothing proves what that slice would hold."""
+
+    def forward(self, ids):
+        local = F.linear(self.embed(ids), self.head_weight)
+        return gather_funcol(local, self.tp), local.argmax(-1)
+
+
+class RanksSwapped(VocabParallelDrafter):
+    """Concatenates the slices in another order than the ranks': not the head's [..., V] logits."""
+
+    def forward(self, ids):
+        local = F.linear(self.embed(ids), self.head_weight)
+        out = local.new_empty((self.tp * local.shape[0],) + tuple(local.shape[1:]))
+        dist.all_gather_into_tensor(out, local)
+        first, second = out.chunk(2)
+        return torch.cat([second, first], -1)
+
+
+@pytest.mark.parametrize("drafter", [LocalArgmaxToo, RanksSwapped])
+def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter):
+    model = drafter(V, H, TP, rank=0)
+    with pytest.warns(NanoSpecWarning, match="runs unchanged"):
+        _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert C10D.all_gather_into_tensor in _targets(compiled_graphs[-1])
+
+
+def test_a_target_observer_cannot_feed_a_sharded_state_yet(fake_group):
+    model = VocabParallelDrafter(V, H, TP, rank=0)
+    _compile_and_run(model, torch.randint(0, V, (1, 2)))
+    target = nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
+    compiled = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": model, "inductor": False})
+    with pytest.raises(Exception, match="vocabulary-parallel"), torch.no_grad():
+        compiled(torch.randint(0, V, (1, 2)))
+
+
+# ----------------------------------------------------------------------------- two gloo processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
+    """Both ranks of ``scenario`` (tp_worker.py) as subprocesses; fails (never hangs) past ``timeout``."""
+    worker, port = Path(__file__).with_name("tp_worker.py"), str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(TP)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
+
+
+@pytest.mark.slow
+def test_two_ranks_exact_with_identical_sets():
+    results = _run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
+    assert results[0] == results[1] and set(results[0]) == set(GATHERS)
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_all_raise_the_same_error():
+    first, second = _run_ranks("disagree", timeout=240)
+    assert first == second and "rank 0: head_weight rewritten" in first["error"] and "rank 1: head_weight dense" \
+        in first["error"]
