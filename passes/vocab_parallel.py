@@ -22,10 +22,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 
-from . import patterns
+from . import effects, patterns
 from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
 
 _C10D = torch.ops._c10d_functional
@@ -46,6 +47,7 @@ class Gather:
     """One rank's slice of the logits gathered into ``[..., V]``: the nodes to erase and the full logits."""
 
     local: fx.Node  # the projection onto this rank's shard
+    prefix: list[fx.Node]  # elementwise ops with scalar operands between it and the gather (a cast, a temperature)
     world_size: int
     group_name: str
     full: fx.Node  # the ``cat`` giving [..., V]
@@ -68,17 +70,20 @@ def match_gather(local: fx.Node) -> Gather | str | None:
     """How ``local`` (a projection's ``[..., V / tp]`` output) is gathered into ``[..., V]``: a :class:`Gather`,
     a reason (str) when it is gathered in a way that cannot be proven to be the concatenation of the slices in
     rank order, or None when it is not gathered at all."""
-    gathers = [u for u in local.users if _is_c10d(u, "all_gather_into_tensor")]
+    prefix, sliced = _elementwise_prefix(local), local
+    if prefix:
+        sliced = prefix[-1]
+    gathers = [u for u in sliced.users if _is_c10d(u, "all_gather_into_tensor")]
     if not gathers:
         return None
     if len(gathers) > 1:
         return f"{local.name} is gathered {len(gathers)} times"
     gather = gathers[0]
     world, group = gather.args[1], gather.args[2]
-    shape = patterns.tensor_shape(local)
-    if not isinstance(world, int) or not shape or not isinstance(shape[0], int):
-        return f"{gather.name} gathers a slice whose leading size is not static"
-    rows, last = shape[0], len(shape) - 1
+    shape = patterns.tensor_shape(sliced)
+    if not isinstance(world, int) or not shape:
+        return f"{gather.name} gathers over a group whose size is not static"
+    rows = shape[0]
     values: dict[fx.Node, tuple] = {gather: ("stack",)}
     nodes = list(local.graph.nodes)
     fresh = {n for n in nodes if n.op in ("call_function", "call_method") and _name(n) in FRESH_BUFFERS}
@@ -91,7 +96,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if n in fresh:  # ``torch.empty_like(gathered)``: reads only its shape
             pattern.append(n)
             continue
-        value = _step(n, values, fresh, world, rows, last)
+        value = _step(n, values, fresh, world, rows, shape)
         if isinstance(value, str):
             return value
         pattern.append(n)
@@ -104,7 +109,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
             pattern.append(n.args[0])
     if full is None:
         return f"the gathered slices of {local.name} are not concatenated in rank order along the vocabulary axis"
-    inside = set(pattern) | {local}
+    inside = set(pattern) | {local, *prefix}
     for n in pattern:
         if n is full:
             continue
@@ -112,19 +117,51 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if stray:
             return (f"{stray[0].name} reads {n.name}, a value of the gather of {local.name} other than the full "
                     "logits")
-    stray = [u for u in local.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and _name(u) not in FRESH_BUFFERS]
     if stray:
         return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
-    return Gather(local, world, group, full, _in_graph_order(pattern))
+    return Gather(local, prefix, world, group, full, _in_graph_order(pattern))
 
 
-def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, last: int) -> tuple | str:
-    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather)."""
+def _elementwise_prefix(local: fx.Node) -> list[fx.Node]:
+    """The ops between the projection and its gather that act on each logit alone with scalar operands
+    (``.float()``, ``/ temperature``): applied before or after the gather, they give the same values."""
+    chain, cur = [], local
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if not (patterns.is_elementwise(user) and user.all_input_nodes == [cur] and not effects.mutated_inputs(user)
+                and user.args and user.args[0] is cur):
+            break
+        chain.append(user)
+        cur = user
+    return chain
+
+
+def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tuple) -> tuple | str:
+    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather).
+
+    ``("stack",)``: the slices stacked along dim 0; ``("pieces",)``: a list of the slices in rank order;
+    ``("block", r)``: rank r's slice; ``("ranked", a)``: the slices stacked along a new axis ``a`` of the slice's
+    shape (``view(tp, B, ...)``, then ``movedim``/``permute``); ``("full",)``: ``[..., V]`` in rank order.
+    """
     name = _name(n)
     src = n.args[0] if n.args else None
     held = values.get(src)
+    last = len(local) - 1
+    out = patterns.tensor_shape(n)
     if _is_c10d(n, "wait_tensor") and held == ("stack",):
         return held
+    if name == "contiguous" and held is not None:
+        return held
+    if name in ("view", "reshape", "unflatten") and held == ("stack",) and _same(out, (world,) + tuple(local)):
+        return ("ranked", 0)
+    if held is not None and held[0] == "ranked":
+        moved = _moved_axis(n, held[1], len(local) + 1)
+        if moved is not None:
+            return ("ranked", moved)
+        if name in ("view", "reshape", "flatten") and held[1] == last \
+                and _same(out, tuple(local[:-1]) + (world * local[-1],)):
+            return ("full",)
     if name == "chunk" and held == ("stack",) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
         return ("pieces",)
     if name == "split" and held == ("stack",) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
@@ -137,8 +174,13 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, last: int
         if r is not None:
             return ("block", r)
     if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
-            and patterns.tensor_shape(n.args[0]) == patterns.tensor_shape(n.args[1]):
+            and _same(patterns.tensor_shape(n.args[0]), patterns.tensor_shape(n.args[1]) or ()):
         return values[n.args[1]]
+    if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
+        parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and isinstance(dim, int) \
+                and [values.get(p) for p in parts] == [("block", r) for r in range(world)]:
+            return ("ranked", dim % (len(local) + 1))
     if n.op == "call_function" and n.target in CAT_FUNCTIONS:
         parts = n.args[0] if n.args else n.kwargs.get("tensors")
         dim = _arg(n, 1, "dim", 0)
@@ -148,14 +190,61 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, last: int
     return f"{n.name} ({name}) uses the gathered logits in a way nanospec does not follow"
 
 
-def _rank_slice(index, rows: int) -> int | None:
-    """r when ``index`` selects rows ``[r * rows, (r + 1) * rows)`` of dim 0 and keeps every other axis."""
+def _same(shape: tuple | None, expected: tuple) -> bool:
+    """Shapes equal (symbolic sizes compared as expressions, without guarding on them)."""
+    return shape is not None and len(shape) == len(expected) and all(
+        a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or str(a) == str(b)
+        for a, b in zip(shape, expected))
+
+
+def _moved_axis(n: fx.Node, axis: int, ndim: int) -> int | None:
+    """Where ``permute``/``movedim``/``transpose`` move ``axis`` to, when they keep every other axis in order."""
+    name, args = _name(n), [a for a in n.args[1:]]
+    if name == "permute":
+        perm = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+    elif name in ("movedim", "moveaxis") and len(args) == 2 and all(isinstance(a, int) for a in args):
+        src, dst = (a % ndim for a in args)
+        perm = [i for i in range(ndim) if i != src]
+        perm.insert(dst, src)
+    elif name in ("transpose", "swapaxes", "swapdims") and len(args) == 2 and all(isinstance(a, int) for a in args):
+        i, j = (a % ndim for a in args)
+        perm = list(range(ndim))
+        perm[i], perm[j] = perm[j], perm[i]
+    else:
+        return None
+    if sorted(p % ndim for p in perm if isinstance(p, int)) != list(range(ndim)):
+        return None
+    perm = [p % ndim for p in perm]
+    others = [p for p in perm if p != axis]
+    return perm.index(axis) if others == sorted(others) else None
+
+
+def _rank_slice(index, rows) -> int | None:
+    """r when ``index`` selects rows ``[r * rows, (r + 1) * rows)`` of dim 0 and keeps every other axis (sizes may be
+    symbolic: compared as expressions)."""
     first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
     if not all(r == slice(None) or r is Ellipsis for r in rest) or not isinstance(first, slice):
         return None
-    if first.step not in (None, 1) or not isinstance(first.start, int) or first.stop != first.start + rows:
+    start, stop, size = _expr(first.start), _expr(first.stop), _expr(rows)
+    if first.step not in (None, 1) or start is None or stop is None or size is None:
         return None
-    return first.start // rows if first.start % rows == 0 else None
+    if sympy.expand(stop - start - size) != 0:
+        return None
+    r = sympy.simplify(start / size) if size != 0 else None
+    return int(r) if r is not None and r.is_Integer else None
+
+
+def _expr(value) -> sympy.Expr | None:
+    """An int or a SymInt (or a graph node computing one) as a sympy expression."""
+    if isinstance(value, fx.Node):
+        value = patterns.example_value(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return None
 
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
@@ -230,17 +319,29 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     if not isinstance(gather, Gather):
         raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
     x, w, b = patterns.match_projection(local)
-    with graph.inserting_after(local):
+    anchor = gather.prefix[-1] if gather.prefix else local
+    with graph.inserting_before(anchor.next):  # in order, after the slice's last op
         proj = graph.call_function(torch._C._nn.linear, (x, w, b))
+        value = proj
+        for op in gather.prefix:  # the casts and scalings of the slice, now on [..., V]
+            value = graph.create_node(op.op, op.target, (value,) + tuple(op.args[1:]), dict(op.kwargs))
     proj.meta.update({k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
-    proj.meta["example_value"] = proj.meta["val"] = patterns.example_value(gather.full)
-    proj.meta["nanospec_gathered"] = (gather.world_size, gather.group_name)
-    gather.full.replace_all_uses_with(proj)
+    fake = patterns.example_value(local)
+    full = patterns.example_value(gather.full)
+    with fake.fake_mode:
+        proj.meta["example_value"] = proj.meta["val"] = fake.new_empty(full.shape)  # [..., V], the head's dtype
+    node = proj.next
+    while node is not value.next:
+        node.meta["example_value"] = node.meta["val"] = patterns.fake_value(node)
+        node = node.next
+    gather.full.replace_all_uses_with(value)
     for node in reversed(gather.nodes):
         graph.erase_node(node)
-    for buffer in [u for u in local.users if _name(u) in FRESH_BUFFERS and not u.users]:
+    sliced = [local, *gather.prefix]
+    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
         graph.erase_node(buffer)
-    graph.erase_node(local)
+    for node in reversed(sliced):
+        graph.erase_node(node)
     return proj
 
 

@@ -26,7 +26,7 @@ import nanospec_fx.backend as backend
 from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_drafters import GATHERS, VocabParallelDrafter, gather_funcol  # noqa: E402
+from tp_drafters import GATHERS, VocabParallelDrafter, gather_funcol  # noqa: E402, F401
 
 V, H, TP = 64, 16, 2
 C10D = torch.ops._c10d_functional
@@ -67,12 +67,13 @@ def _compile_and_run(model, ids, **options):
         return compiled(ids)
 
 
-@pytest.mark.parametrize("gather", sorted(GATHERS))
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("gather, bias", [("funcol", False), ("list", True), ("into_tensor", False), ("movedim", True),
+                                         ("stack", False)])
 def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
-    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias)
+    scale = 0.5 if bias else None  # a temperature and a cast between the slice and its gather
+    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias, scale=scale)
     out = _compile_and_run(model, torch.randint(0, V, (2, 3)))
-    assert out.shape == (2, 3, V)
+    assert out.shape == (2, 3, V) and out.dtype == (torch.float64 if scale else torch.float32)
     (graph,) = compiled_graphs
     targets = _targets(graph)
     assert C10D.all_gather_into_tensor not in targets and C10D.wait_tensor in targets  # the observer's only
@@ -80,6 +81,16 @@ def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, 
     state = nanospec_fx.active_vocab(model)
     assert (state.vocab_size, state.capacity, state.shard.world_size, state.shard.shard_rows) == (V, 32, TP, V // TP)
     assert "head_weight" in str(nanospec_fx.explain(model))
+
+
+@pytest.mark.parametrize("gather", ["funcol", "list"])
+def test_dynamic_shapes_keep_the_rewrite(fake_group, compiled_graphs, gather):
+    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather)
+    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32}, dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 3), (3, 5)]:
+            assert compiled(torch.randint(0, V, shape)).shape == shape + (V,)
+    assert all(C10D.all_gather_into_tensor not in _targets(g) for g in compiled_graphs)
 
 
 class LocalArgmaxToo(VocabParallelDrafter):

@@ -29,15 +29,29 @@ def gather_into_tensor(local: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(out.chunk(tp), dim=local.dim() - 1)
 
 
-GATHERS = {"funcol": gather_funcol, "list": gather_list, "into_tensor": gather_into_tensor}
+def gather_movedim(local: torch.Tensor, tp: int) -> torch.Tensor:
+    stacked = funcol.all_gather_tensor(local, gather_dim=0, group=dist.group.WORLD)  # [tp * B, ..., V / tp]
+    ranked = stacked.view((tp,) + tuple(local.shape)).movedim(0, -2)  # [B, ..., tp, V / tp]
+    return ranked.reshape(tuple(local.shape[:-1]) + (tp * local.shape[-1],))
+
+
+def gather_stack(local: torch.Tensor, tp: int) -> torch.Tensor:
+    out = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(out, local)
+    return torch.stack(out, dim=-2).flatten(-2)
+
+
+GATHERS = {"funcol": gather_funcol, "list": gather_list, "into_tensor": gather_into_tensor, "movedim": gather_movedim,
+           "stack": gather_stack}
 
 
 class VocabParallelDrafter(nn.Module):
     """Embedding -> one layer -> vocabulary-parallel head -> gather -> soft-capped logits (a post-op)."""
 
     def __init__(self, vocab: int, hidden: int, tp: int, rank: int, gather: str = "funcol", bias: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, scale: float | None = None):
         super().__init__()
+        self.scale = scale  # a temperature and a cast on this rank's slice, before the gather
         g = torch.Generator().manual_seed(seed)
         self.tp, self.gather = tp, GATHERS[gather]
         self.embed = nn.Embedding(vocab, hidden)
@@ -55,6 +69,8 @@ class VocabParallelDrafter(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.proj(self.embed(ids)))
         local = F.linear(h, self.head_weight, self.head_bias)
+        if self.scale is not None:
+            local = (local * self.scale).double()
         z = self.gather(local, self.tp)
         return 30.0 * torch.tanh(z / 30.0)
 

@@ -30,10 +30,11 @@ def exact(rank: int, world: int) -> dict:
     tensor-parallel drafter masked to the active set, every fed id is active, and the sets (slot order
     included) are identical on every rank; no logits collective runs in the draft step."""
     report = {}
-    cases = [("funcol", False, False), ("list", True, False), ("into_tensor", False, True)]
-    for gather, bias, inductor in cases:
+    cases = [("funcol", False, False, None), ("list", True, False, None), ("into_tensor", False, True, None),
+             ("movedim", False, False, 0.5)]
+    for gather, bias, inductor, scale in cases:
         torch._dynamo.reset()
-        model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias)
+        model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias, scale=scale)
         compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
         g = torch.Generator().manual_seed(1)
         fed: list[int] = []
