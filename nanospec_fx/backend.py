@@ -144,6 +144,9 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
     weight, bias = real.get(head.weight), _bias_tensor(head, real)
     if weight is None or bias is False:
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
+    if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
+        return ("its weight is a DTensor in a layout nanospec does not rewrite (it rewrites ColwiseParallel heads, "
+                "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate())")
     if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and (
             weight.requires_grad or (bias is not None and bias.requires_grad)):
         return ("it needs gradients here: grad mode is on where it runs and its weights are trainable. "

@@ -122,6 +122,11 @@ def observe_shard(token_ids, shard_weight, shard_bias, zero_rows, zero_bias, ids
         write_rows(x, fetch_bias(x, shard_bias, shard), slot_of, cache_b, shard.vocab_size, matrix=False)
 
 
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's rows of a head weight or bias: the tensor itself, or a DTensor's local shard."""
+    return tensor.to_local() if tensor is not None and hasattr(tensor, "to_local") else tensor
+
+
 class ShardedActiveVocab(ActiveVocab):
     """The ActiveVocab of one rank's shard ``[V / tp, H]`` of a vocabulary-parallel head: the set and the cache
     cover the whole vocabulary (``slot_of[V]``, ``cache_w[C, H]`` holding rows of every shard) and are the same
@@ -136,13 +141,14 @@ class ShardedActiveVocab(ActiveVocab):
         if token_to_row is not None:
             raise ValueError("nanospec: draft vocabularies (draft_to_target) are not supported for a vocabulary-parallel "
                              "head yet")
-        if weight.dim() != 2 or weight.shape[0] != shard.shard_rows:
+        local = local_shard(weight)  # ``weight`` itself (a DTensor head's is the state's key, like any weight)
+        if local.dim() != 2 or local.shape[0] != shard.shard_rows:
             raise ValueError(f"nanospec: this rank's head shard should have {shard.shard_rows} rows, got "
-                             f"{tuple(weight.shape)}")
+                             f"{tuple(local.shape)}")
         self.shard = shard
         with torch.no_grad(), torch.inference_mode(False):  # stride 0: no [V, H] memory
-            self.zero_rows = weight.new_zeros(1, weight.shape[1]).expand(shard.vocab_size, -1)
-            self.zero_bias = bias.new_zeros(1).expand(shard.vocab_size) if bias is not None else None
+            self.zero_rows = local.new_zeros(1, local.shape[1]).expand(shard.vocab_size, -1)
+            self.zero_bias = local_shard(bias).new_zeros(1).expand(shard.vocab_size) if bias is not None else None
         super().__init__(weight, bias, capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy)
 
     def _head_rows(self, weight: torch.Tensor) -> int:
@@ -156,27 +162,35 @@ class ShardedActiveVocab(ActiveVocab):
         return [self.zero_rows] + ([self.zero_bias] if self.zero_bias is not None else [])
 
     def fits(self, weight: torch.Tensor) -> bool:
-        return (tuple(weight.shape) == (self.shard.shard_rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
-                and weight.device == self.cache_w.device)
+        local = local_shard(weight)
+        return (tuple(local.shape) == (self.shard.shard_rows, self.hidden_size) and local.dtype == self.cache_w.dtype
+                and local.device == self.cache_w.device)
 
     def bias_fits(self, bias: torch.Tensor | None) -> bool:
         if bias is None or self.bias is None:
             return bias is None and self.bias is None
-        return (tuple(bias.shape) == (self.shard.shard_rows,) and bias.dtype == self.bias.dtype
-                and bias.device == self.bias.device)
+        local, mine = local_shard(bias), local_shard(self.bias)
+        return tuple(local.shape) == (self.shard.shard_rows,) and local.dtype == mine.dtype and local.device == mine.device
+
+    def _weight_versions(self) -> tuple | None:
+        try:
+            return tuple((t._version, t.data_ptr()) if t is not None else None
+                         for t in (local_shard(self.weight), local_shard(self.bias)))
+        except RuntimeError:
+            return None
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            observe_shard(token_ids, self.weight, self.bias, self.zero_rows, self.zero_bias, *self.tensors(),
-                          self.num_pinned, self.shard)
+            observe_shard(token_ids, local_shard(self.weight), local_shard(self.bias), self.zero_rows, self.zero_bias,
+                          *self.tensors(), self.num_pinned, self.shard)
 
     def refresh(self) -> None:
         """Re-copy the rows of every slot from their owner shards (one ``[C, H]`` all-reduce: on every rank)."""
         with torch.no_grad(), torch.inference_mode(False):
             rows = torch.clamp(self.ids, min=0)
-            self.cache_w.copy_(fetch_rows(rows, self.weight.detach(), self.shard))
+            self.cache_w.copy_(fetch_rows(rows, local_shard(self.weight.detach()), self.shard))
             if self.bias is not None:
-                self.cache_b.copy_(fetch_bias(rows, self.bias.detach(), self.shard))
+                self.cache_b.copy_(fetch_bias(rows, local_shard(self.bias.detach()), self.shard))
         self._seen_versions = self._weight_versions()
 
     def __repr__(self) -> str:
@@ -209,6 +223,10 @@ def shard_observers(graph: fx.Graph, into, zero: list[fx.Node], shard: VocabShar
     zero_rows, zero_bias = zero[0], zero[1] if len(zero) > 1 else None
     s = into.state
     observers = [n for n in graph.nodes if is_op(n, "observe") and op_arg(n, "cursor") is s.cursor]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for shard_of in (into.weight, into.bias):  # a DTensor head's ``W.to_local()``: computed before the first observer
+        if shard_of is not None and shard_of.op != "placeholder" and observers and order[shard_of] > order[observers[0]]:
+            observers[0].prepend(shard_of)
     for node in observers:
         before = set(graph.nodes)
         with graph.inserting_before(node):

@@ -52,6 +52,7 @@ class Gather:
     group_name: str
     full: fx.Node  # the ``cat`` giving [..., V]
     nodes: list[fx.Node] = field(default_factory=list)  # collective, wait, chunks, buffers, copies, cat
+    dtensor_input: fx.Node | None = None  # a DTensor head's ``DTensor.from_local(x, mesh, (Replicate(),))``
 
 
 @dataclass(eq=False)
@@ -64,6 +65,43 @@ class GatheredHead(HeadMatch):
     shard_rows: int = 0
 
     __hash__ = object.__hash__
+
+
+def match_dtensor(proj: fx.Node) -> Gather | str | None:
+    """A DTensor ``ColwiseParallel`` head with replicated output, as Dynamo records it::
+
+        xd = DTensor.from_local(x, mesh, (Replicate(),)); z = linear(xd, W, b)    # W: DTensor Shard(0), [V, H]
+        full = z.redistribute(placements=(Replicate(),)).to_local()              # [..., V] on every rank
+
+    (the collective appears only after AOTAutograd). None when the weight is no DTensor, a reason for the other
+    layouts (an output left sharded, ``Shard(-1)``: each rank gets only its slice)."""
+    x, w, b = patterns.match_projection(proj)
+    weight = patterns.example_value(w)
+    placements = getattr(weight, "placements", None)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+        return f"its DTensor weight is laid out as {placements} on a {mesh.ndim}-D mesh, not Shard(0) on a 1-D mesh"
+    world, shape = mesh.size(), tuple(weight.shape)
+    if shape[0] % world:
+        return f"its {shape[0]} rows do not split evenly over {world} ranks"
+    bias = patterns.example_value(b) if b is not None else None
+    if bias is not None and tuple(getattr(bias, "placements", ())) != tuple(placements):
+        return "its bias is not sharded like its weight"
+    if not (isinstance(x, fx.Node) and _name(x) == "from_local" and all(
+            isinstance(p, Replicate) for p in _arg(x, 2, "placements", ()))):
+        return "its input is not a replicated DTensor made with DTensor.from_local"
+    users = list(proj.users)
+    redistribute = users[0] if len(users) == 1 and _name(users[0]) == "redistribute" else None
+    if redistribute is None or not all(isinstance(p, Replicate) for p in _arg(redistribute, 1, "placements", ())):
+        return "its output is not redistributed to Replicate() (a Shard(-1) output leaves each rank its own slice)"
+    after = list(redistribute.users)
+    if len(after) != 1 or _name(after[0]) != "to_local":
+        return "its replicated output is not read through to_local()"
+    return Gather(proj, [], world, mesh.get_group().group_name, after[0], [redistribute, after[0]], dtensor_input=x)
 
 
 def match_gather(local: fx.Node) -> Gather | str | None:
@@ -280,21 +318,21 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
         shape = patterns.tensor_shape(w)
         if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
             continue
-        gather = match_gather(node)
+        gather = match_dtensor(node) or match_gather(node)
         if gather is None:
             continue
         if isinstance(gather, str):
             if notes is not None:
                 notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}")
             continue
-        vocab = gather.world_size * shape[0]
+        vocab = gather.world_size * shape[0] if gather.dtensor_input is None else shape[0]
         if not reaches_output(gather.full, vocab):
             continue
         match = found.get(w)
         if match is None:
             match = found[w] = GatheredHead(w, [], parameter_name(w), vocab, shape[1], module_path=module_path(node),
                                             world_size=gather.world_size, group_name=gather.group_name,
-                                            shard_rows=shape[0])
+                                            shard_rows=vocab // gather.world_size)
         elif (match.world_size, match.group_name) != (gather.world_size, gather.group_name):
             if notes is not None:
                 notes.append(f"the vocabulary-parallel head {match.name} is gathered over two different groups")
@@ -314,22 +352,36 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
 def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     """Replace ``local``'s gather into ``[..., V]`` by one projection ``linear(x, W_shard, b)`` whose value is the
     full logits (its FakeTensor is the ``cat``'s); erase the collective and everything between. The new node is
-    a placeholder for ``rewrite_head``, which replaces it by the compact head: it must not run as it is."""
-    gather = match_gather(local)
+    a placeholder for ``rewrite_head``, which replaces it by the compact head: it must not run as it is.
+    A DTensor head's projection reads the plain input and ``W.to_local()`` (the observers read that shard)."""
+    gather = match_dtensor(local) or match_gather(local)
     if not isinstance(gather, Gather):
         raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
     x, w, b = patterns.match_projection(local)
     anchor = gather.prefix[-1] if gather.prefix else local
+    if gather.dtensor_input is not None:
+        x = gather.dtensor_input.args[0]
+        first = next(n for n in graph.nodes if n.op != "placeholder")  # observers read the shard before the head
+        with graph.inserting_before(first):
+            w, b = (graph.call_method("to_local", (t,)) if t is not None else None for t in (w, b))
+        plain = patterns.example_value(gather.full)  # a FakeTensor of the fake mode every local value lives in
+        for t, orig in ((w, patterns.match_projection(local)[1]), (b, patterns.match_projection(local)[2])):
+            if t is not None:
+                dtensor = patterns.example_value(orig)
+                with plain.fake_mode:
+                    shape = (dtensor.shape[0] // gather.world_size,) + tuple(dtensor.shape[1:])
+                    t.meta["example_value"] = t.meta["val"] = plain.new_empty(shape, dtype=dtensor.dtype)
     with graph.inserting_before(anchor.next):  # in order, after the slice's last op
         proj = graph.call_function(torch._C._nn.linear, (x, w, b))
         value = proj
         for op in gather.prefix:  # the casts and scalings of the slice, now on [..., V]
             value = graph.create_node(op.op, op.target, (value,) + tuple(op.args[1:]), dict(op.kwargs))
     proj.meta.update({k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
-    fake = patterns.example_value(local)
-    full = patterns.example_value(gather.full)
-    with fake.fake_mode:
-        proj.meta["example_value"] = proj.meta["val"] = fake.new_empty(full.shape)  # [..., V], the head's dtype
+    fake, full = patterns.example_value(local), patterns.example_value(gather.full)
+    if gather.prefix:  # [..., V] in the projection's dtype (the prefix may cast)
+        with fake.fake_mode:
+            full = fake.new_empty(full.shape)
+    proj.meta["example_value"] = proj.meta["val"] = full
     node = proj.next
     while node is not value.next:
         node.meta["example_value"] = node.meta["val"] = patterns.fake_value(node)
@@ -342,6 +394,8 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
         graph.erase_node(buffer)
     for node in reversed(sliced):
         graph.erase_node(node)
+    if gather.dtensor_input is not None and not gather.dtensor_input.users:
+        graph.erase_node(gather.dtensor_input)
     return proj
 
 
@@ -349,5 +403,6 @@ def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node])
     """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
     HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
     nodes = [collapse_gather(graph, node_map[n]) for n in head.nodes]
-    return HeadMatch(node_map[head.weight], nodes, head.name, head.vocab_size, head.hidden_size,
-                     [node_map[b] if b is not None else None for b in head.biases], head.module_path)
+    weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
+    return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
+                     head.module_path)

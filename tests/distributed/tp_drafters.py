@@ -75,6 +75,26 @@ class VocabParallelDrafter(nn.Module):
         return 30.0 * torch.tanh(z / 30.0)
 
 
+class DTensorDrafter(nn.Module):
+    """A plain drafter whose ``lm_head`` is parallelised with DTensor's ``ColwiseParallel`` (replicated output)."""
+
+    def __init__(self, vocab: int, hidden: int, bias: bool = False, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)  # the same full weights on every rank, before they are sharded
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=bias)
+
+    def parallelize(self, mesh) -> "DTensorDrafter":
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(self, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.embed(ids))).float() / 0.7
+
+
 def dense_masked(model: nn.Module, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     """The eager drafter (real gather of the logits) with -inf at tokens outside ``active`` (a [V] bool)."""
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tp_drafters import VocabParallelDrafter, dense_masked  # noqa: E402
+from tp_drafters import DTensorDrafter, VocabParallelDrafter, dense_masked  # noqa: E402
 
 import nanospec_fx  # noqa: E402
 
@@ -30,11 +30,17 @@ def exact(rank: int, world: int) -> dict:
     tensor-parallel drafter masked to the active set, every fed id is active, and the sets (slot order
     included) are identical on every rank; no logits collective runs in the draft step."""
     report = {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
     cases = [("funcol", False, False, None), ("list", True, False, None), ("into_tensor", False, True, None),
-             ("movedim", False, False, 0.5)]
+             ("movedim", False, False, 0.5), ("dtensor", True, False, None)]
     for gather, bias, inductor, scale in cases:
         torch._dynamo.reset()
-        model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias, scale=scale)
+        if gather == "dtensor":
+            model = DTensorDrafter(V, H, bias=bias).parallelize(mesh)
+        else:
+            model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias, scale=scale)
         compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
         g = torch.Generator().manual_seed(1)
         fed: list[int] = []
