@@ -299,9 +299,6 @@ class _ShardedDrafterBinding(_DrafterBinding):
 # ----------------------------------------------------------------------------- target role
 def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     state = resolve_vocab(opts.vocab, opts)
-    if getattr(state, "shard", None) is not None:
-        raise ValueError("nanospec: a target observer feeding a vocabulary-parallel (tensor-parallel) drafter head is "
-                         "not supported yet; observe the target's top-k yourself with state.observe(ids) on every rank")
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled
@@ -310,12 +307,22 @@ def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: Nan
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
                            config_patches: dict) -> Callable:
-    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
+    heads = vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head) or find_heads(
+        gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")
         return _compile(gm, example_inputs, opts, config_patches)
     builder = _GraphBuilder(gm)
-    into = builder.add_state(state, None, None)
+    shard = getattr(state, "shard", None)  # a vocabulary-parallel drafter: rows come from their owner shards
+    if shard is not None:
+        from nanospec_fx.tensor_parallel import local_shard
+
+        names = ["weight"] + (["bias"] if state.bias is not None else [])
+        nodes = builder.add_inputs(names)
+        builder.set_input_values(nodes, [local_shard(t) for t in (state.weight, state.bias) if t is not None])
+        into = builder.add_state(state, nodes[0], nodes[1] if len(nodes) > 1 else None)
+    else:
+        into = builder.add_state(state, None, None)
     observed = 0
     for head in heads:
         if head.vocab_size != state.vocab_size:
@@ -325,13 +332,23 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
             )
         if opts.observe_topk > head.vocab_size:
             raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
-        if state.observes:
+        if state.observes and isinstance(head, vocab_parallel.GatheredHead):  # its top-k read on the gathered logits
+            full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes]
+            observed += insert_topk_observers(builder.graph, full, opts.observe_topk, into)
+        elif state.observes:
             observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
                                               observe_prompt=opts.observe_prompt)
     if opts.observe_inputs and state.observes:
         insert_input_observers(builder.graph, into)
     if not observed:
         return _compile(gm, example_inputs, opts, config_patches)
+    if shard is not None:
+        from nanospec_fx import tensor_parallel
+
+        zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+        builder.set_input_values(zero, state.graph_inputs())
+        tensor_parallel.shard_observers(builder.graph, into, zero, shard)
+        return builder.compile(example_inputs, [_ShardedTargetBinding(state)], opts, config_patches)
     return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
 
 
@@ -373,6 +390,17 @@ class _TargetBinding(_Binding):
 
     def update(self, args: tuple) -> bool:
         return self.sync()
+
+
+class _ShardedTargetBinding(_TargetBinding):
+    """A target observer feeding a vocabulary-parallel drafter: its head shard (a DTensor's local tensor), the
+    replicated state's tensors and the zero tables (see ``tensor_parallel.shard_observers``)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        from nanospec_fx.tensor_parallel import local_shard
+
+        s = self.state
+        return [local_shard(t) for t in (s.weight, s.bias) if t is not None] + _state_inputs(s) + s.graph_inputs()
 
 
 def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:

@@ -399,6 +399,15 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     return proj
 
 
+def full_logits(local: fx.Node) -> fx.Node:
+    """The ``[..., V]`` logits a vocabulary-parallel projection is gathered into (a target observer's top-k reads
+    them: the target keeps its gather, which verification needs)."""
+    gather = match_dtensor(local) or match_gather(local)
+    if not isinstance(gather, Gather):
+        raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
+    return gather.full
+
+
 def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
     """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
     HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""

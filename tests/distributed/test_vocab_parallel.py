@@ -1,11 +1,12 @@
 """Vocabulary-parallel drafter heads (tensor parallelism): the gather of the logits is recognised and removed.
 
 * Graph tests in this process, on a fake process group (it traces the ranks' graph; its collectives compute
-  nothing): each gather form is rewritten with no logits collective left in the compiled graph, and the forms
-  nanospec cannot follow stay dense with one warning.
+  nothing): each gather form (and DTensor ColwiseParallel) is rewritten with no logits collective left in the
+  compiled graph, the forms nanospec cannot follow stay dense with one warning, target observers feed the set.
 * Two gloo processes (spawned, with a timeout; slow): exact against the dense tensor-parallel drafter masked to
-  the active set, every fed id active, identical sets and slot order on both ranks; and a rank disagreeing on the
-  decision raises the same error on every rank instead of hanging.
+  the active set, every fed id active, identical sets and slot order on both ranks, for every form, a DTensor head
+  and a target observer; and a rank disagreeing on the decision raises the same error on every rank instead of
+  hanging.
 """
 from __future__ import annotations
 
@@ -139,13 +140,20 @@ def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled
     assert C10D.all_gather_into_tensor in _targets(compiled_graphs[-1])
 
 
-def test_a_target_observer_cannot_feed_a_sharded_state_yet(fake_group):
+@pytest.mark.parametrize("target_kind", ["vocab_parallel", "replicated"])
+def test_a_target_observer_feeds_a_sharded_state(fake_group, compiled_graphs, target_kind):
+    """The target keeps its own gather (verification needs its logits); its top-k of the gathered logits is observed
+    with the rows fetched from their owner shards."""
     model = VocabParallelDrafter(V, H, TP, rank=0)
     _compile_and_run(model, torch.randint(0, V, (1, 2)))
-    target = nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
+    target = VocabParallelDrafter(V, H, TP, rank=0, seed=5) if target_kind == "vocab_parallel" else \
+        nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
     compiled = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": model, "inductor": False})
-    with pytest.raises(Exception, match="vocabulary-parallel"), torch.no_grad():
-        compiled(torch.randint(0, V, (1, 2)))
+    with torch.no_grad():
+        assert compiled(torch.randint(0, V, (1, 2))).shape == (1, 2, V)
+    targets = _targets(compiled_graphs[-1])
+    assert torch.topk in targets and C10D.all_reduce in targets
+    assert (C10D.all_gather_into_tensor in targets) == (target_kind == "vocab_parallel")
 
 
 # ----------------------------------------------------------------------------- two gloo processes
@@ -176,7 +184,7 @@ def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_exact_with_identical_sets():
     results = _run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
-    assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor"}
+    assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor", "target_observer"}
 
 
 @pytest.mark.slow

@@ -60,6 +60,28 @@ def exact(rank: int, world: int) -> dict:
             torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
             assert _all_equal(state.token_ids().tolist()), "identical active sets and slot order on every rank"
         report[gather] = len(state)
+    # A vocabulary-parallel target observing its top-3 into the drafter's replicated set.
+    torch._dynamo.reset()
+    drafter = VocabParallelDrafter(V, H, world, rank)
+    target = VocabParallelDrafter(V, H, world, rank, seed=5)
+    compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": drafter,
+                                                                  "inductor": False})
+    first, ids = torch.randint(0, V, (2, 1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        compiled(first)  # creates the drafter's state
+        out = observer(ids)
+        expected = target(ids)
+    state = nanospec_fx.active_vocab(drafter)
+    torch.testing.assert_close(out, expected)  # the target's output is untouched
+    wanted = set(first.flatten().tolist()) | set(ids.flatten().tolist()) | set(
+        expected.topk(3, dim=-1).indices.flatten().tolist())
+    assert set(state.token_ids().tolist()) == wanted, "the target's top-3 and every fed id, nothing else"
+    active = state.contains(torch.arange(V))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), dense_masked(drafter, ids, active), rtol=1e-5, atol=1e-5)
+    assert _all_equal(state.token_ids().tolist())
+    report["target_observer"] = len(state)
     return report
 
 
