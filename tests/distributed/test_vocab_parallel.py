@@ -113,6 +113,26 @@ def test_dtensor_colwise_head(fake_group, compiled_graphs, output):
             assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V // TP)
 
 
+@pytest.mark.parametrize("ids", [[5, 2, 5, -1, 70, 9], [-3, 99], [2]])
+def test_write_rows_writes_exactly_the_active_ids_rows(ids):
+    """Rows of active ids land in their slots; out-of-range and inactive ids change nothing (repeated indices carry
+    the same value, so the result is deterministic)."""
+    from nanospec_fx.tensor_parallel import write_rows
+
+    slot_of = torch.full((V,), -1, dtype=torch.int32)
+    slot_of[torch.tensor([5, 2, 40])] = torch.tensor([3, 0, 1], dtype=torch.int32)  # 9 is not active
+    cache = torch.randn(4, H)
+    token_ids = torch.tensor(ids)
+    rows = torch.randn(len(ids), H)
+    rows[token_ids == 5] = rows[ids.index(5)].clone() if 5 in ids else 0  # a token's rows agree wherever it appears
+    expected = cache.clone()
+    for i, t in enumerate(ids):
+        if 0 <= t < V and slot_of[t] >= 0:
+            expected[slot_of[t]] = rows[i]
+    write_rows(token_ids, rows, slot_of, cache, V)
+    assert torch.equal(cache, expected)
+
+
 class LocalArgmaxToo(VocabParallelDrafter):
     """Reads its own slice of the logits besides gathering it: nothing proves what that slice would hold."""
 
