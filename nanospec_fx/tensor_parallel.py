@@ -132,15 +132,12 @@ class ShardedActiveVocab(ActiveVocab):
     cover the whole vocabulary (``slot_of[V]``, ``cache_w[C, H]`` holding rows of every shard) and are the same
     on every rank. ``observe``, ``reset`` and ``refresh`` must be called on every rank of the group, with the same
     ids (SPMD, as the drafter itself runs): ``observe`` and ``refresh`` run a collective.
-    Draft vocabularies (``draft_to_target``) are not supported under tensor parallelism yet.
+    With a draft vocabulary (``draft_to_target``) the head's R rows are sharded and ids are mapped to rows first.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, capacity: int = DEFAULT_CAPACITY,
                  num_pinned: int = 0, *, shard: VocabShard, seed_ids: torch.Tensor | None = None, observes: bool = True,
                  policy: str = DEFAULT_POLICY, token_to_row: torch.Tensor | None = None):
-        if token_to_row is not None:
-            raise ValueError("nanospec: draft vocabularies (draft_to_target) are not supported for a vocabulary-parallel "
-                             "head yet")
         local = local_shard(weight)  # ``weight`` itself (a DTensor head's is the state's key, like any weight)
         if local.dim() != 2 or local.shape[0] != shard.shard_rows:
             raise ValueError(f"nanospec: this rank's head shard should have {shard.shard_rows} rows, got "
@@ -149,7 +146,8 @@ class ShardedActiveVocab(ActiveVocab):
         with torch.no_grad(), torch.inference_mode(False):  # stride 0: no [V, H] memory
             self.zero_rows = local.new_zeros(1, local.shape[1]).expand(shard.vocab_size, -1)
             self.zero_bias = local_shard(bias).new_zeros(1).expand(shard.vocab_size) if bias is not None else None
-        super().__init__(weight, bias, capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy)
+        super().__init__(weight, bias, capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy,
+                         token_to_row=token_to_row)
 
     def _head_rows(self, weight: torch.Tensor) -> int:
         return self.shard.vocab_size
@@ -181,7 +179,7 @@ class ShardedActiveVocab(ActiveVocab):
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            observe_shard(token_ids, local_shard(self.weight), local_shard(self.bias), self.zero_rows, self.zero_bias,
+            observe_shard(self.rows_of(token_ids), local_shard(self.weight), local_shard(self.bias), self.zero_rows, self.zero_bias,
                           *self.tensors(), self.num_pinned, self.shard)
 
     def refresh(self) -> None:

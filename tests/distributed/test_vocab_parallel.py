@@ -4,8 +4,8 @@
   nothing): each gather form (and DTensor ColwiseParallel) is rewritten with no logits collective left in the
   compiled graph, the forms nanospec cannot follow stay dense with one warning, target observers feed the set.
 * Two gloo processes (spawned, with a timeout; slow): exact against the dense tensor-parallel drafter masked to
-  the active set, every fed id active, identical sets and slot order on both ranks, for every form, a DTensor head
-  and a target observer; and a rank disagreeing on the decision raises the same error on every rank instead of
+  the active set, every fed id active, identical sets and slot order on both ranks, for every form, a DTensor head,
+  a draft vocabulary and a target observer; and a rank disagreeing on the decision raises the same error on every rank instead of
   hanging.
 """
 from __future__ import annotations
@@ -204,7 +204,8 @@ def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_exact_with_identical_sets():
     results = _run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
-    assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor", "target_observer"}
+    assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor", "target_observer",
+                                                                                   "draft_to_target"}
 
 
 @pytest.mark.slow

@@ -49,16 +49,17 @@ class VocabParallelDrafter(nn.Module):
     """Embedding -> one layer -> vocabulary-parallel head -> gather -> soft-capped logits (a post-op)."""
 
     def __init__(self, vocab: int, hidden: int, tp: int, rank: int, gather: str = "funcol", bias: bool = False,
-                 seed: int = 0, scale: float | None = None):
+                 seed: int = 0, scale: float | None = None, draft_rows: int | None = None):
         super().__init__()
         self.scale = scale  # a temperature and a cast on this rank's slice, before the gather
         g = torch.Generator().manual_seed(seed)
         self.tp, self.gather = tp, GATHERS[gather]
         self.embed = nn.Embedding(vocab, hidden)
         self.proj = nn.Linear(hidden, hidden)
-        full_w = torch.randn(vocab, hidden, generator=g)
-        full_b = torch.randn(vocab, generator=g)
-        rows = vocab // tp
+        head_rows = draft_rows or vocab  # a draft vocabulary (EAGLE-3 d2t): R head rows over a V-token embedding
+        full_w = torch.randn(head_rows, hidden, generator=g)
+        full_b = torch.randn(head_rows, generator=g)
+        rows = head_rows // tp
         with torch.no_grad():
             self.embed.weight.copy_(torch.randn(vocab, hidden, generator=g))
             self.proj.weight.copy_(torch.randn(hidden, hidden, generator=g) / hidden ** 0.5)

@@ -60,6 +60,21 @@ def exact(rank: int, world: int) -> dict:
             torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
             assert _all_equal(state.token_ids().tolist()), "identical active sets and slot order on every rank"
         report[gather] = len(state)
+    # A draft vocabulary (EAGLE-3 d2t): R = 48 head rows, sharded, over the 96-token vocabulary.
+    torch._dynamo.reset()
+    rows = 48
+    tokens = torch.randperm(V, generator=torch.Generator().manual_seed(4))[:rows].sort().values
+    model = VocabParallelDrafter(V, H, world, rank, draft_rows=rows)
+    compiled = torch.compile(model, backend="nanospec", options={
+        "capacity": CAPACITY, "inductor": False, "draft_to_target": tokens, "target_vocab_size": V})  # row r -> tokens[r]
+    ids = torch.cat([tokens[torch.tensor([3, 7, 3, 40])], torch.tensor([int(t) for t in range(V) if t not in tokens][:2])])
+    with torch.no_grad():
+        out = compiled(ids.view(2, 3))
+    state = nanospec_fx.active_vocab(model)
+    assert set(state.token_ids().tolist()) == set(ids.tolist()) & set(tokens.tolist())
+    torch.testing.assert_close(out, dense_masked(model, ids.view(2, 3), state.contains(tokens)), rtol=1e-5, atol=1e-5)
+    assert _all_equal(state.token_ids().tolist())
+    report["draft_to_target"] = len(state)
     # A vocabulary-parallel target observing its top-3 into the drafter's replicated set.
     torch._dynamo.reset()
     drafter = VocabParallelDrafter(V, H, world, rank)
