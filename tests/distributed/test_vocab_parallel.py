@@ -133,6 +133,26 @@ def test_write_rows_writes_exactly_the_active_ids_rows(ids):
     assert torch.equal(cache, expected)
 
 
+class DraftLoop(VocabParallelDrafter):
+    """Three draft steps inside ``forward``, each gathering its logits and feeding its argmax back."""
+
+    def forward(self, ids):
+        picks = []
+        for _ in range(3):
+            local = F.linear(torch.tanh(self.embed(ids)), self.head_weight)
+            ids = gather_funcol(local, self.tp)[:, -1:].argmax(-1)
+            picks.append(ids)
+        return torch.cat(picks, -1)
+
+
+def test_a_draft_loop_loses_every_gather(fake_group, compiled_graphs):
+    model = DraftLoop(V, H, TP, rank=0)
+    assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3)
+    targets = _targets(compiled_graphs[-1])
+    assert C10D.all_gather_into_tensor not in targets and targets.count(C10D.all_reduce) == 3  # one per step's ids
+    assert len(nanospec_fx.active_vocab(model).rewrites[-1].consumers) == 3  # argmax on the compact logits
+
+
 class LocalArgmaxToo(VocabParallelDrafter):
     """Reads its own slice of the logits besides gathering it: nothing proves what that slice would hold."""
 
