@@ -29,17 +29,20 @@ import torch.fx as fx
 from . import effects, patterns
 from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
 
-_C10D = torch.ops._c10d_functional
 FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", "zeros"}
 CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
 
 
 def _is_c10d(node: fx.Node, name: str) -> bool:
+    """``node`` calls the functional collective ``name`` (``_c10d_functional``, or its autograd twin)."""
     target = node.target
     if node.op != "call_function":
         return False
-    packet = getattr(_C10D, name)
-    return target is packet or target is getattr(packet, "default", None)
+    for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None and (target is packet or target is getattr(packet, "default", None)):
+            return True
+    return False
 
 
 @dataclass
