@@ -196,6 +196,9 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tu
         return held
     if name in ("view", "reshape", "unflatten") and held == ("stack",) and _same(out, (world,) + tuple(local)):
         return ("ranked", 0)
+    if name in ("view", "reshape") and held == ("stack",) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+            and _same(out, tuple(local[:-1]) + (world * local[-1],)):
+        return ("full",)  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
     if held is not None and held[0] == "ranked":
         moved = _moved_axis(n, held[1], len(local) + 1)
         if moved is not None:

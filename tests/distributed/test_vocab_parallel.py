@@ -84,6 +84,13 @@ def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, 
     assert "head_weight" in str(nanospec_fx.explain(model))
 
 
+def test_a_one_row_gather_written_as_a_view(fake_group, compiled_graphs):
+    """For one row funcol writes the gather as ``stacked.view(1, 1, V)``: the slices are already side by side."""
+    model = VocabParallelDrafter(V, H, TP, rank=0)
+    assert _compile_and_run(model, torch.randint(0, V, (1, 1))).shape == (1, 1, V)
+    assert C10D.all_gather_into_tensor not in _targets(compiled_graphs[-1])
+
+
 @pytest.mark.parametrize("gather", ["funcol", "list"])
 def test_dynamic_shapes_keep_the_rewrite(fake_group, compiled_graphs, gather):
     model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather)
