@@ -7,6 +7,7 @@
 * ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
 * ``grad_mode``      - whether autograd records where the head runs
 * ``effects``        - what a node writes and may alias (op schemas)
+* ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
 
 The contract these passes implement (README, "The contract"):
 
