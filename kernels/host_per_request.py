@@ -7,6 +7,7 @@ Same values and shapes as :mod:`kernels.reference_per_request`; only the work in
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import host
 from .reference_per_request import flat_rows
@@ -48,11 +49,20 @@ def observe_per_request(
                      ids[r], slot_of[r], cursor[r:r + 1], cache_w[r], cache_b[r], num_pinned)
 
 
-def _per_group(x2: torch.Tensor, rows: torch.Tensor, width: int, fn, dtype=None) -> torch.Tensor:
-    out = x2.new_empty((x2.shape[0], width), dtype=dtype or x2.dtype)
-    for r, members in _groups(rows).items():
-        out.index_copy_(0, members, fn(r, x2.index_select(0, members)))
-    return out
+def _plan(rows: torch.Tensor, cursor: torch.Tensor, capacity: int):
+    """(request row, its batch rows or None when it has them all, active count) per request in the batch."""
+    counts = cursor.tolist()
+    groups = _groups(rows)
+    whole = len(groups) == 1
+    return [(q, None if whole else members, min(counts[q], capacity)) for q, members in groups.items()]
+
+
+def _gemm(x2, members, cache_w, cache_b, q: int, n: int) -> torch.Tensor:
+    """Logits of the request's rows over its first ``n`` slots (a bucket of rows computed, as the host head does)."""
+    rows = host.bucket(n, cache_w.shape[1])
+    xs = x2 if members is None else x2.index_select(0, members)
+    part = F.linear(xs, cache_w[q, :rows], None if cache_b is None else cache_b[q, :rows])
+    return part[:, :n]
 
 
 def compact_logits_per_request(
@@ -61,9 +71,16 @@ def compact_logits_per_request(
     """Same contract as :func:`kernels.reference_per_request.compact_logits_per_request`."""
     x2, r = flat_rows(x, rows)
     _check(r, cache_w.shape[0])
-    out = _per_group(x2, r, cache_w.shape[1], lambda q, xs: host.compact_logits(
-        xs, cache_w[q], None if cache_b is None else cache_b[q], cursor[q:q + 1]))
-    return out.reshape(*x.shape[:-1], cache_w.shape[1])
+    capacity = cache_w.shape[1]
+    out = x2.new_full((x2.shape[0], capacity), float("-inf"))
+    for q, members, n in _plan(r, cursor, capacity):
+        if n:
+            part = _gemm(x2, members, cache_w, cache_b, q, n)
+            if members is None:
+                out[:, :n] = part
+            else:
+                out.index_put_((members[:, None], torch.arange(n)[None, :]), part)
+    return out.reshape(*x.shape[:-1], capacity)
 
 
 def scatter_logits_per_request(
@@ -72,19 +89,34 @@ def scatter_logits_per_request(
     """Same contract as :func:`kernels.reference_per_request.scatter_logits_per_request`."""
     c2, r = flat_rows(compact, rows)
     _check(r, ids.shape[0])
-    out = _per_group(c2, r, vocab_size, lambda q, cs: host.scatter_logits(cs, ids[q], cursor[q:q + 1], vocab_size))
+    out = c2.new_full((c2.shape[0], vocab_size), float("-inf"))
+    for q, members, n in _plan(r, cursor, ids.shape[1]):
+        _place(out, members, ids[q, :n], c2[:, :n] if members is None else c2.index_select(0, members)[:, :n])
     return out.reshape(*compact.shape[:-1], vocab_size)
+
+
+def _place(out: torch.Tensor, members, tokens: torch.Tensor, values: torch.Tensor) -> None:
+    """``out[members][:, tokens] = values`` (active ids are distinct: no write collides)."""
+    if not tokens.numel():
+        return
+    if members is None:
+        out.scatter_(1, tokens.expand(values.shape), values)
+    else:
+        out.index_put_((members[:, None], tokens[None, :]), values)
 
 
 def head_logits_per_request(
     x: torch.Tensor, rows: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor,
     cursor: torch.Tensor, vocab_size: int,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference_per_request.head_logits_per_request`."""
+    """Same contract as :func:`kernels.reference_per_request.head_logits_per_request`: one GEMM per request over
+    its active rows, written straight to their token ids (no compact round trip)."""
     x2, r = flat_rows(x, rows)
     _check(r, cache_w.shape[0])
-    out = _per_group(x2, r, vocab_size, lambda q, xs: host.head_logits(
-        xs, cache_w[q], None if cache_b is None else cache_b[q], ids[q], cursor[q:q + 1], vocab_size))
+    out = x2.new_full((x2.shape[0], vocab_size), float("-inf"))
+    for q, members, n in _plan(r, cursor, cache_w.shape[1]):
+        if n:
+            _place(out, members, ids[q, :n], _gemm(x2, members, cache_w, cache_b, q, n))
     return out.reshape(*x.shape[:-1], vocab_size)
 
 
@@ -106,5 +138,21 @@ def compact_topk_per_request(
 
 
 def compact_argmax_per_request(compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference_per_request.compact_argmax_per_request`."""
-    return compact_topk_per_request(compact, rows, ids, cursor, 1, True)[1].squeeze(-1)
+    """Same contract as :func:`kernels.reference_per_request.compact_argmax_per_request`: per request, the
+    smallest token id among its largest active values (NaN largest); 0 for a request with no active token."""
+    c2, r = flat_rows(compact, rows)
+    _check(r, ids.shape[0])
+    out = torch.zeros(c2.shape[0], dtype=torch.int64, device=c2.device)
+    for q, members, n in _plan(r, cursor, ids.shape[1]):
+        if not n:
+            continue
+        v = (c2 if members is None else c2.index_select(0, members))[:, :n]
+        best = v.max(-1, keepdim=True).values
+        hit = (v == best) | (v.isnan() & best.isnan())
+        tokens = ids[q, :n].expand(v.shape)
+        pick = torch.where(hit, tokens, torch.full_like(tokens, torch.iinfo(torch.int64).max)).min(-1).values
+        if members is None:
+            out.copy_(pick)
+        else:
+            out.index_copy_(0, members, pick)
+    return out.reshape(compact.shape[:-1])

@@ -164,3 +164,26 @@ def test_isolation_a_token_fed_to_one_request_is_inactive_for_the_others(impl):
     assert finite[0].nonzero().flatten().tolist() == [5, 6]
     assert finite[2].nonzero().flatten().tolist() == [7]
     assert not finite[1].any() and not finite[3].any()
+
+
+def test_selection_ties_and_nan_follow_the_shared_rule(impl):
+    """Equal values: the smaller token id first; NaN counts as largest (as torch.sort / argmax order them)."""
+    weight, bias = _head(10)
+    ids, slot_of, cursor, cache_w, cache_b = _state_by_hand(weight, bias, SETS)
+    rows = torch.tensor([0, 3, 3, 1, 2])
+    compact = torch.tensor([
+        [1.0, 2.0, 2.0, 1.0, 0.5, 9.0, 9.0, 9.0, 9.0],  # request 0: tokens 17 and 0 tie at 2.0; slots past 5 ignored
+        [0.0, 0.0, 0.0, 5.0, 0.0, 5.0, 0.0, 5.0, 0.0],  # request 3: tokens 2, 14, 4 tie at 5.0
+        [1.0, float("nan"), 3.0, 1.0, float("nan"), 0.0, 0.0, 0.0, 0.0],  # NaN at tokens 1 and 29
+        [4.0, 4.0, 7.0, 7.0, 7.0, 7.0, 7.0, 7.0, 7.0],  # request 1: tokens 36, 5 tie
+        [7.0] * C,  # request 2: empty
+    ])
+    dense = torch.full((rows.numel(), V), NEG)
+    for b, r in enumerate(rows.tolist()):
+        for slot, token in enumerate(SETS[r]):
+            dense[b, token] = compact[b, slot]
+    assert torch.equal(OPS.compact_argmax_per_request(compact, rows, ids, cursor), dense.argmax(-1))
+    vals, toks = OPS.compact_topk_per_request(compact, rows, ids, cursor, 3, True)
+    want_vals, want_toks = torch.sort(dense, dim=-1, descending=True, stable=True)
+    assert torch.equal(toks, want_toks[:, :3])
+    torch.testing.assert_close(vals, want_vals[:, :3], equal_nan=True)
