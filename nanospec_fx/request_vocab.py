@@ -19,20 +19,15 @@ import torch
 
 from nanospec_fx.kernels import ops_per_request as ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
+from nanospec_fx.policies import resolve, token_to_row
 from nanospec_fx.state import _check_token_map, as_token_ids
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
 def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """EAGLE-3's ``d2t`` offsets (target id = draft id + d2t[draft id]) as a token -> head-row map [vocab_size]."""
-    d2t = torch.as_tensor(d2t, dtype=torch.int64).flatten()
-    draft = torch.arange(d2t.numel(), device=d2t.device)
-    target = draft + d2t
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
-        raise ValueError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
-    t2r = torch.full((vocab_size,), -1, dtype=torch.int64, device=d2t.device)
-    t2r[target] = draft
-    return t2r
+    d2t = torch.as_tensor(d2t, dtype=torch.int64).flatten().cpu()
+    return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
 
 
 class RequestVocabs:
@@ -45,6 +40,9 @@ class RequestVocabs:
         capacity: active tokens per request (clamped to R_head); full: the request's oldest insertion is evicted.
         num_pinned: per request, the first slots filled are never evicted.
         seed_ids: token ids every request holds after :meth:`assign` and :meth:`reset`.
+        observes: ``False`` freezes every set after seeding (the ``static`` policy; one shared
+            :class:`~nanospec_fx.ActiveVocab` serves that case with one copy instead of one per request).
+        policy: the policy's name, for display (:meth:`from_config` sets it).
         token_to_row: int64 [V]: token id -> head row, -1 where the head has none (EAGLE-3, see
             :func:`token_to_row_from_d2t`). Observed ids are token ids; logits, top-k and argmax are over head rows.
     """
@@ -58,6 +56,8 @@ class RequestVocabs:
         num_pinned: int = 0,
         *,
         seed_ids: Any = None,
+        observes: bool = True,
+        policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
     ):
         if weight.dim() != 2:
@@ -74,6 +74,7 @@ class RequestVocabs:
         self.max_requests, self.capacity, self.num_pinned, self.hidden_size = max_requests, capacity, num_pinned, hidden
         self.vocab_size = head_rows  # the last dim of logits: head rows (= token ids without a token map)
         self.device = weight.device
+        self.observes, self.policy = observes, policy
         self.token_to_row = self.row_to_token = None
         if token_to_row is not None:
             self.token_to_row, self.row_to_token = _check_token_map(token_to_row, head_rows, self.device)
@@ -94,6 +95,14 @@ class RequestVocabs:
         self._free = list(range(max_requests))
         self.head_calls = 0  # head evaluations (logits, compact_logits, topk, argmax): proves the path is taken
         self._seen_versions = self._weight_versions()
+
+    @classmethod
+    def from_config(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: VocabConfig | StateConfig,
+                    max_requests: int = 8) -> "RequestVocabs":
+        """Built from the vocabulary options the backend takes (``VocabConfig``: capacity, num_pinned, policy with
+        its frequencies, draft_to_target...), so a server and ``torch.compile`` users spell them alike."""
+        state = resolve(config) if isinstance(config, VocabConfig) else config
+        return cls(weight, bias, max_requests, **state.keywords())
 
     # ----------------------------------------------------------------- request rows (host bookkeeping)
     def assign(self, request_id: Hashable) -> int:
@@ -153,7 +162,8 @@ class RequestVocabs:
         """Add token ids (int, list, tensor, numpy; any shape) to the set of ``request_id``.
 
         ``validate`` raises ``ValueError`` for ids outside [0, V) (reads them on the host); ``validate=False`` is
-        sync-free and skips them. Tokens without a head row (``token_to_row`` -1) are skipped."""
+        sync-free and skips them. Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set
+        (``observes=False``, the ``static`` policy) ignores the call."""
         tokens = as_token_ids(token_ids).to(self.device).reshape(1, -1)
         if validate:
             self._check_range(tokens)
@@ -167,7 +177,9 @@ class RequestVocabs:
         rows = rows.to(self.device, torch.int64).reshape(-1)
         self._observe(rows, tokens.reshape(rows.numel(), -1))
 
-    def _observe(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
+        if not (self.observes or seeding):
+            return
         self.refresh_if_stale()
         with torch.no_grad():
             ops.observe_per_request(self._rows_of_tokens(tokens), rows, self.weight, self.bias, *self.tensors(),
@@ -249,8 +261,8 @@ class RequestVocabs:
 
     def __repr__(self) -> str:
         return (f"RequestVocabs(requests={len(self._row_of)}/{self.max_requests}, capacity={self.capacity}, "
-                f"vocab_size={self.vocab_size}, hidden={self.hidden_size}, num_pinned={self.num_pinned}, "
-                f"device={self.device})")
+                f"vocab_size={self.vocab_size}, hidden={self.hidden_size}, policy={self.policy!r}, "
+                f"num_pinned={self.num_pinned}, device={self.device})")
 
     # ----------------------------------------------------------------- internals
     def _before_head(self) -> None:
@@ -291,7 +303,7 @@ class RequestVocabs:
     def _reset_row(self, row: int) -> None:
         self._clear_row(row)
         if self.seed_ids is not None:
-            self._observe(torch.tensor([row], dtype=torch.int64).to(self.device), self.seed_ids.reshape(1, -1))
+            self._observe(torch.tensor([row], dtype=torch.int64).to(self.device), self.seed_ids.reshape(1, -1), True)
 
     def _weight_versions(self) -> tuple | None:
         try:

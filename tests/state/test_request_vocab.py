@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanospec_fx import RequestVocabs
+from nanospec_fx import RequestVocabs, VocabConfig
 from nanospec_fx.kernels.triton_util import INTERPRET
 from nanospec_fx.request_vocab import token_to_row_from_d2t
 
@@ -185,3 +185,19 @@ def test_triton_path_end_to_end(monkeypatch):
     want = _oracle(x, weight, bias, [{3}, {1, 2, 4}])
     torch.testing.assert_close(vocabs.logits(x, rows), want, **TOL)
     assert torch.equal(vocabs.argmax(x, rows), want.argmax(-1))
+
+
+def test_built_from_the_backends_vocabulary_options(kernels):
+    weight, _ = _head(12)
+    counts = torch.zeros(V)
+    counts[[9, 4, 30]] = torch.tensor([50.0, 40.0, 30.0])  # frequency ranks: 9, 4, 30
+    hybrid = RequestVocabs.from_config(weight, None, VocabConfig(capacity=5, policy="hybrid", frequencies=counts,
+                                                                 pinned_size=2), max_requests=2)
+    assert (hybrid.capacity, hybrid.num_pinned, hybrid.policy) == (5, 2, "hybrid")
+    hybrid.assign("a")
+    hybrid.observe("a", [1, 2, 3, 5, 6])  # the ring of 3 keeps the last 3; the pinned core stays
+    assert sorted(hybrid.token_ids("a").tolist()) == [3, 4, 5, 6, 9]
+    static = RequestVocabs.from_config(weight, None, VocabConfig(policy="static", frequencies=counts, static_size=2))
+    static.assign("s")
+    static.observe("s", [1])  # frozen: ignored
+    assert sorted(static.token_ids("s").tolist()) == [4, 9]
