@@ -2,6 +2,7 @@
 
     python benchmarks/per_request_cost.py                      # the grid of docs/per-request.md
     python benchmarks/per_request_cost.py --vocab 32000 --hidden 1024 --requests 8 --active 1000
+    python benchmarks/per_request_cost.py --device cuda --dtype bfloat16 --hidden 4096   # on a GPU (Triton path)
 
 Each of R requests holds |A| tokens: half drawn from one Zipf(1.1) law over the vocabulary (common tokens,
 shared between requests), half uniformly (request-specific words); the union U of the sets is what a shared
@@ -59,9 +60,10 @@ def union_argmax(x, rows, union_w, union_ids, slot_of, vocab):
     return union_ids[compact.masked_fill(~member, NEG).argmax(-1)]
 
 
-def measure(vocab: int, hidden: int, requests: int, active: int, rows_per_request: int, repeats: int) -> dict:
+def measure(vocab: int, hidden: int, requests: int, active: int, rows_per_request: int, repeats: int,
+            device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     torch.manual_seed(0)
-    weight = torch.randn(vocab, hidden) / hidden ** 0.5
+    weight = (torch.randn(vocab, hidden) / hidden ** 0.5).to(device, dtype)
     sets = request_sets(vocab, requests, active, seed=1)
     vocabs = RequestVocabs(weight, max_requests=requests, capacity=active)
     for r, s in enumerate(sets):
@@ -69,15 +71,17 @@ def measure(vocab: int, hidden: int, requests: int, active: int, rows_per_reques
         vocabs.observe(r, s)
     order = [r for r in range(requests) for _ in range(rows_per_request)]
     rows = vocabs.rows_for(order)
-    x = torch.randn(len(order), hidden)
-    union_ids = torch.unique(torch.cat(sets))
+    x = torch.randn(len(order), hidden).to(device, dtype)
+    union_ids = torch.unique(torch.cat(sets)).to(device)
     union_w = weight[union_ids].contiguous()
     slot_of = vocabs.slot_of
     with torch.inference_mode():  # the same answer from both, before timing
         a, b = vocabs.logits(x, rows), union_head(x, rows, union_w, union_ids, slot_of, vocab)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.allclose(a[a.isfinite()], b[b.isfinite()],
-                                                                                  rtol=1e-4, atol=1e-4)
-        assert torch.equal(vocabs.argmax(x, rows), union_argmax(x, rows, union_w, union_ids, slot_of, vocab))
+                                                                                  rtol=tol, atol=tol)
+        if dtype == torch.float32:  # lower precision: near-ties may round apart
+            assert torch.equal(vocabs.argmax(x, rows), union_argmax(x, rows, union_w, union_ids, slot_of, vocab))
         seconds = interleaved_medians({
             "dense": lambda: x @ weight.T,
             "per_request_logits": lambda: vocabs.logits(x, rows),
@@ -99,6 +103,8 @@ def main() -> None:
     p.add_argument("--rows-per-request", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--csv", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,7 +114,8 @@ def main() -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for vocab, hidden, requests, active in itertools.product(args.vocab, args.hidden, args.requests, args.active):
-        row = measure(vocab, hidden, requests, active, args.rows_per_request, args.repeats)
+        row = measure(vocab, hidden, requests, active, args.rows_per_request, args.repeats, args.device,
+                      getattr(torch, args.dtype))
         out.append(row)
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
         sys.stdout.flush()

@@ -14,12 +14,35 @@ from .reference_per_request import flat_rows
 from .schema import check_num_pinned
 
 
-def _groups(rows: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Request row -> the batch rows mapped to it (ascending), in order of first appearance."""
+def _groups(rows: torch.Tensor) -> dict[int, torch.Tensor | int]:
+    """Request row -> the batch rows mapped to it (ascending; a plain int for a single row: cheaper to index)."""
     groups: dict[int, list[int]] = {}
     for b, r in enumerate(rows.tolist()):
         groups.setdefault(r, []).append(b)
-    return {r: torch.tensor(bs, dtype=torch.int64, device=rows.device) for r, bs in groups.items()}
+    return {r: bs[0] if len(bs) == 1 else torch.tensor(bs, dtype=torch.int64, device=rows.device)
+            for r, bs in groups.items()}
+
+
+def _take(x2: torch.Tensor, members) -> torch.Tensor:
+    """Rows ``members`` of ``x2`` ([1, D] for a single row; all of them for None)."""
+    if members is None:
+        return x2
+    return x2[members:members + 1] if isinstance(members, int) else x2.index_select(0, members)
+
+
+def _put(out: torch.Tensor, members, columns, values: torch.Tensor) -> None:
+    """``out[members][:, columns] = values`` (``columns``: a slice or distinct int64 ids)."""
+    if isinstance(members, int):
+        out[members, columns] = values[0]
+    elif isinstance(columns, slice):
+        if members is None:
+            out[:, columns] = values
+        else:
+            out.index_put_((members[:, None], torch.arange(columns.stop, device=out.device)[None, :]), values)
+    elif members is None:
+        out.scatter_(1, columns.expand(values.shape), values)
+    else:
+        out.index_put_((members[:, None], columns[None, :]), values)
 
 
 def _check(rows: torch.Tensor, requests: int) -> None:
@@ -45,7 +68,7 @@ def observe_per_request(
     _check(rows, ids.shape[0])
     tok = token_ids.reshape(rows.numel(), -1)
     for r, members in _groups(rows).items():
-        host.observe(tok.index_select(0, members.to(tok.device)).reshape(-1), weight, bias,
+        host.observe(_take(tok, members).reshape(-1), weight, bias,
                      ids[r], slot_of[r], cursor[r:r + 1], cache_w[r], cache_b[r], num_pinned)
 
 
@@ -60,8 +83,7 @@ def _plan(rows: torch.Tensor, cursor: torch.Tensor, capacity: int):
 def _gemm(x2, members, cache_w, cache_b, q: int, n: int) -> torch.Tensor:
     """Logits of the request's rows over its first ``n`` slots (a bucket of rows computed, as the host head does)."""
     rows = host.bucket(n, cache_w.shape[1])
-    xs = x2 if members is None else x2.index_select(0, members)
-    part = F.linear(xs, cache_w[q, :rows], None if cache_b is None else cache_b[q, :rows])
+    part = F.linear(_take(x2, members), cache_w[q, :rows], None if cache_b is None else cache_b[q, :rows])
     return part[:, :n]
 
 
@@ -75,11 +97,7 @@ def compact_logits_per_request(
     out = x2.new_full((x2.shape[0], capacity), float("-inf"))
     for q, members, n in _plan(r, cursor, capacity):
         if n:
-            part = _gemm(x2, members, cache_w, cache_b, q, n)
-            if members is None:
-                out[:, :n] = part
-            else:
-                out.index_put_((members[:, None], torch.arange(n)[None, :]), part)
+            _put(out, members, slice(0, n), _gemm(x2, members, cache_w, cache_b, q, n))
     return out.reshape(*x.shape[:-1], capacity)
 
 
@@ -91,18 +109,9 @@ def scatter_logits_per_request(
     _check(r, ids.shape[0])
     out = c2.new_full((c2.shape[0], vocab_size), float("-inf"))
     for q, members, n in _plan(r, cursor, ids.shape[1]):
-        _place(out, members, ids[q, :n], c2[:, :n] if members is None else c2.index_select(0, members)[:, :n])
+        if n:
+            _put(out, members, ids[q, :n], _take(c2, members)[:, :n])
     return out.reshape(*compact.shape[:-1], vocab_size)
-
-
-def _place(out: torch.Tensor, members, tokens: torch.Tensor, values: torch.Tensor) -> None:
-    """``out[members][:, tokens] = values`` (active ids are distinct: no write collides)."""
-    if not tokens.numel():
-        return
-    if members is None:
-        out.scatter_(1, tokens.expand(values.shape), values)
-    else:
-        out.index_put_((members[:, None], tokens[None, :]), values)
 
 
 def head_logits_per_request(
@@ -116,7 +125,7 @@ def head_logits_per_request(
     out = x2.new_full((x2.shape[0], vocab_size), float("-inf"))
     for q, members, n in _plan(r, cursor, cache_w.shape[1]):
         if n:
-            _place(out, members, ids[q, :n], _gemm(x2, members, cache_w, cache_b, q, n))
+            _put(out, members, ids[q, :n], _gemm(x2, members, cache_w, cache_b, q, n))
     return out.reshape(*x.shape[:-1], vocab_size)
 
 
@@ -131,9 +140,9 @@ def compact_topk_per_request(
     values = c2.new_empty((c2.shape[0], k))
     tokens = c2.new_empty((c2.shape[0], k), dtype=torch.int64)
     for q, members in _groups(r).items():
-        v, t = host.compact_topk(c2.index_select(0, members), ids[q], cursor[q:q + 1], k, largest)
-        values.index_copy_(0, members, v)
-        tokens.index_copy_(0, members, t)
+        v, t = host.compact_topk(_take(c2, members), ids[q], cursor[q:q + 1], k, largest)
+        _put(values, members, slice(0, k), v)
+        _put(tokens, members, slice(0, k), t)
     return values.reshape(*compact.shape[:-1], k), tokens.reshape(*compact.shape[:-1], k)
 
 
@@ -146,13 +155,10 @@ def compact_argmax_per_request(compact: torch.Tensor, rows: torch.Tensor, ids: t
     for q, members, n in _plan(r, cursor, ids.shape[1]):
         if not n:
             continue
-        v = (c2 if members is None else c2.index_select(0, members))[:, :n]
+        v = _take(c2, members)[:, :n]
         best = v.max(-1, keepdim=True).values
         hit = (v == best) | (v.isnan() & best.isnan())
         tokens = ids[q, :n].expand(v.shape)
         pick = torch.where(hit, tokens, torch.full_like(tokens, torch.iinfo(torch.int64).max)).min(-1).values
-        if members is None:
-            out.copy_(pick)
-        else:
-            out.index_copy_(0, members, pick)
+        _put(out[:, None], members, slice(0, 1), pick[:, None])
     return out.reshape(compact.shape[:-1])
