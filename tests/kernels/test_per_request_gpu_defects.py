@@ -90,3 +90,36 @@ def test_every_wrapper_launches_under_the_device_guard(monkeypatch):
                     call()
             assert len(seen) > before
     assert set(seen) == {torch.device("cpu")}
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_per_request_path_matches_the_reference_without_syncing(monkeypatch):
+    """On CUDA tensors (auto -> Triton): equal to the reference on CPU, and no host sync (sync debug mode errors)."""
+    from nanospec_fx import RequestVocabs
+
+    monkeypatch.delenv("NANOSPEC_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(V, H, generator=g), torch.randn(V, generator=g)
+    cpu, gpu = RequestVocabs(w, b, R, C), RequestVocabs(w.cuda(), b.cuda(), R, C)
+    for v in (cpu, gpu):
+        for rid in "abc":
+            v.assign(rid)
+    batch, tokens = ["c", "a", "c", "b"], torch.randint(-1, V, (4, 5), generator=g)
+    x = torch.randn(4, H, generator=g)
+    cpu.observe_rows(cpu.rows_for(batch), tokens)
+    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    want = cpu.logits(x, cpu.rows_for(batch)), cpu.topk(x, cpu.rows_for(batch), 3)
+    monkeypatch.delenv("NANOSPEC_KERNELS")
+    rows, tokens, x = gpu.rows_for(batch), tokens.cuda(), x.cuda()  # copies before the check: they may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu.observe_rows(rows, tokens)
+        logits, (vals, toks) = gpu.logits(x, rows), gpu.topk(x, rows, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(logits.cpu(), want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(vals.cpu(), want[1][0], rtol=1e-5, atol=1e-4)
+    assert torch.equal(toks.cpu(), want[1][1])
+    for name, got, ref in zip(schema.STATE, gpu.tensors(), cpu.tensors()):
+        assert torch.equal(got.cpu(), ref), name
