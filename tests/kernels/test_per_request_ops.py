@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanospec_fx.kernels import ops_per_request  # noqa: F401  (registers torch.ops.nanospec.*_per_request)
 from nanospec_fx.kernels import reference, schema
@@ -142,7 +144,7 @@ def test_observe_with_eviction_is_the_shared_op_per_request(impl, num_pinned):
     weight, bias = _head(7)
     state = schema.new_request_state(R, V, H, C, weight.dtype, "cpu")
     singles = [schema.new_state(V, H, C, weight.dtype, "cpu") for _ in range(R)]
-    for rows, tok in _observe_stream(8, 6, 6, 3):
+    for rows, tok in _observe_stream(8, 4, 6, 3):
         OPS.observe_per_request(tok, rows, weight, bias, *state, num_pinned)
         for r in range(R):
             mine = tok[rows == r].reshape(-1)
@@ -187,3 +189,48 @@ def test_selection_ties_and_nan_follow_the_shared_rule(impl):
     want_vals, want_toks = torch.sort(dense, dim=-1, descending=True, stable=True)
     assert torch.equal(toks, want_toks[:, :3])
     torch.testing.assert_close(vals, want_vals[:, :3], equal_nan=True)
+
+
+@st.composite
+def _batches(draw):
+    """A per-request state of drawn shape and sets, and a batch of rows mapped to its requests."""
+    vocab, hidden = draw(st.integers(2, 70)), draw(st.integers(1, 40))
+    capacity, requests = draw(st.integers(1, min(vocab, 20))), draw(st.integers(1, 5))
+    sets = [draw(st.lists(st.integers(0, vocab - 1), max_size=capacity, unique=True)) for _ in range(requests)]
+    rows = draw(st.lists(st.integers(0, requests - 1), min_size=0, max_size=7))
+    return vocab, hidden, capacity, sets, rows, draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+
+
+@given(case=_batches())
+@settings(deadline=None, max_examples=30, derandomize=True)
+def test_drawn_shapes_against_the_masked_dense_head(case):
+    vocab, hidden, capacity, sets, rows, with_bias, seed = case
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=g)
+    bias = torch.randn(vocab, generator=g) if with_bias else None
+    ids, slot_of, cursor, cache_w, cache_b = schema.new_request_state(len(sets), vocab, hidden, capacity, torch.float32, "cpu")
+    for r, tokens in enumerate(sets):
+        t = torch.tensor(tokens, dtype=torch.int64)
+        ids[r, : len(t)], slot_of[r, t], cursor[r] = t, torch.arange(len(t), dtype=torch.int32), len(t)
+        cache_w[r, : len(t)] = weight[t]
+        if bias is not None:
+            cache_b[r, : len(t)] = bias[t]
+    rows = torch.tensor(rows, dtype=torch.int64)
+    x = torch.randn(rows.numel(), hidden, generator=g)
+    dense = x @ weight.T + (bias if bias is not None else 0)
+    mask = torch.zeros(rows.numel(), vocab, dtype=torch.bool)
+    for b, r in enumerate(rows.tolist()):
+        mask[b, sets[r]] = True
+    want = dense.masked_fill(~mask, NEG)
+    k = min(3, vocab)
+    for mode in ("reference", "host"):  # the Triton kernels: the fixed shapes above (the interpreter is slow)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NANOSPEC_KERNELS", mode)
+            b = cache_b if with_bias else None
+            got = OPS.head_logits_per_request(x, rows, cache_w, b, ids, cursor, vocab)
+            torch.testing.assert_close(got, want, **TOL)
+            compact = OPS.compact_logits_per_request(x, rows, cache_w, b, cursor)
+            vals, toks = OPS.compact_topk_per_request(compact, rows, ids, cursor, k, True)
+            want_vals, want_toks = torch.sort(want, dim=-1, descending=True, stable=True)
+            assert torch.equal(toks, want_toks[:, :k]), mode
+            torch.testing.assert_close(vals, want_vals[:, :k], **TOL)
