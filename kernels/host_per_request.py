@@ -66,6 +66,8 @@ def observe_per_request(
     check_num_pinned(num_pinned, ids.shape[1])
     rows = rows.reshape(-1).to(torch.int64)
     _check(rows, ids.shape[0])
+    if rows.numel() == 0:
+        return
     tok = token_ids.reshape(rows.numel(), -1)
     for r, members in _groups(rows).items():
         host.observe(_take(tok, members).reshape(-1), weight, bias,

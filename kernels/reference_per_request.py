@@ -62,6 +62,8 @@ def observe_per_request(
     """Add ``token_ids [B, n]`` (-1 and other out-of-range ids ignored) of batch row b to request ``rows[b]``."""
     check_num_pinned(num_pinned, ids.shape[1])
     rows = rows.reshape(-1).to(device=ids.device, dtype=torch.int64)
+    if rows.numel() == 0:
+        return
     grouped = grouped_token_ids(token_ids, rows)
     state = (ids, slot_of, cursor, cache_w, cache_b)
     for b in range(rows.numel()):  # a later batch row of the same request sees the earlier one's write back

@@ -174,8 +174,9 @@ class RequestVocabs:
         """Batched, sync-free observe: ``token_ids [B, n]`` (-1: padding) of batch row b join request row
         ``rows[b]``; the ids of several batch rows of one request are observed as one call, in batch order."""
         tokens = as_token_ids(token_ids).to(self.device)
-        rows = rows.to(self.device, torch.int64).reshape(-1)
-        self._observe(rows, tokens.reshape(rows.numel(), -1))
+        rows = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        if rows.numel():
+            self._observe(rows, tokens.reshape(rows.numel(), -1))
 
     def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
         if not (self.observes or seeding):

@@ -106,6 +106,10 @@ def test_leading_dims_and_empty_batch(impl):
     torch.testing.assert_close(OPS.head_logits_per_request(x, rows, cache_w, cache_b, ids, cursor, V), want, **TOL)
     empty = OPS.head_logits_per_request(x[:0], rows[:0], cache_w, cache_b, ids, cursor, V)
     assert empty.shape == (0, 3, V)
+    before = [t.clone() for t in (ids, slot_of, cursor, cache_w, cache_b)]
+    OPS.observe_per_request(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), weight, bias,
+                            ids, slot_of, cursor, cache_w, cache_b, 0)  # an empty batch observes nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, (ids, slot_of, cursor, cache_w, cache_b)))
 
 
 def _observe_stream(seed, steps, batch, width):

@@ -130,6 +130,8 @@ def test_observe_rows_batches_several_requests(kernels):
     for rid in ("a", "b", "c"):
         assert torch.equal(one.token_ids(rid), many.token_ids(rid)), rid
     assert sorted(many.token_ids("b").tolist()) == [7, 8, 9, 10, 11]  # 4, 5 dropped within the call (capacity 5)
+    many.observe_rows(many.rows_for([]), torch.zeros(0, 3, dtype=torch.int64))  # an empty batch: nothing
+    assert sorted(many.token_ids("b").tolist()) == [7, 8, 9, 10, 11]
 
 
 def test_validation_and_token_map(kernels):
