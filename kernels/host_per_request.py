@@ -148,7 +148,9 @@ def compact_topk_per_request(
     return values.reshape(*compact.shape[:-1], k), tokens.reshape(*compact.shape[:-1], k)
 
 
-def compact_argmax_per_request(compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+def compact_argmax_per_request(
+    compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor
+) -> torch.Tensor:
     """Same contract as :func:`kernels.reference_per_request.compact_argmax_per_request`: per request, the
     smallest token id among its largest active values (NaN largest); 0 for a request with no active token."""
     c2, r = flat_rows(compact, rows)

@@ -10,40 +10,49 @@ are inference ops (a drafter is trained through the shared-set ops).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .dispatch import implementation_for
 from .ops import _register
 from .schema import check_num_pinned
 
 
-def _observe_per_request(token_ids, rows, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned: int) -> None:
+def _observe_per_request(
+    token_ids: Tensor, rows: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, slot_of: Tensor, cursor: Tensor,
+    cache_w: Tensor, cache_b: Tensor, num_pinned: int,
+) -> None:
     """Add ``token_ids [B, n]`` (-1 ignored) of batch row b to request row ``rows[b]`` (in place)."""
     check_num_pinned(num_pinned, ids.shape[1])
     implementation_for("observe_per_request", cache_w)(
         token_ids, rows, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 
-def _compact_logits_per_request(x, rows, cache_w, cache_b, cursor):
+def _compact_logits_per_request(x: Tensor, rows: Tensor, cache_w: Tensor, cache_b: Tensor | None, cursor: Tensor
+                                ) -> Tensor:
     """Logits of each row's request's slots, [..., C]; slots past that request's count are -inf."""
     return implementation_for("compact_logits_per_request", x)(x, rows, cache_w, cache_b, cursor)
 
 
-def _scatter_logits_per_request(compact, rows, ids, cursor, vocab_size: int):
+def _scatter_logits_per_request(compact: Tensor, rows: Tensor, ids: Tensor, cursor: Tensor, vocab_size: int) -> Tensor:
     """Compact logits [..., C] -> [..., V], each row at its request's token ids, -inf elsewhere."""
     return implementation_for("scatter_logits_per_request", compact)(compact, rows, ids, cursor, vocab_size)
 
 
-def _head_logits_per_request(x, rows, cache_w, cache_b, ids, cursor, vocab_size: int):
+def _head_logits_per_request(
+    x: Tensor, rows: Tensor, cache_w: Tensor, cache_b: Tensor | None, ids: Tensor, cursor: Tensor, vocab_size: int
+) -> Tensor:
     """compact_logits_per_request then scatter_logits_per_request in one op, [..., V]."""
     return implementation_for("head_logits_per_request", x)(x, rows, cache_w, cache_b, ids, cursor, vocab_size)
 
 
-def _compact_topk_per_request(compact, rows, ids, cursor, k: int, largest: bool = True):
+def _compact_topk_per_request(
+    compact: Tensor, rows: Tensor, ids: Tensor, cursor: Tensor, k: int, largest: bool = True
+) -> tuple[Tensor, Tensor]:
     """Top-k over each row's request's active slots -> (values, token ids); ties: smaller id first."""
     return implementation_for("compact_topk_per_request", compact)(compact, rows, ids, cursor, k, largest)
 
 
-def _compact_argmax_per_request(compact, rows, ids, cursor):
+def _compact_argmax_per_request(compact: Tensor, rows: Tensor, ids: Tensor, cursor: Tensor) -> Tensor:
     """Token id of the largest active logit of each row's request (ties: smaller id; 0 if none)."""
     return implementation_for("compact_argmax_per_request", compact)(compact, rows, ids, cursor)
 

@@ -79,8 +79,11 @@ def compact_logits_per_request(
 ) -> torch.Tensor:
     """Row b: ``x[b] @ cache_w[rows[b]].T (+ cache_b[rows[b]])`` -> [..., C]; -inf past that request's count."""
     x2, r = flat_rows(x, rows)
-    out = [reference.compact_logits(x2[b], _row(cache_w, r[b:b + 1]), None if cache_b is None else _row(cache_b, r[b:b + 1]),
-                                    _row(cursor, r[b:b + 1])) for b in range(r.numel())]
+    out = []
+    for b in range(r.numel()):
+        q = r[b:b + 1]
+        bias = None if cache_b is None else _row(cache_b, q)
+        out.append(reference.compact_logits(x2[b], _row(cache_w, q), bias, _row(cursor, q)))
     return _stack(out, x.shape[:-1], cache_w.shape[1], x)
 
 
@@ -117,12 +120,15 @@ def compact_topk_per_request(
     return values, tokens
 
 
-def compact_argmax_per_request(compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+def compact_argmax_per_request(
+    compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor
+) -> torch.Tensor:
     """Row b: the token id of the largest active logit of request ``rows[b]`` (ties: smaller id; 0 if none)."""
     return compact_topk_per_request(compact, rows, ids, cursor, 1, True)[1].squeeze(-1)
 
 
-def _stack(parts: list, lead: torch.Size, width: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _stack(parts: list, lead: torch.Size, width: int, like: torch.Tensor, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
     if not parts:
         return like.new_empty((*lead, width), dtype=dtype or like.dtype)
     return torch.stack(parts).reshape(*lead, width)
@@ -139,7 +145,8 @@ def _first_occurrence_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def renew_fed_ids_per_request(
-    grouped: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int
+    grouped: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor,
+    num_pinned: int,
 ) -> None:
     """:func:`kernels.reference.renew_fed_ids` of every batch row's ``grouped`` ids (:func:`grouped_token_ids`) on
     its request row, for all rows at once (the Triton path's form: fixed shapes, no sync). Only first rows of a

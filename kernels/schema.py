@@ -47,7 +47,8 @@ OPS = tuple(SCHEMAS)
 
 #: Per-request state (:class:`nanospec_fx.request_vocab.RequestVocabs`): the same fields with one row per request.
 REQUEST_STATE_FIELDS = tuple(
-    StateField(f.name, f.dtype, "[R]" if f.name == "cursor" else f"[R, {f.shape[1:-1]}]", f.meaning) for f in STATE_FIELDS
+    StateField(f.name, f.dtype, "[R]" if f.name == "cursor" else f"[R, {f.shape[1:-1]}]", f.meaning)
+    for f in STATE_FIELDS
 )
 
 #: The per-request ops: eager calls from :class:`~nanospec_fx.request_vocab.RequestVocabs` (never emitted by the passes,
@@ -69,6 +70,7 @@ REQUEST_OPS = tuple(REQUEST_SCHEMAS)
 def schema_of(op: str) -> str:
     """The declared schema string of ``op`` (shared-set or per-request)."""
     return SCHEMAS[op] if op in SCHEMAS else REQUEST_SCHEMAS[op]
+
 
 _ARG = re.compile(r"^\s*(?P<type>[\w?\[\]]+(?:\([a-z]!\))?)\s+(?P<name>\w+)(?P<default>\s*=.*)?$")
 
@@ -172,7 +174,9 @@ def check_num_pinned(num_pinned: int, capacity: int) -> None:
         raise ValueError(f"num_pinned must be in [0, capacity={capacity}), got {num_pinned}")
 
 
-def new_request_state(requests: int, vocab: int, hidden: int, capacity: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
+def new_request_state(
+    requests: int, vocab: int, hidden: int, capacity: int, dtype: torch.dtype, device
+) -> list[torch.Tensor]:
     """Empty per-request state tensors in :data:`STATE` order, one row per request (:data:`REQUEST_STATE_FIELDS`)."""
     one = new_state(vocab, hidden, capacity, dtype, device)
     one[STATE.index("cursor")] = one[STATE.index("cursor")].reshape(())

@@ -269,6 +269,8 @@ def compact_topk_per_request(
     return values.reshape(*compact.shape[:-1], k), tokens.reshape(*compact.shape[:-1], k)
 
 
-def compact_argmax_per_request(compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+def compact_argmax_per_request(
+    compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor
+) -> torch.Tensor:
     """Same contract as :func:`kernels.reference_per_request.compact_argmax_per_request`."""
     return compact_topk_per_request(compact, rows, ids, cursor, 1, True)[1].squeeze(-1)

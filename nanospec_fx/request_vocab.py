@@ -194,7 +194,8 @@ class RequestVocabs:
 
     def scatter(self, compact: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compact logits [..., capacity] -> [..., vocab_size], -inf at every token its request does not hold."""
-        return ops.scatter_logits_per_request(compact, self._rows(rows, compact), self.ids, self.cursor, self.vocab_size)
+        rows = self._rows(rows, compact)
+        return ops.scatter_logits_per_request(compact, rows, self.ids, self.cursor, self.vocab_size)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere."""

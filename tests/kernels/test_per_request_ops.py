@@ -212,7 +212,8 @@ def test_drawn_shapes_against_the_masked_dense_head(case):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(vocab, hidden, generator=g)
     bias = torch.randn(vocab, generator=g) if with_bias else None
-    ids, slot_of, cursor, cache_w, cache_b = schema.new_request_state(len(sets), vocab, hidden, capacity, torch.float32, "cpu")
+    state = schema.new_request_state(len(sets), vocab, hidden, capacity, torch.float32, "cpu")
+    ids, slot_of, cursor, cache_w, cache_b = state
     for r, tokens in enumerate(sets):
         t = torch.tensor(tokens, dtype=torch.int64)
         ids[r, : len(t)], slot_of[r, t], cursor[r] = t, torch.arange(len(t), dtype=torch.int32), len(t)
