@@ -78,11 +78,10 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
-        elif embeds and opts.observe_inputs:  # a clean prefill: its ids are kept for the head's next call
-            recording = _recording_prefill(gm, example_inputs, opts, config_patches)
-            if recording is not None:
-                return recording
-        return _dense(gm, example_inputs, opts, config_patches, said)
+        # A whole call without a head keeps the ids it looks up for the head's next call (a prefill), warned or not.
+        recording = (_recording_prefill(gm, example_inputs, opts, config_patches)
+                     if position.whole_call and opts.observe_inputs else None)
+        return _dense(gm, example_inputs, opts, config_patches, said, recording)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
@@ -120,11 +119,14 @@ def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: Nano
             tensor_parallel.agree(head.group_name, decision)
 
 
-def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str]):
-    """The graph compiled unchanged; its warnings given now, and again when another model runs it."""
+def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str],
+           compiled: Callable | None = None):
+    """The graph compiled unchanged (or ``compiled``, its ids recording twin); its warnings given now, and again
+    when another model runs it."""
     for message in said:
         warn_once(message, stacklevel=4)
-    compiled = _compile(gm, example_inputs, opts, config_patches)
+    if compiled is None:
+        compiled = _compile(gm, example_inputs, opts, config_patches)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
                      and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))), None)

@@ -207,6 +207,10 @@ SCENARIOS = {
     "one_hot_prefill_then_call": (Scenario(drafters=(R(vocab=40, lookup="one_hot", position=True, hook=True, batch=3,
                                                        seq=1, seq2=1, dtype="float16", extra_outputs=("hidden",)),),
                                            schedule=((0, "call"), (0, "prefill"), (0, "call"))), ()),
+    # found by a long run: a prefill whose body is vocabulary-wide warns (maybe a missed head) but must still keep its
+    # ids for the head's next call
+    "vocab_wide_prefill_then_call": (Scenario(drafters=(R(body=("mlp_vocab_width",), seq=3, seq2=4),), schedule=(
+        (0, "prefill"), (0, "call"))), ()),
     "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),
