@@ -39,7 +39,8 @@ def main() -> None:
     torch._dynamo.reset()
     drafters = B.drafter_variants(drafter, table.top(32768), 3072, table, which=("full", "static", "context"))
     runner = HFTarget(target)
-    print(f"{args.corpus}, depth {args.depth}, {args.max_new} new tokens, {torch.get_num_threads()} threads; ms per round")
+    print(f"{args.corpus}, depth {args.depth}, {args.max_new} new tokens, {torch.get_num_threads()} threads; "
+          "ms per round")
     print(f"{'variant':<24}{'rounds':>7}{'draft':>8}{'verify':>8}{'observe':>9}{'top-k':>7}{'rest':>7}")
     for name, d in drafters.items():
         B._reset(d)

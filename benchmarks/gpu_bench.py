@@ -281,7 +281,8 @@ def main(argv=None) -> int:
             os.environ["NANOSPEC_KERNELS"] = "reference"
             r["eager_us"]["reference_head_topk"] = timer(ns_head_topk)
             os.environ["NANOSPEC_KERNELS"] = saved or "triton"
-            for name in ("dense_head_topk", "static32k_head_topk", "nanospec_head", "nanospec_head_topk", "nanospec_step"):
+            for name in ("dense_head_topk", "static32k_head_topk", "nanospec_head", "nanospec_head_topk",
+                         "nanospec_step"):
                 replay = graphed(variants[name], dev)
                 r["graph_us"][name] = timer(replay, before=step_prep if name == "nanospec_step" else None)
             write(results, args)
@@ -437,12 +438,15 @@ def sweep_head_configs(timer, x, W, cache_w, cursor, ids, check, args) -> dict:
 
 def write(results: dict, args) -> None:
     """Markdown summary + JSON of everything so far (called after every step)."""
-    lines = [f"# nanospec GPU benchmark ({results['device']}, torch {results['torch']}, triton {results.get('triton')})", ""]
+    lines = [f"# nanospec GPU benchmark ({results['device']}, torch {results['torch']}, "
+             f"triton {results.get('triton')})", ""]
     s = results["shape"]
-    lines.append(f"H={s['hidden']} V={s['vocab']} active={s['active']} capacity={s['capacity']} {s['dtype']} top-{s['topk']}")
+    lines.append(f"H={s['hidden']} V={s['vocab']} active={s['active']} capacity={s['capacity']} {s['dtype']} "
+                 f"top-{s['topk']}")
     fl = results.get("floor_us")
     if fl:
-        lines.append(f"bandwidth floors (us): dense {fl['dense']:.1f}, static32k {fl['static32k']:.1f}, nanospec {fl['nanospec']:.2f}")
+        lines.append(f"bandwidth floors (us): dense {fl['dense']:.1f}, static32k {fl['static32k']:.1f}, "
+                     f"nanospec {fl['nanospec']:.2f}")
     for rows, r in results["rows"].items():
         lines += ["", f"## rows={rows}", "", "| variant | eager us | graph us |", "|---|---|---|"]
         for name, us in r["eager_us"].items():

@@ -40,15 +40,17 @@ def main() -> None:
         out = compiled(x)
         dense_out = head(x)
         mask = state.contains(torch.arange(args.vocab))
-        assert torch.allclose(out[:, mask], dense_out[:, mask], rtol=1e-3, atol=1e-3) and torch.isneginf(out[:, ~mask]).all()
+        assert (torch.allclose(out[:, mask], dense_out[:, mask], rtol=1e-3, atol=1e-3)
+                and torch.isneginf(out[:, ~mask]).all())
         seconds = interleaved_medians({"dense": lambda: head(x), "nanospec": lambda: compiled(x)}, args.repeats)
         dense_ms, nanospec_ms = 1e3 * seconds["dense"], 1e3 * seconds["nanospec"]
 
-    print(f"shape: H={args.hidden} V={args.vocab} rows={args.rows} active={len(state)} capacity={state.capacity} dtype={args.dtype} "
-          f"threads={torch.get_num_threads()}")
+    print(f"shape: H={args.hidden} V={args.vocab} rows={args.rows} active={len(state)} capacity={state.capacity} "
+          f"dtype={args.dtype} threads={torch.get_num_threads()}")
     print(f"dense head      {dense_ms:9.3f} ms")
     print(f"nanospec head   {nanospec_ms:9.3f} ms")
-    print(f"speedup         {dense_ms / nanospec_ms:9.1f}x   (bytes limit V/capacity = {args.vocab / state.capacity:.1f}x)")
+    print(f"speedup         {dense_ms / nanospec_ms:9.1f}x   "
+          f"(bytes limit V/capacity = {args.vocab / state.capacity:.1f}x)")
 
 
 if __name__ == "__main__":

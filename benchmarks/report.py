@@ -34,12 +34,14 @@ def coverage(data: dict) -> str:
 
 def head(data: dict) -> str:
     rows = [r for r in data["rows"]]
-    sweep_start = next((i for i in range(1, len(rows)) if rows[i]["shape"] == rows[0]["shape"] and rows[i]["variant"] == "dense"
+    sweep_start = next((i for i in range(1, len(rows))
+                        if rows[i]["shape"] == rows[0]["shape"] and rows[i]["variant"] == "dense"
                         and rows[i - 1]["shape"] != rows[0]["shape"]), len(rows))
     main, sweep = rows[:sweep_start], rows[sweep_start:]
     t = table(["shape (H x V)", "rows", "variant", "rows computed", "ms", "speedup", "limit V/N", "of limit"],
               [[f"{r['shape']} ({r['hidden']}x{r['vocab']})", str(r["rows"]), r["variant"], f"{r['size']:,}",
-                f"{r['ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['limit']:.1f}x", f"{100 * r['of_limit']:.0f}%"] for r in main])
+                f"{r['ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['limit']:.1f}x", f"{100 * r['of_limit']:.0f}%"]
+               for r in main])
     if sweep:
         t += "\n\nSweep (" + sweep[0]["shape"] + "):\n\n" + table(
             ["rows", "variant", "rows computed", "ms", "speedup vs dense"],
@@ -56,7 +58,8 @@ def draft(data: dict) -> str:
 def e2e(data: dict) -> str:
     return table(["model", "variant", "tok/s", "tokens/round", "draft share", "mean \\|A\\|", "== target greedy"],
                  [[r["model"], r["variant"], f"{r['tokens_per_s']:.2f}", f"{r['tokens_per_round']:.2f}",
-                   f"{100 * r['draft_share']:.0f}%", "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
+                   f"{100 * r['draft_share']:.0f}%",
+                   "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
                    "yes" if r["identical"] else "**no**"] for r in data["rows"]])
 
 
@@ -68,8 +71,8 @@ def e2e_eagle(data: dict) -> str:
     keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
     by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
     per_cat = table(["variant", "depth", *cats],
-                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x" if (v, d, c) in by else ""
-                                   for c in cats)] for v, d in keys])
+                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x"
+                                   if (v, d, c) in by else "" for c in cats)] for v, d in keys])
     full = {(d, c): by[(v, d, c)] for v, d, c in by if v == "full head" and d}
 
     def against_full(r, f):
@@ -108,9 +111,11 @@ def render(path: Path) -> str:
             "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
     body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
     prov = data["meta"].get("provenance")
-    origin = "" if not prov else (f"\n\ncommit {(prov.get('git_commit') or '?')[:10]}{' (dirty)' * bool(prov.get('git_dirty'))}, "
+    origin = "" if not prov else (f"\n\ncommit {(prov.get('git_commit') or '?')[:10]}"
+                                  f"{' (dirty)' * bool(prov.get('git_dirty'))}, "
                                   f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
-                                  f"{(prov.get('load_average_start') or ['?'])[0]} -> {(prov.get('load_average_end') or ['?'])[0]}")
+                                  f"{(prov.get('load_average_start') or ['?'])[0]} -> "
+                                  f"{(prov.get('load_average_end') or ['?'])[0]}")
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
 
 

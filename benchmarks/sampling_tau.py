@@ -84,10 +84,12 @@ def main() -> None:
     }
     prompts = torch.randint(0, args.vocab, (args.requests, args.prompt_len), generator=torch.Generator().manual_seed(2))
 
-    print(f"target: Llama 1 layer, H={args.hidden}, V={args.vocab}, init {args.init}; drafter: its layer + {args.noise} noise; "
+    print(f"target: Llama 1 layer, H={args.hidden}, V={args.vocab}, init {args.init}; "
+          f"drafter: its layer + {args.noise} noise; "
           f"{args.requests} requests x {args.new_tokens} tokens; chain depth {args.depth}, "
           f"tree depth {args.depth} x {args.tree_top_k} children per node")
-    print(f"{'temperature':<13}{'drafting':<10}{'drafter':<26}{'tau':>6}{'accept/draft':>14}{'mean |A|':>10}{'time':>8}")
+    print(f"{'temperature':<13}{'drafting':<10}{'drafter':<26}{'tau':>6}{'accept/draft':>14}{'mean |A|':>10}"
+          f"{'time':>8}")
     for temperature in args.temperatures:
         sampler = SpeculativeSampler(temperature=temperature)
         for top_k, mode in ((1, "chain"), (args.tree_top_k, "tree")):

@@ -54,7 +54,8 @@ def tiny(vocab: int, hidden: int):
                          num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
-    drafter = EagleDrafter(EagleConfig.from_target(config), target.model.embed_tokens, target.lm_head, final_norm(target))
+    drafter = EagleDrafter(EagleConfig.from_target(config), target.model.embed_tokens, target.lm_head,
+                           final_norm(target))
     drafter.copy_target_layer(target.model.layers[0], 0.1).eval()
     g = torch.Generator().manual_seed(2)
     return target, drafter, [torch.randint(0, vocab, (1, 16), generator=g) for _ in range(2)]
@@ -79,7 +80,8 @@ def main() -> None:
         new, depth = args.new_tokens or 64, args.depth or 2
     else:
         target, drafter, prompts = tiny(args.vocab, args.hidden)
-        print(f"no trained drafter cached (or --tiny): tiny random Llama target, V={args.vocab}, drafter copying its layer")
+        print(f"no trained drafter cached (or --tiny): tiny random Llama target, V={args.vocab}, "
+              "drafter copying its layer")
         new, depth = args.new_tokens or 24, args.depth or 3
     vocab = target.get_output_embeddings().weight.shape[0]
     head = next(n for n, p in drafter.named_parameters() if p is drafter.lm_head.weight)
@@ -90,8 +92,9 @@ def main() -> None:
     eagle_generate(runner, compiled, prompts[0], min(new, 8), depth=depth)  # compile once, untimed
     state.reset()
     print(f"{new} new tokens per request, chain drafts of depth {depth}, greedy")
-    print(f"note: nanospec runs its graph eagerly here (inductor off: quick to start). It computes {min(args.capacity, vocab):,} "
-          f"head rows at most instead of {vocab:,}, but keeps its set up to date at every step (observe); where the "
+    print("note: nanospec runs its graph eagerly here (inductor off: quick to start). "
+          f"It computes {min(args.capacity, vocab):,} head rows at most instead of {vocab:,}, but keeps its set up "
+          "to date at every step (observe); where the "
           "full head is cheap (a small vocabulary, a CPU) that upkeep can cost more than the rows it saves, so "
           "its tok/s can be below the full head's; a random drafter's guesses also fall outside the set more often "
           "(a lower tau). `nanospec-fx e2e --drafter eagle` measures it properly.")

@@ -57,12 +57,14 @@ def main() -> None:
         torch._dynamo.reset()
         drafter = Drafter(len(tokenizer)).eval()
         compiled = torch.compile(drafter, backend="nanospec",
-                                 options={"policy": policy, "frequencies": table, "capacity": 8, "inductor": False, **extra})
+                                 options={"policy": policy, "frequencies": table, "capacity": 8, "inductor": False,
+                                          **extra})
         with torch.inference_mode():
             logits = compiled(context)
         state = nanospec_fx.active_vocab(drafter)
         proposable = torch.isfinite(logits[0, -1]).nonzero().flatten().tolist()
-        print(f"{policy:8s} active={[names[i] for i in state.token_ids().tolist()]}  proposable={sorted(names[i] for i in proposable)}")
+        print(f"{policy:8s} active={[names[i] for i in state.token_ids().tolist()]}  "
+              f"proposable={sorted(names[i] for i in proposable)}")
 
 
 if __name__ == "__main__":

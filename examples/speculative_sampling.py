@@ -30,7 +30,8 @@ V, PROMPT = 12, torch.tensor([[1, 2, 3]])
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, initializer_range=0.3, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+                         num_key_value_heads=1, initializer_range=0.3, pad_token_id=0, eos_token_id=None,
+                         bos_token_id=None)
     return LlamaForCausalLM(config).eval()
 
 
@@ -60,8 +61,10 @@ def main() -> None:
     torch._dynamo.reset()
     target = tiny_llama(0)
     config = EagleConfig.from_target(target.config)
-    eagle = EagleDrafter(config, target.model.embed_tokens, target.lm_head).copy_target_layer(target.model.layers[0], 0.1)
-    compiled = torch.compile(eagle.eval(), backend="nanospec", options={"capacity": 4, "inductor": False, "head": "lm_head"})
+    eagle = EagleDrafter(config, target.model.embed_tokens, target.lm_head)
+    eagle.copy_target_layer(target.model.layers[0], 0.1)
+    compiled = torch.compile(eagle.eval(), backend="nanospec",
+                             options={"capacity": 4, "inductor": False, "head": "lm_head"})
     forward = hf_target_forward(target)
     exact = sequence_distribution(lambda ids: sampler.probs(forward(ids)[0][:, -1]), PROMPT, 3).sum(0)
     for top_k, mode in ((1, "chain"), (3, "tree")):

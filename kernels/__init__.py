@@ -6,9 +6,9 @@ Hugging Face's ``kernels`` library - and importing it twice would register the
 ``nanospec::*`` ops twice. Under any other name it is therefore an empty package.
 """
 if __name__ == "nanospec_fx.kernels":
-    from . import ops, reference
+    from . import ops, ops_per_request, reference
     from .dispatch import kernel_mode
 
-    __all__ = ["ops", "reference", "kernel_mode"]
+    __all__ = ["ops", "ops_per_request", "reference", "kernel_mode"]
 else:
     __all__ = []

@@ -135,11 +135,38 @@ def _launch_everything() -> None:
                         T.scatter_logits(compact, ids, cursor, vocab)
                         for largest in (True, False):
                             T.compact_topk(compact, ids, cursor, min(10, capacity), largest)
+        _launch_per_request(shapes)
     finally:
         if old_cfg is None:
             os.environ.pop("NANOSPEC_HEAD_CONFIG", None)
         else:
             os.environ["NANOSPEC_HEAD_CONFIG"] = old_cfg
+
+
+def _launch_per_request(shapes) -> None:
+    """Every per-request wrapper (kernels/triton_per_request.py) at the same shapes, 3 request rows."""
+    import torch
+
+    from . import triton_per_request as TP
+    from .schema import new_request_state
+    from .triton_util import direct_launch
+
+    with direct_launch(), torch.no_grad():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for vocab, hidden, capacity in shapes:
+                w, b = torch.zeros(vocab, hidden, dtype=dtype), torch.zeros(vocab, dtype=dtype)
+                state = new_request_state(3, vocab, hidden, capacity, dtype, "cpu")
+                ids, _, cursor, cache_w, cache_b = state
+                rows = torch.tensor([2, 0, 2])
+                for bias in (None, b):
+                    TP.observe_per_request(torch.zeros(3, 5, dtype=torch.int64), rows, w, bias, *state, 0)
+                x = torch.zeros(3, hidden, dtype=dtype)
+                for bias in (None, cache_b):
+                    compact = TP.compact_logits_per_request(x, rows, cache_w, bias, cursor)
+                    TP.head_logits_per_request(x, rows, cache_w, bias, ids, cursor, vocab)
+                TP.scatter_logits_per_request(compact, rows, ids, cursor, vocab)
+                for largest in (True, False):
+                    TP.compact_topk_per_request(compact, rows, ids, cursor, min(10, capacity), largest)
 
 
 def main(argv=None) -> int:

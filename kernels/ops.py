@@ -34,7 +34,7 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
-from .schema import SCHEMAS, check_num_pinned, mutated
+from .schema import check_num_pinned, mutated, schema_of
 
 
 def _want_triton_op() -> bool:
@@ -54,7 +54,7 @@ USES_TRITON_OP = _want_triton_op()
 
 
 def _register(name: str, body: Callable, fake: Callable):
-    """Register ``body`` as ``nanospec::<name>`` with its :data:`~kernels.schema.SCHEMAS` entry
+    """Register ``body`` as ``nanospec::<name>`` with its declared schema (:func:`~kernels.schema.schema_of`)
     (triton_op when possible, else an opaque custom op).
 
     ``observe`` (the one op that mutates) stays opaque everywhere: inlined, its kernels would be
@@ -62,7 +62,7 @@ def _register(name: str, body: Callable, fake: Callable):
     """
     global USES_TRITON_OP
     qualname = f"nanospec::{name}"
-    mutates_args, schema = mutated(name), SCHEMAS[name]
+    mutates_args, schema = mutated(name), schema_of(name)
     if USES_TRITON_OP and not mutates_args:
         try:
             try:

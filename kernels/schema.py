@@ -45,6 +45,33 @@ SCHEMAS: dict[str, str] = {
 }
 OPS = tuple(SCHEMAS)
 
+#: Per-request state (:class:`nanospec_fx.request_vocab.RequestVocabs`): the same fields with one row per request.
+REQUEST_STATE_FIELDS = tuple(
+    StateField(f.name, f.dtype, "[R]" if f.name == "cursor" else f"[R, {f.shape[1:-1]}]", f.meaning)
+    for f in STATE_FIELDS
+)
+
+#: The per-request ops: eager calls from :class:`~nanospec_fx.request_vocab.RequestVocabs` (never emitted by the passes,
+#: so not in :data:`OPS`). ``rows`` maps each batch row (x's leading dims) to its request row of the state.
+REQUEST_SCHEMAS: dict[str, str] = {
+    "observe_per_request":
+        f"(Tensor token_ids, Tensor rows, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned) -> ()",
+    "compact_logits_per_request": "(Tensor x, Tensor rows, Tensor cache_w, Tensor? cache_b, Tensor cursor) -> Tensor",
+    "scatter_logits_per_request": "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
+    "head_logits_per_request":
+        "(Tensor x, Tensor rows, Tensor cache_w, Tensor? cache_b, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
+    "compact_topk_per_request":
+        "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor, int k, bool largest=True) -> (Tensor, Tensor)",
+    "compact_argmax_per_request": "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor) -> Tensor",
+}
+REQUEST_OPS = tuple(REQUEST_SCHEMAS)
+
+
+def schema_of(op: str) -> str:
+    """The declared schema string of ``op`` (shared-set or per-request)."""
+    return SCHEMAS[op] if op in SCHEMAS else REQUEST_SCHEMAS[op]
+
+
 _ARG = re.compile(r"^\s*(?P<type>[\w?\[\]]+(?:\([a-z]!\))?)\s+(?P<name>\w+)(?P<default>\s*=.*)?$")
 
 
@@ -54,12 +81,12 @@ def _parsed(schema: str) -> list[re.Match]:
 
 def arguments(op: str) -> tuple[str, ...]:
     """Argument names of ``op`` in order."""
-    return tuple(m.group("name") for m in _parsed(SCHEMAS[op]))
+    return tuple(m.group("name") for m in _parsed(schema_of(op)))
 
 
 def mutated(op: str) -> tuple[str, ...]:
     """Arguments ``op`` writes in place."""
-    return tuple(m.group("name") for m in _parsed(SCHEMAS[op]) if "!)" in m.group("type"))
+    return tuple(m.group("name") for m in _parsed(schema_of(op)) if "!)" in m.group("type"))
 
 
 class OpSignature:
@@ -145,3 +172,12 @@ def check_num_pinned(num_pinned: int, capacity: int) -> None:
     """``observe`` needs a ring of at least one slot: a GPU would take a modulo by zero otherwise."""
     if not 0 <= num_pinned < capacity:
         raise ValueError(f"num_pinned must be in [0, capacity={capacity}), got {num_pinned}")
+
+
+def new_request_state(
+    requests: int, vocab: int, hidden: int, capacity: int, dtype: torch.dtype, device
+) -> list[torch.Tensor]:
+    """Empty per-request state tensors in :data:`STATE` order, one row per request (:data:`REQUEST_STATE_FIELDS`)."""
+    one = new_state(vocab, hidden, capacity, dtype, device)
+    one[STATE.index("cursor")] = one[STATE.index("cursor")].reshape(())
+    return [t.expand(requests, *t.shape).contiguous() for t in one]

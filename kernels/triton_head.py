@@ -106,8 +106,13 @@ def _head_kernel(
 
 
 @triton.jit
-def _scatter_kernel(src_ptr, ids_ptr, cursor_ptr, out_ptr, C, V, stride_sm, stride_om, BLOCK: tl.constexpr):
+def _scatter_kernel(
+    src_ptr, ids_ptr, cursor_ptr, out_ptr, C, V, stride_sm, stride_om, stride_ids, stride_cursor, BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # row * V can pass 2^31
+    # Per-request scatter (kernels/triton_per_request.py) gives each row its own ids and cursor; shared: strides 0.
+    ids_ptr += row * stride_ids
+    cursor_ptr += row * stride_cursor
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     count = tl.minimum(tl.load(cursor_ptr), C)
     live = offs < count
@@ -188,6 +193,7 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
     grid = (m, triton.cdiv(capacity, _SCATTER_BLOCK))
     with device_guard(compact):
         wrap_triton(_scatter_kernel)[grid](
-            src, ids, cursor, out.view(-1, vocab_size), capacity, vocab_size, src.stride(0), vocab_size, BLOCK=_SCATTER_BLOCK,
+            src, ids, cursor, out.view(-1, vocab_size), capacity, vocab_size, src.stride(0), vocab_size, 0, 0,
+            BLOCK=_SCATTER_BLOCK,
         )
     return out

@@ -25,10 +25,13 @@ _MAX_BLOCK = 8192  # beyond this a row no longer fits a program's registers: use
 
 @triton.jit
 def _topk_kernel(
-    src_ptr, ids_ptr, cursor_ptr, val_ptr, tok_ptr, C, K, stride_s,
+    src_ptr, ids_ptr, cursor_ptr, val_ptr, tok_ptr, C, K, stride_s, stride_ids, stride_cursor,
     LARGEST: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * stride: int64 like every other kernel
+    # Per-request top-k (kernels/triton_per_request.py) gives each row its own ids and cursor; shared: strides 0.
+    ids_ptr += row * stride_ids
+    cursor_ptr += row * stride_cursor
     count = tl.minimum(tl.load(cursor_ptr), C)
     offs = tl.arange(0, BLOCK)
     live = offs < count
@@ -92,7 +95,7 @@ def compact_topk(
     tokens = torch.empty((*compact.shape[:-1], k), dtype=torch.int64, device=compact.device)
     with device_guard(compact):
         wrap_triton(_topk_kernel)[(rows,)](
-            src, ids, cursor, values, tokens, capacity, k, src.stride(0),
+            src, ids, cursor, values, tokens, capacity, k, src.stride(0), 0, 0,
             LARGEST=largest, BLOCK=block, num_warps=topk_num_warps(block),
         )
     return values, tokens

@@ -19,8 +19,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.lookup",
+    "RequestVocabs": "nanospec_fx.request_vocab",
     "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
-    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend", "nanospec_backend": "nanospec_fx.backend",
+    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend",
+    "nanospec_backend": "nanospec_fx.backend",
     "NanoSpecOptions": "nanospec_fx.options",
     "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from nanospec_fx.lookup import active_vocab
     from nanospec_fx.options import NanoSpecOptions
     from nanospec_fx.policies import FrequencyTable
+    from nanospec_fx.request_vocab import RequestVocabs
     from nanospec_fx.state import ActiveVocab
     from nanospec_fx.vocab_config import DEFAULT_CAPACITY, POLICIES, VocabConfig
 
@@ -83,7 +86,8 @@ def register() -> None:
 
 
 __all__ = [
-    "ActiveVocab", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable", "POLICIES",
+    "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable",
+    "POLICIES",
     "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register",
     "BACKEND_NAME", "compile",
 ]

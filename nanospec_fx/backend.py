@@ -29,8 +29,11 @@ from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns
+from nanospec_fx.passes import effects, patterns, vocab_parallel
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
+from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
+from nanospec_fx.prefill import RecordingCall
+from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
 from nanospec_fx.policies import resolve
@@ -58,12 +61,16 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     width = opts.vocab_size
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
-    heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=notes)
+    heads = [h for h in vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
+             if width is None or h.vocab_size == width] or find_heads(gm, example_inputs, vocab_size=width,
+                                                                       head=opts.head, notes=notes)
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
     if not heads:
+        embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
-        # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense).
-        if position.whole_call or notes or projections_reaching_output(gm):
+        # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
+        # call that embeds tokens and computes nothing vocabulary-wide is a prefill, not a head nanospec missed.
+        if notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
             said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
                 "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"
@@ -71,7 +78,10 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
-        return _dense(gm, example_inputs, opts, config_patches, said)
+        # A whole call without a head keeps the ids it looks up for the head's next call (a prefill), warned or not.
+        recording = (_recording_prefill(gm, example_inputs, opts, config_patches)
+                     if position.whole_call and opts.observe_inputs else None)
+        return _dense(gm, example_inputs, opts, config_patches, said, recording)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
@@ -80,24 +90,43 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             said.append(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
             rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
+    _agree(heads, rewritable, said, opts)  # before any state is built: that may run a collective
     while rewritable:
         try:
             compiled = _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
-            for message in said:
-                warn_once(message)
-            return compiled
         except DenseFallback as reason:
             head = reason.args[1]
             said.append(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
             rewritable = [r for r in rewritable if r[0] is not head]
+            continue
+        _agree(heads, rewritable, said, opts)
+        for message in said:
+            warn_once(message)
+        return compiled
+    _agree(heads, rewritable, said, opts)
     return _dense(gm, example_inputs, opts, config_patches, said)
 
 
-def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str]):
-    """The graph compiled unchanged; its warnings given now, and again when another model runs it."""
+def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: NanoSpecOptions) -> None:
+    """Every rank of a vocabulary-parallel head's group took the same decision, or all raise (no hang)."""
+    for head in heads:
+        if isinstance(head, vocab_parallel.GatheredHead):
+            from nanospec_fx import tensor_parallel
+
+            rewritten = any(r[0] is head for r in rewritable)
+            decision = (f"{head.name} rewritten with {opts.vocab_config}" if rewritten
+                        else f"{head.name} dense ({'; '.join(said) or 'no reason given'})")
+            tensor_parallel.agree(head.group_name, decision)
+
+
+def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str],
+           compiled: Callable | None = None):
+    """The graph compiled unchanged (or ``compiled``, its ids recording twin); its warnings given now, and again
+    when another model runs it."""
     for message in said:
         warn_once(message, stacklevel=4)
-    compiled = _compile(gm, example_inputs, opts, config_patches)
+    if compiled is None:
+        compiled = _compile(gm, example_inputs, opts, config_patches)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
                      and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))), None)
@@ -121,11 +150,54 @@ class _DenseCall:
         return self.compiled(*args)
 
 
+def _is_prefill(gm: fx.GraphModule) -> bool:
+    """A graph that looks up token ids and computes nothing as wide as their table along any axis (a head
+    nanospec missed would, whatever reads its logits)."""
+    lookups = embedding_lookups(gm.graph)
+    rows = {r for *_, r in lookups}
+    lookup_parts = {t for _, _, t, _ in lookups} | {n for lk, *_ in lookups for n in one_hot_internals(lk)}
+    for node in gm.graph.nodes:
+        value = patterns.example_value(node)
+        if node not in lookup_parts and isinstance(value, torch.Tensor) and any(
+                isinstance(d, int) and d in rows for d in value.shape):
+            return False
+    return bool(rows)
+
+
+def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions,
+                       config_patches: dict) -> Callable | None:
+    """A head-less whole call that looks up token ids in a table it receives (a prefill): compiled with the
+    ids as extra outputs, recorded under their table for the next head of the same model (:mod:`prefill`).
+    None when it looks up nothing."""
+    builder = _GraphBuilder(gm)
+    lookups = [(builder.user_input_position(table), ids) for _, ids, table, _ in embedding_lookups(builder.graph)]
+    lookups = [(pos, ids) for pos, ids in lookups if pos is not None and isinstance(example_inputs[pos], torch.Tensor)]
+    if not lookups:
+        return None
+    out = builder.graph.output_node()
+    outputs = out.args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return None
+    extra, tables = [], []
+    for pos, ids in lookups:
+        if not isinstance(ids, fx.Node):  # ids written in the code: a constant tensor
+            with builder.graph.inserting_before(out):
+                ids = builder.graph.call_function(torch.tensor, (list(ids),), {"dtype": torch.int64})
+        tables.append((pos, len(outputs) + len(extra)))
+        extra.append(ids)
+    out.args = (tuple(outputs) + tuple(extra),)
+    builder.gm.recompile()
+    return RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables)
+
+
 def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:
     """Why ``head`` cannot be rewritten in this graph for this call (None: nothing stops it yet)."""
     weight, bias = real.get(head.weight), _bias_tensor(head, real)
     if weight is None or bias is False:
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
+    if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
+        return ("its weight is a DTensor in a layout nanospec does not rewrite (it rewrites ColwiseParallel heads, "
+                "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate())")
     if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and (
             weight.requires_grad or (bias is not None and bias.requires_grad)):
         return ("it needs gradients here: grad mode is on where it runs and its weights are trainable. "
@@ -147,8 +219,16 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, config, name=head.name)
-        mapped = builder.remap(head)
+        sharded = isinstance(head, vocab_parallel.GatheredHead)
+        if sharded:
+            from nanospec_fx import tensor_parallel
+
+            shard = tensor_parallel.VocabShard.of(head.group_name, head.world_size, head.shard_rows)
+            state = tensor_parallel.sharded_state_for(weight, bias, config, shard, name=head.name)
+            mapped = vocab_parallel.remap(builder.graph, head, builder.node_map)
+        else:
+            state = state_for(weight, bias, config, name=head.name)
+            mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
         try:
             report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
@@ -163,6 +243,10 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
+        if sharded:
+            zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+            builder.set_input_values(zero, state.graph_inputs())
+            tensor_parallel.shard_observers(builder.graph, into, zero, state.shard)
         snapshot_state_reads(builder.graph, into.state,
                              grad=grad_enabled_at(builder.graph, list(builder.graph.nodes), torch.is_grad_enabled()))
         if observe and not report.observers and token_tables(builder.gm):
@@ -172,8 +256,13 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
                 "observe_topk/vocab).")
         reports.append((state, report))
-        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight), builder.user_input_position(into.bias),
-                                        into.state.ids))
+        # Tables this graph observes lookups into: ids a prefill call of the same model embedded there join first
+        # (not for a vocabulary-parallel head: its observe is a collective every rank must make in step).
+        tables = sorted({p for lk in (token_id_lookups(builder.graph, state.vocab_size) if observe and not sharded
+                                      else []) if (p := builder.user_input_position(lk.table)) is not None})
+        binding = _ShardedDrafterBinding if sharded else _DrafterBinding
+        bindings.append(binding(state, builder.user_input_position(mapped.weight),
+                                builder.user_input_position(into.bias), into.state.ids, tables))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         state.rewrites.append(report)
@@ -233,10 +322,20 @@ class _DrafterBinding(_Binding):
     parameter identity, e.g. a second instance of the same class), the new weight's state is used.
     """
 
-    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None):
+    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None,
+                 table_positions: list[int] = ()):
         self.weight_pos, self.bias_pos = weight_pos, bias_pos
         self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
+        self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
         self.track(state)
+
+    def observe_prefill(self, args: tuple) -> None:
+        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
+        for position in self.table_positions:
+            prefill_ids.link(args[position], self.state)
+            ids = prefill_ids.take(args[position])
+            if ids is not None:
+                self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
@@ -245,13 +344,24 @@ class _DrafterBinding(_Binding):
         bias = args[self.bias_pos] if self.bias_pos is not None else self.state.bias
         if self.weight_pos is None or self.state.is_weight(args[self.weight_pos]):
             self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
-            return self.sync()
-        old = self.state
-        self.track(state_for(args[self.weight_pos], bias, old.config()))
-        if not self.state.rewrites:
-            self.state.rewrites = list(old.rewrites)
-        self.sync()
-        return True
+            changed = self.sync()
+        else:
+            old = self.state
+            self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory()))
+            if not self.state.rewrites:
+                self.state.rewrites = list(old.rewrites)
+            self.sync()
+            changed = True
+        self.observe_prefill(args)
+        return changed
+
+
+class _ShardedDrafterBinding(_DrafterBinding):
+    """A vocabulary-parallel head's inputs: its replicated state's tensors, then the zero tables its observers
+    pass to ``nanospec.observe`` (``tensor_parallel.ShardedActiveVocab``)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return _state_inputs(self.state) + self.state.graph_inputs()
 
 
 # ----------------------------------------------------------------------------- target role
@@ -265,12 +375,22 @@ def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: Nan
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
                            config_patches: dict) -> Callable:
-    heads = find_heads(gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
+    heads = vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head) or find_heads(
+        gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")
         return _compile(gm, example_inputs, opts, config_patches)
     builder = _GraphBuilder(gm)
-    into = builder.add_state(state, None, None)
+    shard = getattr(state, "shard", None)  # a vocabulary-parallel drafter: rows come from their owner shards
+    if shard is not None:
+        from nanospec_fx.tensor_parallel import local_shard
+
+        names = ["weight"] + (["bias"] if state.bias is not None else [])
+        nodes = builder.add_inputs(names)
+        builder.set_input_values(nodes, [local_shard(t) for t in (state.weight, state.bias) if t is not None])
+        into = builder.add_state(state, nodes[0], nodes[1] if len(nodes) > 1 else None)
+    else:
+        into = builder.add_state(state, None, None)
     observed = 0
     for head in heads:
         if head.vocab_size != state.vocab_size:
@@ -280,13 +400,23 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
             )
         if opts.observe_topk > head.vocab_size:
             raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
-        if state.observes:
+        if state.observes and isinstance(head, vocab_parallel.GatheredHead):  # its top-k read on the gathered logits
+            full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes]
+            observed += insert_topk_observers(builder.graph, full, opts.observe_topk, into)
+        elif state.observes:
             observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
                                               observe_prompt=opts.observe_prompt)
     if opts.observe_inputs and state.observes:
         insert_input_observers(builder.graph, into)
     if not observed:
         return _compile(gm, example_inputs, opts, config_patches)
+    if shard is not None:
+        from nanospec_fx import tensor_parallel
+
+        zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+        builder.set_input_values(zero, state.graph_inputs())
+        tensor_parallel.shard_observers(builder.graph, into, zero, shard)
+        return builder.compile(example_inputs, [_ShardedTargetBinding(state)], opts, config_patches)
     return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
 
 
@@ -328,6 +458,17 @@ class _TargetBinding(_Binding):
 
     def update(self, args: tuple) -> bool:
         return self.sync()
+
+
+class _ShardedTargetBinding(_TargetBinding):
+    """A target observer feeding a vocabulary-parallel drafter: its head shard (a DTensor's local tensor), the
+    replicated state's tensors and the zero tables (see ``tensor_parallel.shard_observers``)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        from nanospec_fx.tensor_parallel import local_shard
+
+        s = self.state
+        return [local_shard(t) for t in (s.weight, s.bias) if t is not None] + _state_inputs(s) + s.graph_inputs()
 
 
 def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:

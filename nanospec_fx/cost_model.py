@@ -53,7 +53,8 @@ class HeadCost:
     @classmethod
     def for_path(cls, vocab_size: int, hidden_size: int, bytes_per_element: int, compact_output: bool, path: str,
                  capacity: int) -> "HeadCost":
-        """The model of a head run by ``path`` (kernels.dispatch.path_for), with that path's :data:`MACHINE` constants."""
+        """The model of a head run by ``path`` (kernels.dispatch.path_for), with that path's :data:`MACHINE`
+        constants."""
         return cls(vocab_size, hidden_size, bytes_per_element, compact_output, path, capacity, *MACHINE[path])
 
     def __post_init__(self):

@@ -51,12 +51,14 @@ class EagleConfig:
     def from_target(cls, config) -> "EagleConfig":
         """The drafter shape of EAGLE for a transformers Llama-like target config."""
         rope = getattr(config, "rope_parameters", None) or {}  # transformers 5; 4.x has config.rope_theta
-        if "rope_theta" not in rope and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3)
+        # per layer type (Gemma-3)
+        if "rope_theta" not in rope and rope and all(isinstance(v, dict) for v in rope.values()):
             rope = rope.get("full_attention") or next(iter(rope.values()))
         theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_heads=config.num_attention_heads, num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
             head_dim=getattr(config, "head_dim", None), rope_theta=theta, rms_eps=getattr(config, "rms_norm_eps", 1e-6),
         )
 
@@ -164,7 +166,8 @@ class EagleDrafter(nn.Module):
             (mine.attn_norm, theirs.input_layernorm), (mine.mlp_norm, theirs.post_attention_layernorm),
             (mine.q_proj, theirs.self_attn.q_proj), (mine.k_proj, theirs.self_attn.k_proj),
             (mine.v_proj, theirs.self_attn.v_proj), (mine.o_proj, theirs.self_attn.o_proj),
-            (mine.gate_proj, theirs.mlp.gate_proj), (mine.up_proj, theirs.mlp.up_proj), (mine.down_proj, theirs.mlp.down_proj),
+            (mine.gate_proj, theirs.mlp.gate_proj), (mine.up_proj, theirs.mlp.up_proj),
+            (mine.down_proj, theirs.mlp.down_proj),
         ]
         for dst, src in pairs:
             dst.weight.copy_(src.weight + noise * src.weight.std() * torch.randn_like(src.weight))
@@ -216,7 +219,8 @@ def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torc
     device = cache.k.device
     slots = torch.arange(start, start + tokens.numel(), device=device)
     mask = torch.arange(cache.max_len, device=device) <= slots[:, None]
-    logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask, cache.k, cache.v)
+    logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask,
+                             cache.k, cache.v)
     return logits[0, -1], hidden[0, -1]
 
 
@@ -236,7 +240,8 @@ def draft_chain(drafter: Callable, cache: KVCache, root_logits, root_hidden, sta
     for d in range(1, depth):
         slot = torch.tensor([start + d - 1], device=device)
         mask = (torch.arange(cache.max_len, device=device) <= slot)[None]
-        logits, h = drafter(token.view(1, 1), _fresh(hidden.view(1, 1, -1)), slot.view(1, 1), slot, mask, cache.k, cache.v)
+        logits, h = drafter(token.view(1, 1), _fresh(hidden.view(1, 1, -1)), slot.view(1, 1), slot, mask,
+                            cache.k, cache.v)
         step, token = torch.log_softmax(logits[0, -1].float(), -1).max(-1)
         score, hidden = score + step, h[0, -1]
         tokens.append(token)
@@ -245,7 +250,8 @@ def draft_chain(drafter: Callable, cache: KVCache, root_logits, root_hidden, sta
     return DraftTree(torch.stack(tokens), parents, torch.stack(scores))
 
 
-def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, top_k: int) -> DraftTree:
+def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int,
+               top_k: int) -> DraftTree:
     """EAGLE-2's dynamic draft tree: ``depth`` levels, ``top_k`` frontier nodes per level.
 
     Level 1 is the root's ``top_k``; each further level runs the drafter once over the frontier

@@ -54,13 +54,16 @@ class Explanation:
         if not self.heads:
             return "nanospec: no head rewritten yet (compile with backend='nanospec' and call the module once)"
         done = sum(h.rewritten for h in self.heads)
-        lines = [f"nanospec: {done} head(s) rewritten" + (f", {len(self.heads) - done} not rewritten" if done < len(self.heads) else "")]
+        lines = [f"nanospec: {done} head(s) rewritten"
+                 + (f", {len(self.heads) - done} not rewritten" if done < len(self.heads) else "")]
         for h in self.heads:
             s = h.state
             lines += [
-                f"  head {h.name}" + (f" (module {h.module_path})" if h.module_path else "") + f": V={h.vocab_size}, H={h.hidden_size}",
+                f"  head {h.name}" + (f" (module {h.module_path})" if h.module_path else "")
+                + f": V={h.vocab_size}, H={h.hidden_size}",
                 f"    names: {', '.join(h.names)}",
-                f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, device={s.ids.device}",
+                f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, "
+                f"device={s.ids.device}",
                 f"    graphs compiled: {h.graphs}; input observers: {h.observers}",
             ]
             if not h.rewritten:

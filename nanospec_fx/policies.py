@@ -70,7 +70,8 @@ class FrequencyTable:
     def load(cls, path: str | Path) -> "FrequencyTable":
         lines = Path(path).read_text().splitlines()
         if not lines or not lines[0].startswith(_HEADER) or "vocab_size=" not in lines[0]:
-            raise ValueError(f"{path} is not a nanospec-fx frequency table (first line must be '{_HEADER} vocab_size=V')")
+            raise ValueError(f"{path} is not a nanospec-fx frequency table "
+                             f"(first line must be '{_HEADER} vocab_size=V')")
         counts = torch.zeros(int(lines[0].split("vocab_size=")[1]), dtype=torch.int64)
         for n, line in enumerate(lines[1:], start=2):
             if not line.strip():
@@ -87,7 +88,8 @@ def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
     """The ``frequencies`` option as a FrequencyTable; a clear error when the policy needs one and has none."""
     if frequencies is None:
         raise ValueError(
-            f"the {policy!r} policy needs token frequencies: options={{'frequencies': FrequencyTable | path | counts}}; "
+            f"the {policy!r} policy needs token frequencies: "
+            "options={'frequencies': FrequencyTable | path | counts}; "
             "count them with nanospec_fx.FrequencyTable.from_texts(texts, tokenizer)"
         )
     if isinstance(frequencies, FrequencyTable):

@@ -69,7 +69,8 @@ class SpeculativeSampler:
         return self.probs(logits)
 
     # ------------------------------------------------------------------ drawing
-    def draw(self, q: torch.Tensor, k: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, q: torch.Tensor, k: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` tokens drawn without replacement from each row of ``q [..., V]`` (Gumbel top-k), in draw order.
 
         Returns ``(tokens [..., k], exists [..., k])``; ``exists`` is False where ``q`` has fewer

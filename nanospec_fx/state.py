@@ -60,9 +60,9 @@ class ActiveVocab:
     ):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-        rows, hidden = weight.shape
-        if bias is not None and tuple(bias.shape) != (rows,):
-            raise ValueError(f"head bias must have shape ({rows},), got {tuple(bias.shape)}")
+        rows, hidden = self._head_rows(weight), weight.shape[1]
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"head bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         capacity = min(capacity, rows)
@@ -111,6 +111,15 @@ class ActiveVocab:
                 "replaced); get the current one with nanospec_fx.active_vocab(model)"
             )
         return weight
+
+    def _head_rows(self, weight: torch.Tensor) -> int:
+        """Rows of the whole head: the weight's own (a vocabulary-parallel state overrides it with V)."""
+        return weight.shape[0]
+
+    def _fresh_factory(self) -> Any:
+        """What builds a new state of this kind, ``factory(weight, bias, **config.keywords())`` (``state_for``'s
+        ``factory``; a vocabulary-parallel state passes its shard along)."""
+        return type(self)
 
     def is_weight(self, tensor: Any) -> bool:
         """Whether ``tensor`` is this state's head weight (False once that weight was freed)."""
@@ -301,7 +310,7 @@ class ActiveVocab:
     def _reconfigure(self, weight, bias, config: StateConfig) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
-        fresh = ActiveVocab(weight, bias, **config.keywords())
+        fresh = self._fresh_factory()(weight, bias, **config.keywords())
         kept = self.token_ids() if self.observes else None
         keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
                 "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
@@ -391,7 +400,7 @@ VOCAB_OPTIONS = ", ".join(f.name for f in fields(VocabConfig))
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig | VocabConfig, *,
-              name: str | None = None) -> ActiveVocab:
+              name: str | None = None, factory: Any = ActiveVocab) -> ActiveVocab:
     """The ActiveVocab of ``weight`` for ``config`` (a VocabConfig is resolved first). One state per head weight:
 
     * the existing one when it matches;
@@ -400,13 +409,16 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
       that can still run reads it;
     * otherwise a ``ValueError``: two compiled wrappers of one head asked for different
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
+
+    ``factory(weight, bias, **keywords)`` builds a new state (a vocabulary-parallel head's builds a
+    :class:`nanospec_fx.tensor_parallel.ShardedActiveVocab`).
     """
     if isinstance(config, VocabConfig):
         config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:
-            state = ActiveVocab(weight, bias, **config.keywords())
+            state = factory(weight, bias, **config.keywords())
             state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state

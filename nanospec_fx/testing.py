@@ -287,7 +287,8 @@ def _check_logits(name: str, actual: torch.Tensor, eager: torch.Tensor, mask: to
 def _check_close(name: str, actual: Any, expected: Any, rtol, atol, what: str) -> None:
     if not isinstance(expected, torch.Tensor):
         if type(expected).__eq__ is object.__eq__:  # e.g. a KV cache object: equal by identity only
-            assert type(actual) is type(expected), f"{name}: compiled gives {type(actual).__name__}, {what} {type(expected).__name__}"
+            assert type(actual) is type(expected), (
+                f"{name}: compiled gives {type(actual).__name__}, {what} {type(expected).__name__}")
         else:
             assert actual == expected, f"{name}: compiled gives {actual!r}, {what} {expected!r}"
         return
@@ -512,7 +513,8 @@ def sequence_distribution(next_token_probs: Callable[[torch.Tensor], torch.Tenso
         joint = (joint[:, None] * probs).flatten()
         if step + 1 < length:
             tokens = torch.arange(vocab_size, device=prefixes.device)
-            prefixes = torch.cat([prefixes.repeat_interleave(vocab_size, 0), tokens.repeat(prefixes.shape[0])[:, None]], 1)
+            prefixes = torch.cat([prefixes.repeat_interleave(vocab_size, 0),
+                                  tokens.repeat(prefixes.shape[0])[:, None]], 1)
     return joint.view([vocab_size] * length)
 
 

@@ -7,6 +7,7 @@
 * ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
 * ``grad_mode``      - whether autograd records where the head runs
 * ``effects``        - what a node writes and may alias (op schemas)
+* ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
 
 The contract these passes implement (README, "The contract"):
 
@@ -21,7 +22,9 @@ The contract these passes implement (README, "The contract"):
 * **Fed ids.** Every id the call looks up in a table with >= V rows is active before any head of the call
   reads the set (ids computed from a head's output: before every later read). Where a pass cannot prove
   this (an unreadable lookup, a graph that is only a piece of the call, a write to the head weight, grad
-  mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning.
+  mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning. Ids a
+  head-less whole call (a prefill) looks up are kept with their table (``nanospec_fx.prefill``) and observed by
+  the next head of a graph that looks up that table.
 """
 from .find_head import HeadMatch, HeadSelectionError, find_heads
 from .grad_mode import grad_enabled_at

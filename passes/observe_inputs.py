@@ -100,7 +100,7 @@ def _match_lookup(node: fx.Node) -> tuple | None:
     return None
 
 
-def _one_hot_internals(lookup: fx.Node) -> list[fx.Node]:
+def one_hot_internals(lookup: fx.Node) -> list[fx.Node]:
     """The one-hot tensor and its casts between a one-hot lookup's ids and its matmul."""
     found, lhs = [], lookup.args[0] if lookup.args else None
     while isinstance(lhs, fx.Node) and lhs.op in ("call_method", "call_function") and (
@@ -188,7 +188,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
                     "tied to the head renormalises the rows it looks up); untie them or drop max_norm")
     vocab = head.vocab_size
     lookups = {lk.node: lk for lk in table_lookups(graph)}
-    lookups.update({n: lk for lk in list(lookups.values()) for n in _one_hot_internals(lk.node)})
+    lookups.update({n: lk for lk in list(lookups.values()) for n in one_hot_internals(lk.node)})
     logits = set(head.nodes).union(*(_downstream(p) for p in head.nodes))  # the head's outputs and what follows
     integer = _integer_data(graph, lookups)
     for node in graph.nodes:

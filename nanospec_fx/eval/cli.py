@@ -26,7 +26,8 @@ DEFAULT_OUT = Path(os.environ.get(RESULTS_ENV, "nanospec-fx-results"))
 def out_option(name: str):
     """``--out`` and ``--name``: where the JSON, CSV and PNG go (said in the help and after writing)."""
     def decorate(fn):
-        fn = click.option("--name", default=name, show_default=True, help="Stem of the output files (NAME.json, .csv, .png).")(fn)
+        fn = click.option("--name", default=name, show_default=True,
+                          help="Stem of the output files (NAME.json, .csv, .png).")(fn)
         return click.option(
             "--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True,
             help=f"Directory for the results (created if needed); relative paths are from the current directory. "

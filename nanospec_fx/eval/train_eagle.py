@@ -54,7 +54,8 @@ def sharegpt_training_conversations(start: int = TRAIN_START) -> Iterator[tuple[
 
     held_out = re.compile(f"{loaders.TRANSLATE_PATTERN}|{loaders.SUMMARIZE_PATTERN}", re.IGNORECASE)
     for i, rec in enumerate(loaders._sharegpt_records()):
-        turns = [t for t in rec.get("conversations") or [] if t.get("from") in ("human", "gpt") and (t.get("value") or "").strip()]
+        turns = [t for t in rec.get("conversations") or []
+                 if t.get("from") in ("human", "gpt") and (t.get("value") or "").strip()]
         if i < start or not turns or turns[0]["from"] != "human" or held_out.search(turns[0]["value"].strip()[:300]):
             continue
         text = "".join(f"{'User' if t['from'] == 'human' else 'Assistant'}: {t['value'].strip()}\n" for t in turns)
@@ -79,7 +80,8 @@ def pack_windows(sequences: Iterable[list[int]], window: int, max_per_sequence: 
 
 # ----------------------------------------------------------------------------- features
 def extract_features(target: nn.Module, windows: Iterable[list[int]], out: Path, tokens: int, window: int,
-                     windows_per_shard: int = 16, batch: int = 2, on_shard: Callable[[int, int], None] | None = None) -> int:
+                     windows_per_shard: int = 16, batch: int = 2,
+                     on_shard: Callable[[int, int], None] | None = None) -> int:
     """Cache the target's pre-norm features over ``windows`` until ``tokens`` tokens are on disk.
 
     Shard ``i`` holds windows ``i*windows_per_shard ..`` of the (deterministic) window stream as
@@ -112,7 +114,8 @@ def extract_features(target: nn.Module, windows: Iterable[list[int]], out: Path,
                 feats = torch.cat(feats)
                 fits = feats.abs().max() < torch.finfo(torch.float16).max / 2
                 tmp = path.with_suffix(".tmp")
-                save_file({"ids": ids.to(torch.int32), "features": feats.to(torch.float16 if fits else torch.float32)}, str(tmp))
+                save_file({"ids": ids.to(torch.int32),
+                           "features": feats.to(torch.float16 if fits else torch.float32)}, str(tmp))
                 tmp.rename(path)
             shard += 1
             if on_shard:
@@ -192,7 +195,8 @@ class RowScale(nn.Module):
 
 def _scaled(drafter: EagleDrafter) -> list[tuple[nn.Module, str]]:
     """The tensors that write into the feature space: fc (weight, bias), the layer's o_proj and down_proj."""
-    return [(drafter.fc, "weight"), (drafter.fc, "bias"), (drafter.layer.o_proj, "weight"), (drafter.layer.down_proj, "weight")]
+    return [(drafter.fc, "weight"), (drafter.fc, "bias"), (drafter.layer.o_proj, "weight"),
+            (drafter.layer.down_proj, "weight")]
 
 
 def save_drafter(drafter: EagleDrafter, folder: Path, meta: dict) -> Path:
@@ -278,7 +282,8 @@ def loss_terms(drafter: EagleDrafter, ids, feats, mean, std, candidates: torch.T
     return reg, kl, agree
 
 
-def candidate_set(frequent: torch.Tensor, ids: torch.Tensor, vocab: int, random_negatives: int, gen: torch.Generator) -> torch.Tensor:
+def candidate_set(frequent: torch.Tensor, ids: torch.Tensor, vocab: int, random_negatives: int,
+                  gen: torch.Generator) -> torch.Tensor:
     """Frequent tokens + the batch's tokens + uniform random ones, deduplicated."""
     rand = torch.randint(0, vocab, (random_negatives,), generator=gen)
     return torch.unique(torch.cat([frequent, ids.flatten(), rand]))
@@ -347,7 +352,8 @@ def _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, 
         log.steps += 1
         log.positions += b_ids.shape[0] * (b_ids.shape[1] - 1)
         log.seconds = time.perf_counter() - started
-        row = {"step": log.steps, "reg": reg.item(), "kl": kl.item(), "sampled_top1": agree.item(), "seconds": round(log.seconds, 1)}
+        row = {"step": log.steps, "reg": reg.item(), "kl": kl.item(), "sampled_top1": agree.item(),
+               "seconds": round(log.seconds, 1)}
         if log.steps % 10 == 0 or log.steps == 1:
             log.history.append(row)
         if on_step:
@@ -360,8 +366,8 @@ def _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, 
 
 def _save_state(path: Path, drafter, opt, gen, log: TrainLog) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"drafter": own_parameters_prefixed(drafter), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "log": asdict(log)}, tmp)
+    torch.save({"drafter": own_parameters_prefixed(drafter), "optimizer": opt.state_dict(),
+                "generator": gen.get_state(), "log": asdict(log)}, tmp)
     tmp.rename(path)
 
 

@@ -22,3 +22,10 @@ def test_assisted_generation_example():
     out = run("examples/assisted_generation.py", "--no-inductor", "--vocab", "3000", "--new-tokens", "8")
     assert out.count("assisted output == greedy target output: True") == 2
     assert "nanospec: 1 head(s) rewritten" in out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_example():
+    out = run("examples/tensor_parallel.py", "--no-inductor")
+    assert "same active set and slot order on every rank: True" in out
+    assert "logits == dense tensor-parallel drafter masked to the active set: True" in out

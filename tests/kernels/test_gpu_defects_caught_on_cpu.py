@@ -237,7 +237,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
-from nanospec_fx.kernels import triton_head as th, triton_select as ts
+from nanospec_fx.kernels import triton_head as th, triton_per_request as tp, triton_select as ts
 
 class Sm90:  # inductor asks the active driver for the target; no GPU here
     def get_current_target(self):
@@ -254,10 +254,16 @@ for scatter in (False, True):
             UPCAST=False, IEEE=False, USE_DOT=use_dot, BLOCK_M=16 if use_dot else 4, BLOCK_C=32, BLOCK_K=128),
             {"out_ptr"}))
 cases.append((th._scatter_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, out_ptr=torch.empty(4, 100),
-    C=32, V=100, stride_sm=32, stride_om=100, BLOCK=1024), {"out_ptr"}))
+    C=32, V=100, stride_sm=32, stride_om=100, stride_ids=0, stride_cursor=0, BLOCK=1024), {"out_ptr"}))
 cases.append((ts._topk_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, val_ptr=torch.empty(4, 3),
-    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, LARGEST=True, BLOCK=32),
-    {"val_ptr", "tok_ptr"}))
+    tok_ptr=torch.empty(4, 3, dtype=torch.int64), C=32, K=3, stride_s=32, stride_ids=0, stride_cursor=0,
+    LARGEST=True, BLOCK=32), {"val_ptr", "tok_ptr"}))
+rows, cw, cb, curs, rids = (torch.tensor([1, 0, 1, 2]), torch.randn(3, 32, 64), torch.randn(3, 32),
+                            torch.zeros(3, dtype=torch.int64), torch.zeros(3, 32, dtype=torch.int64))
+for scatter in (False, True):  # the per-request head (kernels/triton_per_request.py)
+    cases.append((tp._head_rows_kernel, dict(x_ptr=x, rows_ptr=rows, w_ptr=cw, b_ptr=cb, cursor_ptr=curs,
+        ids_ptr=rids, out_ptr=out, C=32, H=64, V=100, stride_xm=64, stride_wr=32 * 64, stride_wc=64, stride_br=32,
+        stride_ir=32, stride_om=32, HAS_BIAS=True, SCATTER=scatter, BLOCK_C=32, BLOCK_K=64), {"out_ptr"}))
 for kernel, kwargs, want in cases:
     acc = identify_accessed_tensors(kernel, kwargs, {})
     got = {d.name for d in acc.read_writes.writes}

@@ -130,12 +130,13 @@ CASES.update({
     # a buffer: the wider projection was taken for the head and masked
     "computed_head_next_to_a_wider_projection": (R(vocab=164, head="dequant", chain=(("last",),), return_logits=False,
                                                    extra_outputs=("wide_proj", "router"), lookup="buffer_ids"), ()),
-    # found by a long run, open: an out= step into a buffer made like a transposed view of the logits (not contiguous);
-    # Dynamo breaks the graph at that op at run time, and the call equals neither the oracle nor the dense drafter
+    # found by a long run: an out= step into a buffer made like a transposed view of the logits; with seq=1 the
+    # buffer is contiguous and the whole call is rewritten; with seq=2 Dynamo recompiles, breaks at the out= op, and
+    # that call runs dense with a warning. Both calls are right; the fuzzer's judge mixed the two calls' verdicts
     "transpose_then_out_softcap": (R(vocab=150, head="linear_tied", chain=(("transpose",), ("out_new_softcap", 5.0)),
                                      return_logits=False, dtype="float16", batch=3, seq=1, seq2=2, lookup="python_ids",
                                      hook=True),
-                                   _open16(4, "an out= step into a non-contiguous buffer after a transpose of the logits")),
+                                   ()),
     # found by a long run: top-k of softmax probabilities with k above the active count pads with 0 (inactive
     # tokens' probability), not -inf: softmax -> top-k no longer runs on the compact logits
     "softmax_topk_more_than_active": (R(vocab=40, hidden=32, head="einsum", head_bias=True, head_pad=24, position=True,
@@ -144,6 +145,12 @@ CASES.update({
                                                                    ("mT", "scale", 1.5)),
                                         return_logits=False, extra_outputs=("hidden",), mode="grad", capacity=64,
                                         batch=1, seq=2, seq2=2, extra_active=3, n_ban=1, seed=2), ()),
+    # found by a long run: inverse-CDF sampling from softmax(-log_softmax(masked z)): inf - inf makes the oracle's
+    # probabilities NaN, which the judge read as "sampled an id of probability 0"; the sample must equal the oracle's
+    "inverse_cdf_over_neg_log_softmax": (R(vocab=142, hidden=24, head="linear_tied", chain=(
+        ("contiguous",), ("last",), ("to_neg_log_softmax",), ("inverse_cdf", "none"), ("contiguous",),
+        ("cast", "bfloat16")), mode="enable_grad_inside", lookup="index_select_method", batch=2, seq=1, seq2=1,
+        extra_active=3, n_ban=3, capacity=512, body=("mlp_vocab_width", "counter", "clamp_fn_")), ()),
     # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
     "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
                                                                                                ("categorical_entropy",)),
@@ -185,8 +192,25 @@ _SAVE = _issue16(6, "the ActiveVocab lives in the head weight's __dict__: saving
 SCENARIOS = {
     # class 1: a prefill call (no head) embeds the prompt; the next call's set must still hold it
     "prefill_then_call": (Scenario(drafters=(R(),), schedule=((0, "prefill"), (0, "call"))),
-                          _open16(1, "ids embedded by a prefill call without the head are lost (the contract asks "
-                                     "for the ids of the call that reads the set; nanospec does not link graphs)")),
+                          _issue16(1, "ids embedded by a prefill call without the head were lost")),
+    "two_instances_prefill_then_call": (Scenario(drafters=(R(), R(seed=5)), schedule=(
+        (0, "prefill"), (1, "prefill"), (1, "call"), (0, "call"))), ()),
+    # found by a long run: a prefill after calls (the state exists) must make its ids active at once
+    "call_then_prefill": (Scenario(drafters=(R(),), schedule=((0, "call"), (0, "prefill"), (0, "call"))), ()),
+    # found by a long run: a second instance running a graph whose head nanospec could not find (padded table) must
+    # be warned too (a prefill-recording graph had skipped the per-instance warning)
+    "two_instances_head_not_found": (Scenario(drafters=tuple(
+        R(head="buffer", embed_pad=3, lookup="embedding_bag", draft_steps=2, draft_feed="input", batch=1, seq=3,
+          seq2=3, seed=s) for s in (0, 5)), schedule=((0, "call"), (1, "call"))), ()),
+    # found by a long run: a prefill whose lookup is a one-hot matmul (the one-hot tensor is vocabulary-wide) was
+    # taken for a missed head, so its ids were not kept for the next call
+    "one_hot_prefill_then_call": (Scenario(drafters=(R(vocab=40, lookup="one_hot", position=True, hook=True, batch=3,
+                                                       seq=1, seq2=1, dtype="float16", extra_outputs=("hidden",)),),
+                                           schedule=((0, "call"), (0, "prefill"), (0, "call"))), ()),
+    # found by a long run: a prefill whose body is vocabulary-wide warns (maybe a missed head) but must still keep its
+    # ids for the head's next call
+    "vocab_wide_prefill_then_call": (Scenario(drafters=(R(body=("mlp_vocab_width",), seq=3, seq2=4),), schedule=(
+        (0, "prefill"), (0, "call"))), ()),
     "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),

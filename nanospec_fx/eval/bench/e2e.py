@@ -147,14 +147,16 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
         active = {n for n in drafters if n.startswith("nanospec")} if active is None else set(active)
         for name, drafter in drafters.items():
             g = drafter.generation_config
-            g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = draft_tokens, "constant", 0.0
+            g.num_assistant_tokens, g.num_assistant_tokens_schedule, g.assistant_confidence_threshold = (
+                draft_tokens, "constant", 0.0)
             if pair is not None and name == list(drafters)[-1]:
                 nanospec_fx.speculative_pair(target, drafter, observe_topk=observe_topk, **pair)
                 procs = LogitsProcessorList()
                 timer = DraftTimer(drafter)
             else:
                 timer = DraftTimer(drafter)
-                procs = LogitsProcessorList([TargetTopK(drafter, timer, observe_topk)] if observe_topk and name in active else [])
+                procs = LogitsProcessorList(
+                    [TargetTopK(drafter, timer, observe_topk)] if observe_topk and name in active else [])
             def run(p, drafter=drafter, procs=procs):
                 out = target.generate(torch.tensor([p]), assistant_model=drafter, logits_processor=procs, **kw)
                 return out[0, len(p):]
@@ -164,7 +166,8 @@ def run_e2e(target: nn.Module, prompts: list[list[int]], drafters: dict[str, nn.
             n, secs, same, sizes = _decode_requests(name, run, prompts, reference, per, timer,
                                                     drafter if name in active else None)
             results.append(E2EResult(name, n, secs, n / secs, timer.rounds, n / max(timer.rounds, 1),
-                                     timer.seconds / secs, bool(same), statistics.mean(sizes) if sizes else float("nan")))
+                                     timer.seconds / secs, bool(same),
+                                     statistics.mean(sizes) if sizes else float("nan")))
             drafter.generate = timer._generate
             if progress:
                 progress(name)

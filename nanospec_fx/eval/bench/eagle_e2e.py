@@ -172,7 +172,8 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
             for pos, (label, head, d, k, s) in enumerate(plan[shift:] + plan[:shift]):
                 done[(label, k)] = (*decode(d, ids, k, s, max_new), pos)
                 if progress:
-                    progress(f"{category}: {label}" + (f" depth {k}" if k else "") + (f" (repeat {r + 1})" if repeats > 1 else ""))
+                    progress(f"{category}: {label}" + (f" depth {k}" if k else "")
+                             + (f" (repeat {r + 1})" if repeats > 1 else ""))
             reference.setdefault(i, done[(TARGET_ONLY, 0)][0])  # the target's greedy output, first repeat
             for label, head, d, k, s in plan:
                 out, stats, seconds, pos = done[(label, k)]

@@ -95,7 +95,8 @@ def bench_head(shape: str, hidden: int, vocab: int, active: int = DEFAULT_CAPACI
     if compiled:
         torch._dynamo.reset()  # a fresh cache per shape: the recompile limit must not turn the head eager
         head = Head(weight).eval()
-        cmod = torch.compile(head, backend="nanospec", options={"capacity": active, "inductor": inductor}, dynamic=False)
+        cmod = torch.compile(head, backend="nanospec", options={"capacity": active, "inductor": inductor},
+                             dynamic=False)
         with torch.no_grad():
             cmod(torch.zeros(1, hidden, dtype=dtype, device=device))
         nanospec_fx.active_vocab(head).observe(active_ids(vocab, active).to(device))

@@ -83,14 +83,15 @@ def bench_head(shapes, active, static_n, rows, repeats, dtype, compiled, inducto
     with progress() as prog:
         task = prog.add_task("head", total=len(shape_list) * len(row_list) * (4 + compiled))
         for shape, h, v in shape_list:  # sizes past the vocabulary mean the whole vocabulary
-            results += B.bench_head(shape, h, v, min(active, v), min(static_n, v), row_list, repeats, torch_dtype(dtype),
-                                    compiled, device,
+            results += B.bench_head(shape, h, v, min(active, v), min(static_n, v), row_list, repeats,
+                                    torch_dtype(dtype), compiled, device,
                                     progress=lambda s: prog.update(task, advance=1, description=s), inductor=inductor)
         sweep_rows = []
         if ints(sweep):
             shape, h, v = shape_list[0]
             task = prog.add_task("sweep", total=len(row_list) * len(ints(sweep)))
-            sweep_rows = B.bench_head_sweep(shape, h, v, sorted({min(n, v) for n in ints(sweep)}), row_list, repeats, torch_dtype(dtype), device,
+            sweep_rows = B.bench_head_sweep(shape, h, v, sorted({min(n, v) for n in ints(sweep)}), row_list, repeats,
+                                            torch_dtype(dtype), device,
                                             progress=lambda s: prog.update(task, advance=1, description=s))
     t = Table(title=f"LM head, {dtype}, {device}, median of {repeats} (active {active}, static {static_n})")
     for col in ("shape", "rows", "variant", "rows computed", "median ms", "min ms", "speedup", "limit V/N", "of limit"):
@@ -119,7 +120,8 @@ def _head_plot(sweep_rows, results, path: Path, title: str) -> None:
         ax.axhline(dense, ls="--", color=line.get_color(), lw=1, label=f"dense, {rows} row(s)")
         for r in results:
             if r.shape == sweep_rows[0].shape and r.rows == rows and r.variant.startswith("static"):
-                ax.plot([r.size], [r.ms], marker="s", color=line.get_color(), ls="none", label=f"{r.variant}, {rows} row(s)")
+                ax.plot([r.size], [r.ms], marker="s", color=line.get_color(), ls="none",
+                        label=f"{r.variant}, {rows} row(s)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("head rows computed (active size)")
@@ -143,21 +145,23 @@ def _head_plot(sweep_rows, results, path: Path, title: str) -> None:
 @device_option
 @out_option("bench-draft")
 @threads_option
-def bench_draft(shape, active, static_n, depth, topk, prefix, repeats, dtype, compiled, inductor, device, out, name, threads):
+def bench_draft(shape, active, static_n, depth, topk, prefix, repeats, dtype, compiled, inductor, device, out, name,
+                threads):
     """One EAGLE-2 draft round (nanospec_fx.eagle's drafter and tree) with the full, static and nanospec heads."""
     from rich.table import Table
 
     from nanospec_fx.eval.bench import draft as D
-    from nanospec_fx.eval.report import (bar_plot, command_line, console, machine, progress, resolve_device, set_threads,
-                                         write_outputs)
+    from nanospec_fx.eval.report import (bar_plot, command_line, console, machine, progress, resolve_device,
+                                         set_threads, write_outputs)
 
     set_threads(threads)
     device = resolve_device(device)
     config = D.DRAFTER_SHAPES[shape]()
     with progress() as prog:
         task = prog.add_task("draft", total=3 + compiled)
-        rows = D.bench_draft(config, active, static_n, depth, topk, prefix, repeats, torch_dtype(dtype), device, compiled,
-                             progress=lambda s: prog.update(task, advance=1, description=s), inductor=inductor)
+        rows = D.bench_draft(config, active, static_n, depth, topk, prefix, repeats, torch_dtype(dtype), device,
+                             compiled, progress=lambda s: prog.update(task, advance=1, description=s),
+                             inductor=inductor)
     t = Table(title=f"EAGLE-2 draft round, H={config.hidden_size} V={config.vocab_size:,}, depth {depth} x top-{topk}, "
                     f"{dtype}, {device}, median of {repeats}")
     for col in ("head", "round ms", "head ms", "head share", "vs full"):

@@ -27,7 +27,8 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               "(needs --model): the tokens a drafter really has to propose.")
 @click.option("--static-corpus", default=None, metavar="SPEC",
               help=f"Where FR-Spec's frequency table is counted (kept apart from the evaluated text). Default: "
-              f"{STATIC_CORPUS} when the [eval] extra is installed; otherwise the static and hybrid policies are skipped.")
+              f"{STATIC_CORPUS} when the [eval] extra is installed; otherwise the static and hybrid policies are "
+              "skipped.")
 @click.option("--static-sizes", default="1024,3072,8192,16384,32768", show_default=True,
               help="Sizes of the FR-Spec static sets (comma-separated).")
 @click.option("--capacities", default="256,512,1024,2048,3072,0", show_default=True,
@@ -36,8 +37,10 @@ CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-transla
               help="Hybrid: static core sizes (comma-separated), each with --capacity slots in all.")
 @click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
               help="Capacity of the headline context/hybrid policies.")
-@click.option("--verify-every", default=1, show_default=True, help="Tokens per verified round (the target's top-k lag).")
-@click.option("--compare-lru", is_flag=True, help="Also score the context policies with LRU eviction (re-observing refreshes).")
+@click.option("--verify-every", default=1, show_default=True,
+              help="Tokens per verified round (the target's top-k lag).")
+@click.option("--compare-lru", is_flag=True,
+              help="Also score the context policies with LRU eviction (re-observing refreshes).")
 @click.option("--compare-no-prompt-topk", is_flag=True,
               help="Also score context + top-k without the top-k at prompt positions (what the vLLM plugin observes).")
 @click.option("--max-prompt", default=512, show_default=True, help="Keep the last N prompt tokens.")
@@ -96,7 +99,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
         requests = [r for r in requests if r.continuation]
     table = FrequencyTable.from_token_ids(
         (tok.encode(s.prompt) + tok.encode(s.continuation)
-         for s in track(static_samples, description="frequency table", console=console)), tok.vocab_size).top(tok.vocab_size).tolist()
+         for s in track(static_samples, description="frequency table", console=console)),
+        tok.vocab_size).top(tok.vocab_size).tolist()
     if target is not None:
         cache = loaders.CACHE / "topk" / f"{Path(str(model)).name}-{topk}"
         for r in track(requests, description=f"target top-{topk}", console=console):
@@ -124,7 +128,8 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
             "corpora": corpora, "requests": len(requests), "verify_every": verify_every,
             "max_prompt": max_prompt, "max_new": max_new, "machine": machine(),
             # how repetitive the scored text is (degenerate loops make any context set look good)
-            "distinct_token_ratio": sum(len(set(r.continuation)) / len(r.continuation) for r in requests) / len(requests)}
+            "distinct_token_ratio":
+                sum(len(set(r.continuation)) / len(r.continuation) for r in requests) / len(requests)}
     headline = ["full", f"static-{max(ints(static_sizes) or [0])}", f"static-{capacity}", f"context@{capacity}"]
     if k:
         headline.append(f"context+top{k}@{capacity}")

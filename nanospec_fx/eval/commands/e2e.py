@@ -15,7 +15,8 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 @click.option("--model", "models", multiple=True, default=("gemma3-270m", "smollm2-135m"), show_default=True,
               help="Target model (repeatable): gemma3-270m, smollm2-135m, a HF directory or a .gguf file.")
 @click.option("--tokenizer", default=None, help="Tokenizer of the model (default: the model's own).")
-@click.option("--draft-layers", default=None, type=int, help="Layers of the self-speculative drafter (default: a third).")
+@click.option("--draft-layers", default=None, type=int,
+              help="Layers of the self-speculative drafter (default: a third).")
 @click.option("--corpus", "corpora", multiple=True, default=(), show_default=False,
               help="Prompts: NAME[a:b] of a built-in corpus or a JSON/JSONL file (repeatable). Default: "
                    "sharegpt[:3] and humaneval[:3]; with --drafter eagle the six task categories, [:8] each.")
@@ -39,7 +40,8 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
                    "request and repeat); ratios are medians over requests with a 95% bootstrap interval.")
 @click.option("--prompt-topk/--no-prompt-topk", default=False, show_default=True,
               help="--drafter eagle: also seed the active set with the target's top-k at every prompt position (the "
-                   "paper's seed; costs the target's head over the whole prompt at prefill, ~0.5 s per 256 tokens on 2 CPU cores).")
+                   "paper's seed; costs the target's head over the whole prompt at prefill, ~0.5 s per 256 tokens "
+                   "on 2 CPU cores).")
 @click.option("--eagle-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--drafter eagle: folder of the trained drafter (default: train-eagle's cache for --model).")
 @click.option("--static-corpus", default=STATIC_CORPUS, show_default=True,
@@ -47,9 +49,11 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 @click.option("--static-n", default=DEFAULT_STATIC_SIZE, show_default=True, help="Rows of the FR-Spec static head.")
 @click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True,
               help="Capacity of the nanospec drafter's active vocabulary.")
-@click.option("--observe-topk", default=3, show_default=True, help="Target top-k added to the active set per verified position.")
+@click.option("--observe-topk", default=3, show_default=True,
+              help="Target top-k added to the active set per verified position.")
 @click.option("--max-prompt", default=256, show_default=True, help="Keep the last N prompt tokens.")
-@click.option("--max-new", default=None, type=int, help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")
+@click.option("--max-new", default=None, type=int,
+              help="New tokens generated per prompt (default: 64; 128 with --drafter eagle).")
 @click.option("--draft-tokens", default=6, show_default=True, help="Tokens drafted per round (constant schedule).")
 @click.option("--observer", type=click.Choice(["processor", "api"]), default="processor", show_default=True,
               help="How the target's top-k reaches the drafter: a LogitsProcessor on the target (verified positions; "
@@ -59,9 +63,9 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
 @out_option("e2e")
 @threads_option
-def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, paired_prompt_topk, repeats, prompt_topk,
-        eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens, observer, inductor,
-        out, name, threads):
+def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, paired_prompt_topk, repeats,
+        prompt_topk, eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens,
+        observer, inductor, out, name, threads):
     """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
 
     --drafter truncated (default): generate(assistant_model=...) with a layer-truncated drafter.
@@ -72,8 +76,8 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
     if drafter == "eagle":
         from nanospec_fx.eval.commands.e2e_eagle import run
 
-        return run(models=models, tokenizer=tokenizer, corpora=corpora, depths=depths, variants=variants, observe=observe,
-                   prompt_topk=prompt_topk,
+        return run(models=models, tokenizer=tokenizer, corpora=corpora, depths=depths, variants=variants,
+                   observe=observe, prompt_topk=prompt_topk,
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
                    observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
                    name=name, threads=threads, repeats=repeats, paired_prompt_topk=paired_prompt_topk)
@@ -122,7 +126,8 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
         for r in per_request:
             r.setdefault("model", spec)
         t = Table(title=f"{spec} (V={vocab:,}), drafter = first {layers} of {target.config.num_hidden_layers} layers + "
-                        f"shared head, {len(prompts)} prompts x {max_new} new tokens, greedy, {torch.get_num_threads()} CPU threads")
+                        f"shared head, {len(prompts)} prompts x {max_new} new tokens, greedy, "
+                        f"{torch.get_num_threads()} CPU threads")
         for col in ("variant", "tok/s", "tokens/round", "draft share", "mean |A|", "== target greedy"):
             t.add_column(col, justify="left" if col == "variant" else "right")
         for r in res:
@@ -137,7 +142,8 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
             "observe_topk": observe_topk, "capacity": capacity, "inductor": inductor,
             "observer": observer, "target_observer": {
                 "processor": "LogitsProcessor on the target calling active_vocab(drafter).observe(top-k)",
-                "api": "nanospec_fx.speculative_pair(target, drafter) (target compiled in place as observer)"}[observer],
+                "api": "nanospec_fx.speculative_pair(target, drafter) (target compiled in place as observer)",
+            }[observer],
             "static_table": statics, "machine": machine()}
     write_outputs(out, name, rows, meta, requests=per_request)
     bad = [r for r in per_request if not r["identical"]]

@@ -9,8 +9,8 @@ EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-ma
                  "sharegpt-translate[:8]", "sharegpt-summarize[:8]")
 
 
-def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n, capacity,
-        observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False):
+def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n,
+        capacity, observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False):
     import itertools
 
     import torch
@@ -76,7 +76,8 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
         table = FrequencyTable.from_token_ids(
             (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)
         torch._dynamo.reset()
-        drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor, which=kinds)
+        drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor,
+                                      which=kinds)
         nano = sum(isinstance(d, torch._dynamo.eval_frame.OptimizedModule) for d in drafters.values())
         plan = repeats * len(requests) * (1 + (len(drafters) + nano * (len(settings) - 1)) * len(depths))
         with progress() as prog:
@@ -129,8 +130,8 @@ def _print_comparisons(console, Table, compared):
 
 
 def _print(console, Table, spec, summaries, n_requests, max_new, observe, threads):
-    t = Table(title=f"{spec}: trained EAGLE drafter, chain drafts, {n_requests} requests x {max_new} new tokens, greedy, "
-                    f"target top-k at {observe} positions, {threads} CPU threads (pooled over categories)")
+    t = Table(title=f"{spec}: trained EAGLE drafter, chain drafts, {n_requests} requests x {max_new} new tokens, "
+                    f"greedy, target top-k at {observe} positions, {threads} CPU threads (pooled over categories)")
     for col in ("variant", "depth", "tau", "tok/s", "vs target", "draft share", "draft ms/round", "verify ms/round",
                 "mean |A|", "== target greedy"):
         t.add_column(col, justify="left" if col == "variant" else "right")

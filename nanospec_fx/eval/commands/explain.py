@@ -10,9 +10,11 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY
 @click.option("--model", default="tiny-llama", show_default=True,
               help="gemma3-270m, smollm2-135m, a HF directory, a .gguf file, or tiny-llama (random weights, offline).")
 @click.option("--capacity", default=DEFAULT_CAPACITY, show_default=True, help="Slots of the active vocabulary.")
-@click.option("--prompt-tokens", default=32, show_default=True, help="Random prompt tokens fed once (they become active).")
+@click.option("--prompt-tokens", default=32, show_default=True,
+              help="Random prompt tokens fed once (they become active).")
 @click.option("--rows", default="1,10", show_default=True, help="Rows for the predicted head speedup.")
-@click.option("--inductor/--no-inductor", default=False, show_default=True, help="Compile the rest with inductor (slow on CPU).")
+@click.option("--inductor/--no-inductor", default=False, show_default=True,
+              help="Compile the rest with inductor (slow on CPU).")
 def explain(model, capacity, prompt_tokens, rows, inductor):
     """Compile a model with nanospec, run it once, print what the pass did and the cost model."""
     import torch

@@ -23,24 +23,36 @@ def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
 
 @click.command("train-eagle")
 @click.option("--model", default="gemma3-270m", show_default=True,
-              help="Target: gemma3-270m, smollm2-135m, tiny-llama (random, for smoke runs), a HF directory or a .gguf file.")
+              help="Target: gemma3-270m, smollm2-135m, tiny-llama (random, for smoke runs), a HF directory or a "
+                   ".gguf file.")
 @click.option("--tokenizer", default=None, help="Tokenizer of the training text (default: the model's own).")
 @click.option("--corpus", default=TRAIN_CORPUS, show_default=True,
               help=f"Training text: {TRAIN_CORPUS} (ShareGPT conversations from record 600 on, without the translation "
-                   "and summarisation requests the evaluation takes), or NAME[a:b] / a JSON(L) file (prompt + continuation).")
-@click.option("--tokens", default=262_144, show_default=True, help="Tokens of features to extract (the first shard is held out).")
-@click.option("--window", default=512, show_default=True, help="Tokens per training window (the target sees each window alone).")
-@click.option("--val-tokens", default=2048, show_default=True, help="Held-out tokens (one shard) for the validation figure.")
-@click.option("--minutes", default=25.0, show_default=True, help="Training time budget (stops at --steps or this, first).")
-@click.option("--steps", default=100_000, show_default=True, help="Training steps at most (also the cosine schedule's length).")
+                   "and summarisation requests the evaluation takes), or NAME[a:b] / a JSON(L) file "
+                   "(prompt + continuation).")
+@click.option("--tokens", default=262_144, show_default=True,
+              help="Tokens of features to extract (the first shard is held out).")
+@click.option("--window", default=512, show_default=True,
+              help="Tokens per training window (the target sees each window alone).")
+@click.option("--val-tokens", default=2048, show_default=True,
+              help="Held-out tokens (one shard) for the validation figure.")
+@click.option("--minutes", default=25.0, show_default=True,
+              help="Training time budget (stops at --steps or this, first).")
+@click.option("--steps", default=100_000, show_default=True,
+              help="Training steps at most (also the cosine schedule's length).")
 @click.option("--batch", default=2, show_default=True, help="Windows per step.")
-@click.option("--lr", default=3e-4, show_default=True, help="AdamW learning rate (the feature-writing weights train in standardised units).")
-@click.option("--token-weight", default=1.0, show_default=True, help="Weight of the sampled token KL next to the feature regression.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the initialisation, the batches and the sampled candidates.")
+@click.option("--lr", default=3e-4, show_default=True,
+              help="AdamW learning rate (the feature-writing weights train in standardised units).")
+@click.option("--token-weight", default=1.0, show_default=True,
+              help="Weight of the sampled token KL next to the feature regression.")
+@click.option("--seed", default=0, show_default=True,
+              help="Seed of the initialisation, the batches and the sampled candidates.")
 @click.option("--extract-only", is_flag=True, help="Only cache the features (resumable), do not train.")
-@click.option("--fresh", is_flag=True, help="Train from scratch even if a training state is cached (features are kept).")
+@click.option("--fresh", is_flag=True,
+              help="Train from scratch even if a training state is cached (features are kept).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where features and the checkpoint go (default: ~/.cache/nanospec-fx/eagle/<model>; $NANOSPEC_FX_CACHE moves it).")
+              help="Where features and the checkpoint go (default: ~/.cache/nanospec-fx/eagle/<model>; "
+                   "$NANOSPEC_FX_CACHE moves it).")
 @threads_option
 def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, steps, batch, lr, token_weight, seed,
                 extract_only, fresh, cache_dir, threads):
@@ -65,7 +77,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
 
     set_threads(threads)
     if window < 8 or tokens < 2 * window or val_tokens < window:
-        fail(f"need --window >= 8, --tokens >= 2 x window and --val-tokens >= window; got {window}, {tokens}, {val_tokens}")
+        fail(f"need --window >= 8, --tokens >= 2 x window and --val-tokens >= window; "
+             f"got {window}, {tokens}, {val_tokens}")
     folder = eagle_dir(model, cache_dir)
     features = folder / "features"
     try:
@@ -93,7 +106,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
         def shard_done(done, total):
             prog.update(task, completed=min(done, tokens))
             if not console.is_terminal:  # a log file: one line per shard instead of a live bar
-                console.print(f"features: {min(done, tokens):,}/{tokens:,} tokens, {time.perf_counter() - started:.0f} s")
+                console.print(f"features: {min(done, tokens):,}/{tokens:,} tokens, "
+                              f"{time.perf_counter() - started:.0f} s")
         shards = T.extract_features(target, T.pack_windows(sequences(), window), features, tokens, window, per_shard,
                                     on_shard=shard_done)
     extract_s = time.perf_counter() - started
@@ -113,7 +127,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     state = folder / T.TRAIN_STATE
     if fresh and state.exists():
         state.unlink()
-    console.print(f"training on {ids.numel():,} tokens ({ids.shape[0]} windows of {window}); held out: {val_ids.numel():,}")
+    console.print(f"training on {ids.numel():,} tokens ({ids.shape[0]} windows of {window}); "
+                  f"held out: {val_ids.numel():,}")
     with progress() as prog:
         task = prog.add_task("training", total=None)
 
@@ -124,14 +139,17 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
             if not console.is_terminal and log.steps % 10 == 0:
                 console.print(f"{text}, {log.seconds:.0f} s")
         log = T.train(drafter, ids, feats, cfg, frequent[: cfg.frequent], state, show)
-    console.print(f"trained {log.steps} steps ({log.positions:,} positions) in {log.seconds / 60:.1f} min; validating...")
+    console.print(f"trained {log.steps} steps ({log.positions:,} positions) in {log.seconds / 60:.1f} min; "
+                  "validating...")
     val = T.validate(drafter, val_ids, val_feats, static_rows=frequent[: min(DEFAULT_STATIC_SIZE, vocab)])
     meta = {"model": model, "command": command_line(), "corpus": corpus, "window": window,
             "feature_tokens": shards * per_shard * window, "train_tokens": ids.numel(), "val_tokens": val_ids.numel(),
-            "train": {**cfg.__dict__, "steps_done": log.steps, "seconds": round(log.seconds, 1), "positions": log.positions},
+            "train": {**cfg.__dict__, "steps_done": log.steps, "seconds": round(log.seconds, 1),
+                      "positions": log.positions},
             "history": log.history, "validation": val, "machine": machine()}
     path = T.save_drafter(drafter, folder, meta)
-    console.print(f"held-out top-1 agreement with the target: {100 * val['top1_agreement']:.1f}% over {val['positions']:,} "
-                  f"positions (head restricted to the 32k most frequent training tokens: {100 * val['top1_agreement_static']:.1f}%)")
+    console.print(f"held-out top-1 agreement with the target: {100 * val['top1_agreement']:.1f}% "
+                  f"over {val['positions']:,} positions (head restricted to the 32k most frequent training tokens: "
+                  f"{100 * val['top1_agreement_static']:.1f}%)")
     console.print(f"saved {path}")
     print(json.dumps(val))

@@ -1,0 +1,314 @@
+"""RequestVocabs: one active vocabulary per request, for one LM head, in one set of device tensors.
+
+A serving engine batches many requests; NanoSpec's set is per request (its prompt, its accepted tokens, the
+target's top-k at its positions). Each request gets a *row* of the state - its own slot table, membership map,
+cursor and cache of head rows (``[R, C, H]``) - and every head call takes ``rows``, the request row of each
+batch row, so each row is computed against its own request's set. Why gathered rows per request and not one
+union of the sets with a mask per row: docs/per-request.md (measured).
+
+It is plain eager code on top of the ``*_per_request`` custom ops: usable where no ``torch.compile`` graph is
+seen (vLLM calls a drafter's ``compute_logits`` eagerly). Rows are assigned and released on the host (cheap
+Python bookkeeping); observe and the head never sync with the device. The shared set of
+:class:`~nanospec_fx.ActiveVocab` (one set for the batch, the ``torch.compile`` path) is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from nanospec_fx.kernels import ops_per_request as ops
+from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
+from nanospec_fx.policies import resolve, token_to_row
+from nanospec_fx.state import _check_token_map, as_token_ids
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
+
+
+def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's ``d2t`` offsets (target id = draft id + d2t[draft id]) as a token -> head-row map [vocab_size]."""
+    d2t = torch.as_tensor(d2t, dtype=torch.int64).flatten().cpu()
+    return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
+
+
+class RequestVocabs:
+    """Per-request active vocabularies of one head: ``max_requests`` rows of ``capacity`` slots each.
+
+    Args:
+        weight, bias: the head's [R_head, H] weight and optional [R_head] bias (held; rows are copied into the cache).
+        max_requests: request rows, allocated up front (memory: ``max_requests * capacity * H`` elements of the
+            weight's dtype, plus ``max_requests * V`` int32 for the membership maps).
+        capacity: active tokens per request (clamped to R_head); full: the request's oldest insertion is evicted.
+        num_pinned: per request, the first slots filled are never evicted.
+        seed_ids: token ids every request holds after :meth:`assign` and :meth:`reset`.
+        observes: ``False`` freezes every set after seeding (the ``static`` policy; one shared
+            :class:`~nanospec_fx.ActiveVocab` serves that case with one copy instead of one per request).
+        policy: the policy's name, for display (:meth:`from_config` sets it).
+        token_to_row: int64 [V]: token id -> head row, -1 where the head has none (EAGLE-3, see
+            :func:`token_to_row_from_d2t`). Observed ids are token ids; logits, top-k and argmax are over head rows.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        max_requests: int = 8,
+        capacity: int = DEFAULT_CAPACITY,
+        num_pinned: int = 0,
+        *,
+        seed_ids: Any = None,
+        observes: bool = True,
+        policy: str = DEFAULT_POLICY,
+        token_to_row: torch.Tensor | None = None,
+    ):
+        if weight.dim() != 2:
+            raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+        head_rows, hidden = weight.shape
+        if bias is not None and tuple(bias.shape) != (head_rows,):
+            raise ValueError(f"head bias must have shape ({head_rows},), got {tuple(bias.shape)}")
+        for name, value in (("max_requests", max_requests), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        capacity = min(capacity, head_rows)
+        check_num_pinned(num_pinned, capacity)
+        self.weight, self.bias = weight, bias
+        self.max_requests, self.capacity, self.num_pinned, self.hidden_size = max_requests, capacity, num_pinned, hidden
+        self.vocab_size = head_rows  # the last dim of logits: head rows (= token ids without a token map)
+        self.device = weight.device
+        self.observes, self.policy = observes, policy
+        self.token_to_row = self.row_to_token = None
+        if token_to_row is not None:
+            self.token_to_row, self.row_to_token = _check_token_map(token_to_row, head_rows, self.device)
+        self.token_vocab_size = self.token_to_row.numel() if self.token_to_row is not None else head_rows
+        with torch.no_grad(), torch.inference_mode(False):
+            state = new_request_state(max_requests, head_rows, hidden, capacity, weight.dtype, self.device)
+            if bias is not None:
+                state[STATE.index("cache_b")] = state[STATE.index("cache_b")].to(bias.dtype)
+        self.ids, self.slot_of, self.cursor, self.cache_w, self.cache_b = state
+        self.seed_ids = None
+        if seed_ids is not None:
+            seed = as_token_ids(seed_ids).flatten().to(self.device)
+            self._check_range(seed)
+            if seed.numel() > capacity:
+                raise ValueError(f"{seed.numel()} seed tokens do not fit in capacity {capacity}")
+            self.seed_ids = seed
+        self._row_of: dict[Hashable, int] = {}
+        self._free = list(range(max_requests))
+        self.head_calls = 0  # head evaluations (logits, compact_logits, topk, argmax): proves the path is taken
+        self._seen_versions = self._weight_versions()
+
+    @classmethod
+    def from_config(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: VocabConfig | StateConfig,
+                    max_requests: int = 8) -> "RequestVocabs":
+        """Built from the vocabulary options the backend takes (``VocabConfig``: capacity, num_pinned, policy with
+        its frequencies, draft_to_target...), so a server and ``torch.compile`` users spell them alike."""
+        state = resolve(config) if isinstance(config, VocabConfig) else config
+        return cls(weight, bias, max_requests, **state.keywords())
+
+    # ----------------------------------------------------------------- request rows (host bookkeeping)
+    def assign(self, request_id: Hashable) -> int:
+        """The row of ``request_id``: its current one, or a free row emptied and seeded. ``RuntimeError`` when
+        every row is taken (see :attr:`free_rows`)."""
+        if request_id in self._row_of:
+            return self._row_of[request_id]
+        if not self._free:
+            raise RuntimeError(
+                f"nanospec: all {self.max_requests} request rows are assigned; release finished requests, or build "
+                "RequestVocabs with a larger max_requests (or compute this request's logits with the dense head)")
+        row = self._free.pop(0)
+        self._row_of[request_id] = row
+        self._reset_row(row)
+        return row
+
+    def release(self, request_id: Hashable) -> None:
+        """Empty the row of ``request_id`` and free it (the request finished or was preempted). Unknown: no-op."""
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return
+        self._clear_row(row)
+        self._free.append(row)
+        self._free.sort()
+
+    def reset(self, request_id: Hashable) -> None:
+        """Empty and re-seed the set of ``request_id``, keeping its row."""
+        self._reset_row(self.row_of(request_id))
+
+    def row_of(self, request_id: Hashable) -> int:
+        """The row assigned to ``request_id`` (``KeyError`` if none)."""
+        try:
+            return self._row_of[request_id]
+        except KeyError:
+            raise KeyError(f"nanospec: request {request_id!r} has no row; call assign({request_id!r}) first") from None
+
+    def rows_for(self, request_ids: Sequence[Hashable]) -> torch.Tensor:
+        """int64 [B] on the head's device: the row of each request id (repeats allowed)."""
+        rows = torch.tensor([self.row_of(r) for r in request_ids], dtype=torch.int64)
+        return rows.to(self.device, non_blocking=True)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._row_of
+
+    @property
+    def request_ids(self) -> list:
+        """The request ids that hold a row."""
+        return list(self._row_of)
+
+    @property
+    def free_rows(self) -> int:
+        """How many more requests :meth:`assign` can take."""
+        return len(self._free)
+
+    # ----------------------------------------------------------------- observe
+    def observe(self, request_id: Hashable, token_ids: Any, validate: bool = True) -> None:
+        """Add token ids (int, list, tensor, numpy; any shape) to the set of ``request_id``.
+
+        ``validate`` raises ``ValueError`` for ids outside [0, V) (reads them on the host); ``validate=False`` is
+        sync-free and skips them. Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set
+        (``observes=False``, the ``static`` policy) ignores the call."""
+        tokens = as_token_ids(token_ids).to(self.device).reshape(1, -1)
+        if validate:
+            self._check_range(tokens)
+        row = torch.tensor([self.row_of(request_id)], dtype=torch.int64).to(self.device, non_blocking=True)
+        self._observe(row, tokens)
+
+    def observe_rows(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Batched, sync-free observe: ``token_ids [B, n]`` (-1: padding) of batch row b join request row
+        ``rows[b]``; the ids of several batch rows of one request are observed as one call, in batch order."""
+        tokens = as_token_ids(token_ids).to(self.device)
+        rows = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        if rows.numel():
+            self._observe(rows, tokens.reshape(rows.numel(), -1))
+
+    def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
+        if not (self.observes or seeding):
+            return
+        self.refresh_if_stale()
+        with torch.no_grad():
+            ops.observe_per_request(self._rows_of_tokens(tokens), rows, self.weight, self.bias, *self.tensors(),
+                                    self.num_pinned)
+
+    # ----------------------------------------------------------------- head
+    def compact_logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[..., capacity]: row i's logits over its request's slots (slot order), -inf past that request's count."""
+        self._before_head()
+        return ops.compact_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.cursor)
+
+    def scatter(self, compact: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Compact logits [..., capacity] -> [..., vocab_size], -inf at every token its request does not hold."""
+        rows = self._rows(rows, compact)
+        return ops.scatter_logits_per_request(compact, rows, self.ids, self.cursor, self.vocab_size)
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere."""
+        self._before_head()
+        return ops.head_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.ids, self.cursor,
+                                           self.vocab_size)
+
+    def topk_compact(self, compact: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
+        """Top-k of compact logits over each row's request's set -> (values [..., k], head rows [..., k])."""
+        return ops.compact_topk_per_request(compact, self._rows(rows, compact), self.ids, self.cursor, k, largest)
+
+    def topk(self, x: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
+        """Top-k of the head over each row's request's set, never building [..., V]. Ties: smaller id first;
+        fewer than k active: padded with the smallest inactive ids and value -inf (+inf if not ``largest``)."""
+        return self.topk_compact(self.compact_logits(x, rows), rows, k, largest)
+
+    def argmax(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [...]: the head row of the largest active logit of each row (ties: smaller; 0 for an empty set)."""
+        compact = self.compact_logits(x, rows)
+        return ops.compact_argmax_per_request(compact, self._rows(rows, compact), self.ids, self.cursor)
+
+    # ----------------------------------------------------------------- inspection (host reads)
+    def tensors(self) -> list[torch.Tensor]:
+        """The state tensors in the ops' order (``ids, slot_of, cursor, cache_w, cache_b``)."""
+        return [getattr(self, name) for name in STATE]
+
+    @property
+    def count(self) -> torch.Tensor:
+        """int64 [max_requests]: active tokens per row, on the device (no sync)."""
+        return torch.clamp(self.cursor, max=self.capacity)
+
+    def active_count(self, request_id: Hashable) -> int:
+        """How many tokens ``request_id`` holds (reads the count on the host)."""
+        return int(self.count[self.row_of(request_id)])
+
+    def token_ids(self, request_id: Hashable) -> torch.Tensor:
+        """The active token ids of ``request_id`` in slot order (1-D int64; reads the count on the host)."""
+        row = self.row_of(request_id)
+        head_rows = self.ids[row, : int(self.count[row])]
+        return (self.row_to_token[head_rows] if self.row_to_token is not None else head_rows).clone()
+
+    def contains(self, request_id: Hashable, token_ids: Any) -> torch.Tensor:
+        """Bool tensor: which of ``token_ids`` the set of ``request_id`` holds (out-of-range ids: False)."""
+        rows = self._rows_of_tokens(as_token_ids(token_ids).to(self.device))
+        ok = (rows >= 0) & (rows < self.vocab_size)
+        return ok & (self.slot_of[self.row_of(request_id)][torch.where(ok, rows, torch.zeros_like(rows))] >= 0)
+
+    def refresh(self) -> None:
+        """Re-copy every cached row from the head's current weight and bias (after writes that bypass the version
+        counter, e.g. through ``w.data``); observe and the head calls do it when the version counter moved."""
+        with torch.no_grad(), torch.inference_mode(False):
+            rows = torch.clamp(self.ids, min=0)
+            self.cache_w.copy_(self.weight.detach()[rows])
+            if self.bias is not None:
+                self.cache_b.copy_(self.bias.detach()[rows])
+        self._seen_versions = self._weight_versions()
+
+    def refresh_if_stale(self) -> bool:
+        """Refresh when the weight or bias was written in place since the rows were cached (host check, no sync)."""
+        versions = self._weight_versions()
+        if versions is None or versions == self._seen_versions:
+            return False
+        self.refresh()
+        return True
+
+    def __repr__(self) -> str:
+        return (f"RequestVocabs(requests={len(self._row_of)}/{self.max_requests}, capacity={self.capacity}, "
+                f"vocab_size={self.vocab_size}, hidden={self.hidden_size}, policy={self.policy!r}, "
+                f"num_pinned={self.num_pinned}, device={self.device})")
+
+    # ----------------------------------------------------------------- internals
+    def _before_head(self) -> None:
+        self.refresh_if_stale()
+        self.head_calls += 1
+
+    def _cache_b(self) -> torch.Tensor | None:
+        return self.cache_b if self.bias is not None else None
+
+    def _rows(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=x.device)
+        if tuple(rows.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"rows must have the shape of x's leading dims {tuple(x.shape[:-1])}, got "
+                             f"{tuple(rows.shape)}")
+        return rows
+
+    def _rows_of_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
+        if self.token_to_row is None:
+            return tokens
+        ok = (tokens >= 0) & (tokens < self.token_vocab_size)
+        rows = self.token_to_row[torch.where(ok, tokens, torch.zeros_like(tokens))]
+        return torch.where(ok, rows, torch.full_like(rows, -1))
+
+    def _check_range(self, tokens: torch.Tensor) -> None:
+        if tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.token_vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.token_vocab_size})")
+
+    def _clear_row(self, row: int) -> None:
+        with torch.no_grad():
+            self.ids[row].fill_(-1)
+            self.slot_of[row].fill_(-1)
+            self.cursor[row] = 0
+
+    def _reset_row(self, row: int) -> None:
+        self._clear_row(row)
+        if self.seed_ids is not None:
+            self._observe(torch.tensor([row], dtype=torch.int64).to(self.device), self.seed_ids.reshape(1, -1), True)
+
+    def _weight_versions(self) -> tuple | None:
+        try:
+            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
+        except RuntimeError:
+            return None

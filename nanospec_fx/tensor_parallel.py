@@ -1,0 +1,260 @@
+"""The active vocabulary of a vocabulary-parallel (tensor-parallel) LM head: a replicated compact row cache.
+
+A vocabulary-parallel head holds ``V / tp`` rows of the head on each rank; the dense drafter computes its slice
+of the logits and all-gathers ``[..., V]`` at every draft step. Here every rank keeps the *same* active set and
+*all* active rows: when tokens become active, their rows are fetched from their owner shards with one small
+collective (an all-reduce of ``[N, H]`` for the ``N`` ids of that observe, zeros from every rank but the owner,
+so the sum is the owner's row, bit for bit), and the draft head then computes the whole compact head locally
+on every rank, with **no logits collective**.
+
+Why the sets stay identical: every rank observes the same ids in the same order (the drafter's inputs are
+replicated under tensor parallelism, and ``state.observe`` is called SPMD), and ``observe`` is deterministic
+(same ids, same state -> same slots), so slot order is identical too (tested across two gloo processes).
+
+Rows are inserted at the state level in plain torch (``kernels/`` has no "insert ids with these rows" op):
+``nanospec.observe`` does the slot bookkeeping with a stride-0 zero table as its weight (no ``[V, H]``
+memory), then the fetched rows are written to the slots of the observed ids (:func:`observe_shard`). The
+same function runs eagerly (``ActiveVocab.observe``) and is traced into the compiled graph.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from nanospec_fx.kernels import ops  # noqa: F401 - registers torch.ops.nanospec
+from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_state, state_for
+from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which rows of a ``[V, H]`` head this rank holds: rows ``[rank * shard_rows, (rank + 1) * shard_rows)``,
+    where ``rank`` is the rank in the process group named ``group_name`` (the one the dense head gathers over)."""
+
+    group_name: str
+    world_size: int
+    rank: int
+    shard_rows: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.world_size * self.shard_rows
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.shard_rows
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return resolve_group(self.group_name)
+
+    @classmethod
+    def of(cls, group_name: str, world_size: int, shard_rows: int) -> "VocabShard":
+        group = resolve_group(group_name)
+        size = dist.get_world_size(group)
+        if size != world_size:
+            raise ValueError(f"nanospec: process group {group_name!r} has {size} ranks, the graph gathers {world_size}")
+        return cls(group_name, world_size, dist.get_rank(group), shard_rows)
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names (``_c10d_functional`` ops take its name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def fetch_rows(token_ids: torch.Tensor, shard_weight: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The head rows ``[N, H]`` of ``token_ids`` (the same ids on every rank), from their owner shards.
+
+    One all-reduce of ``[N, H]``: each rank contributes its own rows and zeros elsewhere, so every sum is one
+    owner's row plus exact zeros. Ids outside ``[0, V)`` get zero rows. Traceable into an FX graph (it uses the
+    ``_c10d_functional`` ops directly, which also run eagerly).
+    """
+    local = token_ids - shard.offset
+    owned = (local >= 0) & (local < shard.shard_rows)
+    rows = shard_weight.index_select(0, torch.clamp(local, 0, shard.shard_rows - 1))
+    mine = torch.where(owned.unsqueeze(-1), rows, torch.zeros_like(rows))
+    summed = torch.ops._c10d_functional.all_reduce.default(mine, "sum", shard.group_name)
+    return torch.ops._c10d_functional.wait_tensor.default(summed)
+
+
+def fetch_bias(token_ids: torch.Tensor, shard_bias: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The bias entries ``[N]`` of ``token_ids`` from their owner shards (as :func:`fetch_rows`)."""
+    return fetch_rows(token_ids, shard_bias.unsqueeze(-1), shard).squeeze(-1)
+
+
+def write_rows(token_ids: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tensor, cache: torch.Tensor,
+               vocab_size: int, matrix: bool = True) -> None:
+    """``cache[slot_of[id]] = row`` for every active id of ``token_ids``, with fixed shapes and no host sync.
+
+    Ids that are not active (out of range, or dropped by a call bringing more new ids than the ring holds)
+    write to the slot of the first active id, with that id's row, so every duplicate write of a slot carries the
+    same value (``index_copy_`` with repeated indices is then deterministic). With no active id at all, slot 0
+    is written with its own value. ``matrix``: rows are ``[N, H]`` (weights), else ``[N]`` (a bias).
+    Plain arguments only (no ``.dim()``, ``.dtype``), so that it traces into an FX graph.
+    """
+    ok = (token_ids >= 0) & (token_ids < vocab_size)
+    slot = slot_of[torch.clamp(token_ids, 0, vocab_size - 1)].to(torch.int64)
+    active = ok & (slot >= 0)
+    first = torch.argmax(active.to(torch.int32)).reshape(1)  # index_select, not rows[first]: no .item() when traced
+    some = torch.any(active)
+    spare_slot = torch.where(some, slot.index_select(0, first), torch.zeros_like(first))
+    rows = rows.type_as(cache)
+    spare_row = torch.where(some, rows.index_select(0, first), cache[:1])
+    target = torch.where(active, slot, spare_slot)
+    value = torch.where(active.unsqueeze(-1) if matrix else active, rows, spare_row)
+    cache.index_copy_(0, target, value)
+
+
+def observe_shard(token_ids, shard_weight, shard_bias, zero_rows, zero_bias, ids, slot_of, cursor, cache_w, cache_b,
+                  num_pinned: int, shard: VocabShard) -> None:
+    """``nanospec.observe`` for a vocabulary-parallel head: slot bookkeeping (identical on every rank), then the
+    rows of the observed ids from their owners (one ``[N, H]`` all-reduce, another ``[N]`` one with a bias)."""
+    x = token_ids.reshape(-1).to(torch.int64)
+    torch.ops.nanospec.observe.default(x, zero_rows, zero_bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
+    write_rows(x, fetch_rows(x, shard_weight, shard), slot_of, cache_w, shard.vocab_size)
+    if shard_bias is not None:
+        write_rows(x, fetch_bias(x, shard_bias, shard), slot_of, cache_b, shard.vocab_size, matrix=False)
+
+
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's rows of a head weight or bias: the tensor itself, or a DTensor's local shard."""
+    return tensor.to_local() if tensor is not None and hasattr(tensor, "to_local") else tensor
+
+
+class ShardedActiveVocab(ActiveVocab):
+    """The ActiveVocab of one rank's shard ``[V / tp, H]`` of a vocabulary-parallel head: the set and the cache
+    cover the whole vocabulary (``slot_of[V]``, ``cache_w[C, H]`` holding rows of every shard) and are the same
+    on every rank. ``observe``, ``reset`` and ``refresh`` must be called on every rank of the group, with the same
+    ids (SPMD, as the drafter itself runs): ``observe`` and ``refresh`` run a collective.
+    With a draft vocabulary (``draft_to_target``) the head's R rows are sharded and ids are mapped to rows first.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, capacity: int = DEFAULT_CAPACITY,
+                 num_pinned: int = 0, *, shard: VocabShard, seed_ids: torch.Tensor | None = None, observes: bool = True,
+                 policy: str = DEFAULT_POLICY, token_to_row: torch.Tensor | None = None):
+        local = local_shard(weight)  # ``weight`` itself (a DTensor head's is the state's key, like any weight)
+        if local.dim() != 2 or local.shape[0] != shard.shard_rows:
+            raise ValueError(f"nanospec: this rank's head shard should have {shard.shard_rows} rows, got "
+                             f"{tuple(local.shape)}")
+        self.shard = shard
+        with torch.no_grad(), torch.inference_mode(False):  # stride 0: no [V, H] memory
+            self.zero_rows = local.new_zeros(1, local.shape[1]).expand(shard.vocab_size, -1)
+            self.zero_bias = local_shard(bias).new_zeros(1).expand(shard.vocab_size) if bias is not None else None
+        super().__init__(weight, bias, capacity, num_pinned, seed_ids=seed_ids, observes=observes, policy=policy,
+                         token_to_row=token_to_row)
+
+    def _head_rows(self, weight: torch.Tensor) -> int:
+        return self.shard.vocab_size
+
+    def _fresh_factory(self):
+        return functools.partial(ShardedActiveVocab, shard=self.shard)
+
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """The zero tables a compiled graph's observers pass to ``nanospec.observe`` (after the state tensors)."""
+        return [self.zero_rows] + ([self.zero_bias] if self.zero_bias is not None else [])
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        local = local_shard(weight)
+        return (tuple(local.shape) == (self.shard.shard_rows, self.hidden_size) and local.dtype == self.cache_w.dtype
+                and local.device == self.cache_w.device)
+
+    def bias_fits(self, bias: torch.Tensor | None) -> bool:
+        if bias is None or self.bias is None:
+            return bias is None and self.bias is None
+        local, mine = local_shard(bias), local_shard(self.bias)
+        return tuple(local.shape) == (self.shard.shard_rows,) and local.dtype == mine.dtype and local.device == mine.device
+
+    def _weight_versions(self) -> tuple | None:
+        try:
+            return tuple((t._version, t.data_ptr()) if t is not None else None
+                         for t in (local_shard(self.weight), local_shard(self.bias)))
+        except RuntimeError:
+            return None
+
+    def _insert(self, token_ids: torch.Tensor) -> None:
+        with torch.no_grad():
+            observe_shard(self.rows_of(token_ids), local_shard(self.weight), local_shard(self.bias), self.zero_rows, self.zero_bias,
+                          *self.tensors(), self.num_pinned, self.shard)
+
+    def refresh(self) -> None:
+        """Re-copy the rows of every slot from their owner shards (one ``[C, H]`` all-reduce: on every rank)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            rows = torch.clamp(self.ids, min=0)
+            self.cache_w.copy_(fetch_rows(rows, local_shard(self.weight.detach()), self.shard))
+            if self.bias is not None:
+                self.cache_b.copy_(fetch_bias(rows, local_shard(self.bias.detach()), self.shard))
+        self._seen_versions = self._weight_versions()
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", shard={self.shard.rank}/{self.shard.world_size})"
+
+
+def sharded_state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig, shard: VocabShard, *,
+                      name: str | None = None) -> ShardedActiveVocab:
+    """The replicated active vocabulary of this rank's head shard (one per shard weight, as ``state_for``)."""
+    existing = registered_state(weight)
+    if existing is not None and not (isinstance(existing, ShardedActiveVocab) and existing.shard == shard):
+        raise ValueError(f"nanospec: the head shard {name or tuple(weight.shape)} already has an active vocabulary "
+                         f"that is not this vocabulary-parallel one ({existing!r}); drop it first "
+                         "(torch._dynamo.reset() and a fresh model)")
+
+    return state_for(weight, bias, config, name=name, factory=functools.partial(ShardedActiveVocab, shard=shard))
+
+
+def shard_observers(graph: fx.Graph, into, zero: list[fx.Node], shard: VocabShard) -> int:
+    """Turn every ``nanospec.observe`` of ``into``'s state in ``graph`` into :func:`observe_shard`, traced in
+    place (its collective becomes ``_c10d_functional`` nodes of the graph). Returns how many."""
+    from nanospec_fx.kernels.schema import is_op, op_arg
+    from nanospec_fx.passes.rewrite_head import set_example_value
+
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+
+    def proxy(node):
+        return fx.Proxy(node, tracer) if isinstance(node, fx.Node) else node
+
+    zero_rows, zero_bias = zero[0], zero[1] if len(zero) > 1 else None
+    s = into.state
+    observers = [n for n in graph.nodes if is_op(n, "observe") and op_arg(n, "cursor") is s.cursor]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for shard_of in (into.weight, into.bias):  # a DTensor head's ``W.to_local()``: computed before the first observer
+        if shard_of is not None and shard_of.op != "placeholder" and observers and order[shard_of] > order[observers[0]]:
+            observers[0].prepend(shard_of)
+    for node in observers:
+        before = set(graph.nodes)
+        with graph.inserting_before(node):
+            observe_shard(proxy(op_arg(node, "token_ids")), proxy(into.weight), proxy(into.bias), proxy(zero_rows),
+                          proxy(zero_bias), *(proxy(getattr(s, f)) for f in STATE_TENSORS), into.num_pinned, shard)
+        for new in graph.nodes:
+            if new not in before:
+                if is_op(new, "observe"):
+                    new.meta["val"] = new.meta["example_value"] = None
+                else:
+                    set_example_value(new)
+        graph.erase_node(node)
+    return len(observers)
+
+
+def agree(group_name: str, decision: str) -> None:
+    """Every rank of the group compiled the same decision for its vocabulary-parallel head, or all raise.
+
+    A rank that rewrites the head stops gathering logits; a rank that runs it dense still gathers: mixed
+    decisions would hang at the next draft step. This exchanges each rank's decision (an object all-gather at
+    compile time) and raises the same ``RuntimeError``, listing every rank's decision, on every rank.
+    """
+    group = resolve_group(group_name)
+    if dist.get_backend(group) == "fake":  # one process traces for all ranks: nothing to agree with
+        return
+    decisions: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(decisions, decision, group=group)
+    if len(set(decisions)) > 1:
+        listed = "; ".join(f"rank {r}: {d}" for r, d in enumerate(decisions))
+        raise RuntimeError(
+            "nanospec: the ranks of a tensor-parallel drafter took different decisions for its vocabulary-parallel "
+            f"head ({listed}). Every rank must compile the drafter the same way (same options, same grad mode, the "
+            "same code path), or the ranks would wait forever on different collectives.")

@@ -1,0 +1,423 @@
+"""Vocabulary-parallel LM heads in a Dynamo FX graph: recognise the gather of the logits, collapse it.
+
+A hand-written vocabulary-parallel head (Megatron style, vLLM's ``ParallelLMHead`` + gather) computes this
+rank's slice of the logits with its shard ``[V / tp, H]`` of the head and all-gathers them. Dynamo turns
+``funcol.all_gather_tensor``, ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
+collective and the ops that put the slices side by side::
+
+    local = linear(h, W_shard)                                    # [..., V / tp]
+    g = wait_tensor(all_gather_into_tensor(local, tp, group))     # [tp * B, ..., V / tp], rank r's rows r*B..
+    z = cat([g.chunk(tp)[0], ..., g.chunk(tp)[tp - 1]], dim=-1)   # [..., V]   (or slices, or copies into buffers)
+
+:func:`gathered_heads` finds such heads by following what every value holds (the stacked slices, rank r's
+slice) through ``chunk``/``split``/slices/``copy_`` into fresh buffers, up to a ``cat`` of the slices of ranks
+0..tp-1 in order along the vocabulary axis: then ``z[..., r * V/tp + i]`` is ``h . W_r[i]`` (rank r's row i),
+whatever the shards hold. Any other use of those values (a local argmax, a permuted cat) is no such head: it
+stays dense, with a note saying why. :func:`collapse_gather` replaces the whole pattern by one projection to
+``[..., V]`` that the usual rewrite (``rewrite_head``) turns into the compact head, and erases the collective
+itself (``wait_tensor`` has a side effect: dead-code elimination would keep it).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from . import effects, patterns
+from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
+
+FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", "zeros"}
+CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _is_c10d(node: fx.Node, name: str) -> bool:
+    """``node`` calls the functional collective ``name`` (``_c10d_functional``, or its autograd twin)."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None and (target is packet or target is getattr(packet, "default", None)):
+            return True
+    return False
+
+
+@dataclass
+class Gather:
+    """One rank's slice of the logits gathered into ``[..., V]``: the nodes to erase and the full logits."""
+
+    local: fx.Node  # the projection onto this rank's shard
+    prefix: list[fx.Node]  # elementwise ops with scalar operands between it and the gather (a cast, a temperature)
+    world_size: int
+    group_name: str
+    full: fx.Node  # the ``cat`` giving [..., V]
+    nodes: list[fx.Node] = field(default_factory=list)  # collective, wait, chunks, buffers, copies, cat
+    dtensor_input: fx.Node | None = None  # a DTensor head's ``DTensor.from_local(x, mesh, (Replicate(),))``
+
+
+@dataclass(eq=False)
+class GatheredHead(HeadMatch):
+    """A vocabulary-parallel head: ``weight`` is this rank's shard ``[V / tp, H]``, ``nodes`` the local projections,
+    ``vocab_size`` the whole vocabulary V."""
+
+    world_size: int = 1
+    group_name: str = ""
+    shard_rows: int = 0
+
+    __hash__ = object.__hash__
+
+
+def match_dtensor(proj: fx.Node) -> Gather | str | None:
+    """A DTensor ``ColwiseParallel`` head with replicated output, as Dynamo records it::
+
+        xd = DTensor.from_local(x, mesh, (Replicate(),)); z = linear(xd, W, b)    # W: DTensor Shard(0), [V, H]
+        full = z.redistribute(placements=(Replicate(),)).to_local()              # [..., V] on every rank
+
+    (the collective appears only after AOTAutograd). None when the weight is no DTensor, a reason for the other
+    layouts (an output left sharded, ``Shard(-1)``: each rank gets only its slice)."""
+    x, w, b = patterns.match_projection(proj)
+    weight = patterns.example_value(w)
+    placements = getattr(weight, "placements", None)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+        return f"its DTensor weight is laid out as {placements} on a {mesh.ndim}-D mesh, not Shard(0) on a 1-D mesh"
+    world, shape = mesh.size(), tuple(weight.shape)
+    if shape[0] % world:
+        return f"its {shape[0]} rows do not split evenly over {world} ranks"
+    bias = patterns.example_value(b) if b is not None else None
+    if bias is not None and tuple(getattr(bias, "placements", ())) != tuple(placements):
+        return "its bias is not sharded like its weight"
+    if not (isinstance(x, fx.Node) and _name(x) == "from_local" and all(
+            isinstance(p, Replicate) for p in _arg(x, 2, "placements", ()))):
+        return "its input is not a replicated DTensor made with DTensor.from_local"
+    users = list(proj.users)
+    redistribute = users[0] if len(users) == 1 and _name(users[0]) == "redistribute" else None
+    if redistribute is None or not all(isinstance(p, Replicate) for p in _arg(redistribute, 1, "placements", ())):
+        return "its output is not redistributed to Replicate() (a Shard(-1) output leaves each rank its own slice)"
+    after = list(redistribute.users)
+    if len(after) != 1 or _name(after[0]) != "to_local":
+        return "its replicated output is not read through to_local()"
+    return Gather(proj, [], world, mesh.get_group().group_name, after[0], [redistribute, after[0]], dtensor_input=x)
+
+
+def match_gather(local: fx.Node) -> Gather | str | None:
+    """How ``local`` (a projection's ``[..., V / tp]`` output) is gathered into ``[..., V]``: a :class:`Gather`,
+    a reason (str) when it is gathered in a way that cannot be proven to be the concatenation of the slices in
+    rank order, or None when it is not gathered at all."""
+    prefix, sliced = _elementwise_prefix(local), local
+    if prefix:
+        sliced = prefix[-1]
+    gathers = [u for u in sliced.users if _is_c10d(u, "all_gather_into_tensor")]
+    if not gathers:
+        return None
+    if len(gathers) > 1:
+        return f"{local.name} is gathered {len(gathers)} times"
+    gather = gathers[0]
+    world, group = gather.args[1], gather.args[2]
+    shape = patterns.tensor_shape(sliced)
+    if not isinstance(world, int) or not shape:
+        return f"{gather.name} gathers over a group whose size is not static"
+    rows = shape[0]
+    values: dict[fx.Node, tuple] = {gather: ("stack",)}
+    nodes = list(local.graph.nodes)
+    fresh = {n for n in nodes if n.op in ("call_function", "call_method") and _name(n) in FRESH_BUFFERS}
+    pattern = [gather]
+    full = None
+    for n in nodes[nodes.index(gather) + 1:]:
+        inputs = [a for a in n.all_input_nodes if a in values]
+        if not inputs:
+            continue
+        if n in fresh:  # ``torch.empty_like(gathered)``: reads only its shape
+            pattern.append(n)
+            continue
+        value = _step(n, values, fresh, world, rows, shape)
+        if isinstance(value, str):
+            return value
+        pattern.append(n)
+        if value == ("full",):
+            full = n
+            break
+        values[n] = value
+        if _name(n) == "copy_":  # the buffer holds the copied value from here on
+            values[n.args[0]] = value
+            pattern.append(n.args[0])
+    if full is None:
+        return f"the gathered slices of {local.name} are not concatenated in rank order along the vocabulary axis"
+    inside = set(pattern) | {local, *prefix}
+    for n in pattern:
+        if n is full:
+            continue
+        stray = [u for u in n.users if u not in inside]
+        if stray:
+            return (f"{stray[0].name} reads {n.name}, a value of the gather of {local.name} other than the full "
+                    "logits")
+    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    if stray:
+        return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
+    return Gather(local, prefix, world, group, full, _in_graph_order(pattern))
+
+
+def _elementwise_prefix(local: fx.Node) -> list[fx.Node]:
+    """The ops between the projection and its gather that act on each logit alone with scalar operands
+    (``.float()``, ``/ temperature``): applied before or after the gather, they give the same values."""
+    chain, cur = [], local
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if not (patterns.is_elementwise(user) and user.all_input_nodes == [cur] and not effects.mutated_inputs(user)
+                and user.args and user.args[0] is cur):
+            break
+        chain.append(user)
+        cur = user
+    return chain
+
+
+def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tuple) -> tuple | str:
+    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather).
+
+    ``("stack",)``: the slices stacked along dim 0; ``("pieces",)``: a list of the slices in rank order;
+    ``("block", r)``: rank r's slice; ``("ranked", a)``: the slices stacked along a new axis ``a`` of the slice's
+    shape (``view(tp, B, ...)``, then ``movedim``/``permute``); ``("full",)``: ``[..., V]`` in rank order.
+    """
+    name = _name(n)
+    src = n.args[0] if n.args else None
+    held = values.get(src)
+    last = len(local) - 1
+    out = patterns.tensor_shape(n)
+    if _is_c10d(n, "wait_tensor") and held == ("stack",):
+        return held
+    if name == "contiguous" and held is not None:
+        return held
+    if name in ("view", "reshape", "unflatten") and held == ("stack",) and _same(out, (world,) + tuple(local)):
+        return ("ranked", 0)
+    if name in ("view", "reshape") and held == ("stack",) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+            and _same(out, tuple(local[:-1]) + (world * local[-1],)):
+        return ("full",)  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
+    if held is not None and held[0] == "ranked":
+        moved = _moved_axis(n, held[1], len(local) + 1)
+        if moved is not None:
+            return ("ranked", moved)
+        if name in ("view", "reshape", "flatten") and held[1] == last \
+                and _same(out, tuple(local[:-1]) + (world * local[-1],)):
+            return ("full",)
+    if name == "chunk" and held == ("stack",) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
+        return ("pieces",)
+    if name == "split" and held == ("stack",) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
+            == rows and _arg(n, 2, "dim", 0) == 0:
+        return ("pieces",)
+    if n.target is operator.getitem and held == ("pieces",) and isinstance(n.args[1], int):
+        return ("block", n.args[1] % world)
+    if n.target is operator.getitem and held == ("stack",):
+        r = _rank_slice(n.args[1], rows)
+        if r is not None:
+            return ("block", r)
+    if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
+            and _same(patterns.tensor_shape(n.args[0]), patterns.tensor_shape(n.args[1]) or ()):
+        return values[n.args[1]]
+    if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
+        parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and isinstance(dim, int) \
+                and [values.get(p) for p in parts] == [("block", r) for r in range(world)]:
+            return ("ranked", dim % (len(local) + 1))
+    if n.op == "call_function" and n.target in CAT_FUNCTIONS:
+        parts = n.args[0] if n.args else n.kwargs.get("tensors")
+        dim = _arg(n, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [("block", r) for r in range(world)] \
+                and dim in (last, -1):
+            return ("full",)
+    return f"{n.name} ({name}) uses the gathered logits in a way nanospec does not follow"
+
+
+def _same(shape: tuple | None, expected: tuple) -> bool:
+    """Shapes equal (symbolic sizes compared as expressions, without guarding on them)."""
+    return shape is not None and len(shape) == len(expected) and all(
+        a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or str(a) == str(b)
+        for a, b in zip(shape, expected))
+
+
+def _moved_axis(n: fx.Node, axis: int, ndim: int) -> int | None:
+    """Where ``permute``/``movedim``/``transpose`` move ``axis`` to, when they keep every other axis in order."""
+    name, args = _name(n), [a for a in n.args[1:]]
+    if name == "permute":
+        perm = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+    elif name in ("movedim", "moveaxis") and len(args) == 2 and all(isinstance(a, int) for a in args):
+        src, dst = (a % ndim for a in args)
+        perm = [i for i in range(ndim) if i != src]
+        perm.insert(dst, src)
+    elif name in ("transpose", "swapaxes", "swapdims") and len(args) == 2 and all(isinstance(a, int) for a in args):
+        i, j = (a % ndim for a in args)
+        perm = list(range(ndim))
+        perm[i], perm[j] = perm[j], perm[i]
+    else:
+        return None
+    if sorted(p % ndim for p in perm if isinstance(p, int)) != list(range(ndim)):
+        return None
+    perm = [p % ndim for p in perm]
+    others = [p for p in perm if p != axis]
+    return perm.index(axis) if others == sorted(others) else None
+
+
+def _rank_slice(index, rows) -> int | None:
+    """r when ``index`` selects rows ``[r * rows, (r + 1) * rows)`` of dim 0 and keeps every other axis (sizes may be
+    symbolic: compared as expressions)."""
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+    if not all(r == slice(None) or r is Ellipsis for r in rest) or not isinstance(first, slice):
+        return None
+    start, stop, size = _expr(first.start), _expr(first.stop), _expr(rows)
+    if first.step not in (None, 1) or start is None or stop is None or size is None:
+        return None
+    if sympy.expand(stop - start - size) != 0:
+        return None
+    r = sympy.simplify(start / size) if size != 0 else None
+    return int(r) if r is not None and r.is_Integer else None
+
+
+def _expr(value) -> sympy.Expr | None:
+    """An int or a SymInt (or a graph node computing one) as a sympy expression."""
+    if isinstance(value, fx.Node):
+        value = patterns.example_value(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else default)
+
+
+def _name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(set(nodes), key=order.__getitem__)
+
+
+def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
+                   notes: list[str] | None = None) -> list[GatheredHead]:
+    """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
+    output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
+    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example_of = dict(zip(placeholders, example_inputs))
+    found: dict[fx.Node, GatheredHead] = {}
+    for node in gm.graph.nodes:
+        m = patterns.match_projection(node)
+        if m is None:
+            continue
+        x, w, b = m
+        shape = patterns.tensor_shape(w)
+        if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
+            continue
+        gather = match_dtensor(node) or match_gather(node)
+        if gather is None:
+            continue
+        if isinstance(gather, str):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}")
+            continue
+        vocab = gather.world_size * shape[0] if gather.dtensor_input is None else shape[0]
+        if not reaches_output(gather.full, vocab):
+            continue
+        match = found.get(w)
+        if match is None:
+            match = found[w] = GatheredHead(w, [], parameter_name(w), vocab, shape[1], module_path=module_path(node),
+                                            world_size=gather.world_size, group_name=gather.group_name,
+                                            shard_rows=vocab // gather.world_size)
+        elif (match.world_size, match.group_name) != (gather.world_size, gather.group_name):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {match.name} is gathered over two different groups")
+            found.pop(w)
+            continue
+        match.nodes.append(node)
+        match.biases.append(b)
+        match.reach = "logits"
+    heads = list(found.values())
+    if head is not None:
+        from .find_head import _name_matches
+
+        heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
+    return heads
+
+
+def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
+    """Replace ``local``'s gather into ``[..., V]`` by one projection ``linear(x, W_shard, b)`` whose value is the
+    full logits (its FakeTensor is the ``cat``'s); erase the collective and everything between. The new node is
+    a placeholder for ``rewrite_head``, which replaces it by the compact head: it must not run as it is.
+    A DTensor head's projection reads the plain input and ``W.to_local()`` (the observers read that shard)."""
+    gather = match_dtensor(local) or match_gather(local)
+    if not isinstance(gather, Gather):
+        raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
+    x, w, b = patterns.match_projection(local)
+    anchor = gather.prefix[-1] if gather.prefix else local
+    if gather.dtensor_input is not None:
+        x = gather.dtensor_input.args[0]
+        first = next(n for n in graph.nodes if n.op != "placeholder")  # observers read the shard before the head
+        with graph.inserting_before(first):
+            w, b = (graph.call_method("to_local", (t,)) if t is not None else None for t in (w, b))
+        plain = patterns.example_value(gather.full)  # a FakeTensor of the fake mode every local value lives in
+        for t, orig in ((w, patterns.match_projection(local)[1]), (b, patterns.match_projection(local)[2])):
+            if t is not None:
+                dtensor = patterns.example_value(orig)
+                with plain.fake_mode:
+                    shape = (dtensor.shape[0] // gather.world_size,) + tuple(dtensor.shape[1:])
+                    t.meta["example_value"] = t.meta["val"] = plain.new_empty(shape, dtype=dtensor.dtype)
+    with graph.inserting_before(anchor.next):  # in order, after the slice's last op
+        proj = graph.call_function(torch._C._nn.linear, (x, w, b))
+        value = proj
+        for op in gather.prefix:  # the casts and scalings of the slice, now on [..., V]
+            value = graph.create_node(op.op, op.target, (value,) + tuple(op.args[1:]), dict(op.kwargs))
+    proj.meta.update({k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    fake, full = patterns.example_value(local), patterns.example_value(gather.full)
+    if gather.prefix:  # [..., V] in the projection's dtype (the prefix may cast)
+        with fake.fake_mode:
+            full = fake.new_empty(full.shape)
+    proj.meta["example_value"] = proj.meta["val"] = full
+    node = proj.next
+    while node is not value.next:
+        node.meta["example_value"] = node.meta["val"] = patterns.fake_value(node)
+        node = node.next
+    gather.full.replace_all_uses_with(value)
+    for node in reversed(gather.nodes):
+        graph.erase_node(node)
+    sliced = [local, *gather.prefix]
+    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
+        graph.erase_node(buffer)
+    for node in reversed(sliced):
+        graph.erase_node(node)
+    if gather.dtensor_input is not None and not gather.dtensor_input.users:
+        graph.erase_node(gather.dtensor_input)
+    return proj
+
+
+def full_logits(local: fx.Node) -> fx.Node:
+    """The ``[..., V]`` logits a vocabulary-parallel projection is gathered into (a target observer's top-k reads
+    them: the target keeps its gather, which verification needs)."""
+    gather = match_dtensor(local) or match_gather(local)
+    if not isinstance(gather, Gather):
+        raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
+    return gather.full
+
+
+def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
+    """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
+    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
+    nodes = [collapse_gather(graph, node_map[n]) for n in head.nodes]
+    weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
+    return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
+                     head.module_path)

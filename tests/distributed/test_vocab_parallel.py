@@ -1,0 +1,242 @@
+"""Vocabulary-parallel drafter heads (tensor parallelism): the gather of the logits is recognised and removed.
+
+* Graph tests in this process, on a fake process group (it traces the ranks' graph; its collectives compute
+  nothing): each gather form (and DTensor ColwiseParallel) is rewritten with no logits collective left in the
+  compiled graph, the forms nanospec cannot follow stay dense with one warning, target observers feed the set.
+* Two gloo processes (spawned, with a timeout; slow): exact against the dense tensor-parallel drafter masked to
+  the active set, every fed id active, identical sets and slot order on both ranks, for every form, a DTensor head,
+  a draft vocabulary and a target observer; and a rank disagreeing on the decision raises the same error on every rank instead of
+  hanging.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanospec_fx
+import nanospec_fx.backend as backend
+from nanospec_fx.warning import NanoSpecWarning
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_drafters import GATHERS, DTensorDrafter, VocabParallelDrafter, gather_funcol  # noqa: E402
+
+V, H, TP = 64, 16, 2
+C10D = torch.ops._c10d_functional
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graphs the backend hands to its compiler (after the rewrite)."""
+    graphs = []
+    compile_graph = backend._compile
+
+    def spy(gm, example_inputs, opts, config_patches):
+        graphs.append(gm.graph)
+        return compile_graph(gm, example_inputs, opts, config_patches)
+
+    monkeypatch.setattr(backend, "_compile", spy)
+    return graphs
+
+
+def _targets(graph) -> list:
+    return [getattr(n.target, "overloadpacket", n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+def _compile_and_run(model, ids, **options):
+    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32, **options})
+    with torch.no_grad():
+        return compiled(ids)
+
+
+@pytest.mark.parametrize("gather, bias", [("funcol", False), ("list", True), ("into_tensor", False), ("movedim", True),
+                                         ("stack", False)])
+def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
+    scale = 0.5 if bias else None  # a temperature and a cast between the slice and its gather
+    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias, scale=scale)
+    out = _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert out.shape == (2, 3, V) and out.dtype == (torch.float64 if scale else torch.float32)
+    (graph,) = compiled_graphs
+    targets = _targets(graph)
+    assert C10D.all_gather_into_tensor not in targets and C10D.wait_tensor in targets  # the observer's only
+    assert targets.count(C10D.all_reduce) == 1 + bias  # the rows (and bias entries) of the fed ids, from their owners
+    state = nanospec_fx.active_vocab(model)
+    assert (state.vocab_size, state.capacity, state.shard.world_size, state.shard.shard_rows) == (V, 32, TP, V // TP)
+    assert "head_weight" in str(nanospec_fx.explain(model))
+
+
+def test_a_one_row_gather_written_as_a_view(fake_group, compiled_graphs):
+    """For one row funcol writes the gather as ``stacked.view(1, 1, V)``: the slices are already side by side."""
+    model = VocabParallelDrafter(V, H, TP, rank=0)
+    assert _compile_and_run(model, torch.randint(0, V, (1, 1))).shape == (1, 1, V)
+    assert C10D.all_gather_into_tensor not in _targets(compiled_graphs[-1])
+
+
+@pytest.mark.parametrize("gather", ["funcol", "list"])
+def test_dynamic_shapes_keep_the_rewrite(fake_group, compiled_graphs, gather):
+    model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather)
+    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32}, dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 3), (3, 5)]:
+            assert compiled(torch.randint(0, V, shape)).shape == shape + (V,)
+    assert all(C10D.all_gather_into_tensor not in _targets(g) for g in compiled_graphs)
+
+
+@pytest.mark.parametrize("output", ["replicate", "shard"])
+def test_dtensor_colwise_head(fake_group, compiled_graphs, output):
+    """``ColwiseParallel`` with a replicated output is rewritten; a sharded output (each rank its slice) stays dense."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = DTensorDrafter(V, H, bias=True)
+    layout = Replicate() if output == "replicate" else Shard(-1)
+    parallelize_module(model, init_device_mesh("cpu", (TP,)), {"lm_head": ColwiseParallel(output_layouts=layout)})
+    if output == "replicate":
+        assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
+        assert nanospec_fx.active_vocab(model).shard.shard_rows == V // TP
+        assert "redistribute" not in str(compiled_graphs[-1])
+    else:
+        with pytest.warns(NanoSpecWarning, match="DTensor in a layout"):
+            assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V // TP)
+
+
+@pytest.mark.parametrize("ids", [[5, 2, 5, -1, 70, 9], [-3, 99], [2]])
+def test_write_rows_writes_exactly_the_active_ids_rows(ids):
+    """Rows of active ids land in their slots; out-of-range and inactive ids change nothing (repeated indices carry
+    the same value, so the result is deterministic)."""
+    from nanospec_fx.tensor_parallel import write_rows
+
+    slot_of = torch.full((V,), -1, dtype=torch.int32)
+    slot_of[torch.tensor([5, 2, 40])] = torch.tensor([3, 0, 1], dtype=torch.int32)  # 9 is not active
+    cache = torch.randn(4, H)
+    token_ids = torch.tensor(ids)
+    rows = torch.randn(len(ids), H)
+    rows[token_ids == 5] = rows[ids.index(5)].clone() if 5 in ids else 0  # a token's rows agree wherever it appears
+    expected = cache.clone()
+    for i, t in enumerate(ids):
+        if 0 <= t < V and slot_of[t] >= 0:
+            expected[slot_of[t]] = rows[i]
+    write_rows(token_ids, rows, slot_of, cache, V)
+    assert torch.equal(cache, expected)
+
+
+class DraftLoop(VocabParallelDrafter):
+    """Three draft steps inside ``forward``, each gathering its logits and feeding its argmax back."""
+
+    def forward(self, ids):
+        picks = []
+        for _ in range(3):
+            local = F.linear(torch.tanh(self.embed(ids)), self.head_weight)
+            ids = gather_funcol(local, self.tp)[:, -1:].argmax(-1)
+            picks.append(ids)
+        return torch.cat(picks, -1)
+
+
+def test_a_draft_loop_loses_every_gather(fake_group, compiled_graphs):
+    model = DraftLoop(V, H, TP, rank=0)
+    assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3)
+    targets = _targets(compiled_graphs[-1])
+    assert C10D.all_gather_into_tensor not in targets and targets.count(C10D.all_reduce) == 3  # one per step's ids
+    assert len(nanospec_fx.active_vocab(model).rewrites[-1].consumers) == 3  # argmax on the compact logits
+
+
+class LocalArgmaxToo(VocabParallelDrafter):
+    """Reads its own slice of the logits besides gathering it: nothing proves what that slice would hold."""
+
+    def forward(self, ids):
+        local = F.linear(self.embed(ids), self.head_weight)
+        return gather_funcol(local, self.tp), local.argmax(-1)
+
+
+class RanksSwapped(VocabParallelDrafter):
+    """Concatenates the slices in another order than the ranks': not the head's [..., V] logits."""
+
+    def forward(self, ids):
+        local = F.linear(self.embed(ids), self.head_weight)
+        out = local.new_empty((self.tp * local.shape[0],) + tuple(local.shape[1:]))
+        dist.all_gather_into_tensor(out, local)
+        first, second = out.chunk(2)
+        return torch.cat([second, first], -1)
+
+
+@pytest.mark.parametrize("drafter", [LocalArgmaxToo, RanksSwapped])
+def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter):
+    model = drafter(V, H, TP, rank=0)
+    with pytest.warns(NanoSpecWarning, match="runs unchanged"):
+        _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert C10D.all_gather_into_tensor in _targets(compiled_graphs[-1])
+
+
+@pytest.mark.parametrize("target_kind", ["vocab_parallel", "replicated"])
+def test_a_target_observer_feeds_a_sharded_state(fake_group, compiled_graphs, target_kind):
+    """The target keeps its own gather (verification needs its logits); its top-k of the gathered logits is observed
+    with the rows fetched from their owner shards."""
+    model = VocabParallelDrafter(V, H, TP, rank=0)
+    _compile_and_run(model, torch.randint(0, V, (1, 2)))
+    target = VocabParallelDrafter(V, H, TP, rank=0, seed=5) if target_kind == "vocab_parallel" else \
+        nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
+    compiled = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": model, "inductor": False})
+    with torch.no_grad():
+        assert compiled(torch.randint(0, V, (1, 2))).shape == (1, 2, V)
+    targets = _targets(compiled_graphs[-1])
+    assert torch.topk in targets and C10D.all_reduce in targets
+    assert (C10D.all_gather_into_tensor in targets) == (target_kind == "vocab_parallel")
+
+
+# ----------------------------------------------------------------------------- two gloo processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
+    """Both ranks of ``scenario`` (tp_worker.py) as subprocesses; fails (never hangs) past ``timeout``."""
+    worker, port = Path(__file__).with_name("tp_worker.py"), str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(TP)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
+
+
+@pytest.mark.slow
+def test_two_ranks_exact_with_identical_sets():
+    results = _run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
+    assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor", "target_observer",
+                                                                                   "draft_to_target"}
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_all_raise_the_same_error():
+    first, second = _run_ranks("disagree", timeout=240)
+    assert first == second and "rank 0: head_weight rewritten" in first["error"] and "rank 1: head_weight dense" \
+        in first["error"]

@@ -1,0 +1,138 @@
+"""One rank of a 2-process gloo run (``python tp_worker.py SCENARIO RANK WORLD PORT``): exits 0 when every check of
+the scenario holds on this rank; prints ``RESULT <json>`` for the parent to compare across ranks."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tp_drafters import DTensorDrafter, VocabParallelDrafter, dense_masked  # noqa: E402
+
+import nanospec_fx  # noqa: E402
+
+V, H, CAPACITY = 96, 16, 48
+
+
+def _all_equal(value) -> bool:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)
+
+
+def exact(rank: int, world: int) -> dict:
+    """Every gather form (eager and inductor, with and without a bias): the compiled drafter equals the dense
+    tensor-parallel drafter masked to the active set, every fed id is active, and the sets (slot order
+    included) are identical on every rank; no logits collective runs in the draft step."""
+    report = {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    cases = [("funcol", False, False, None), ("list", True, False, None), ("into_tensor", False, True, None),
+             ("movedim", False, False, 0.5), ("dtensor", True, False, None)]
+    for gather, bias, inductor, scale in cases:
+        torch._dynamo.reset()
+        if gather == "dtensor":
+            model = DTensorDrafter(V, H, bias=bias).parallelize(mesh)
+        else:
+            model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias, scale=scale)
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
+        g = torch.Generator().manual_seed(1)
+        fed: list[int] = []
+        state = None
+        for step, shape in enumerate([(2, 5), (2, 1), (1, 3)]):
+            ids = torch.randint(0, V, shape, generator=g)
+            if step == 1:  # the target's picks, observed from Python on every rank (SPMD)
+                extra = torch.randint(0, V, (4,), generator=g)
+                state.observe(extra)
+                fed += extra.tolist()
+            with torch.no_grad():
+                out = compiled(ids)
+            fed += ids.flatten().tolist()
+            state = nanospec_fx.active_vocab(model)
+            active = state.contains(torch.arange(V))
+            assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
+            torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
+            assert _all_equal(state.token_ids().tolist()), "identical active sets and slot order on every rank"
+        report[gather] = len(state)
+    # A draft vocabulary (EAGLE-3 d2t): R = 48 head rows, sharded, over the 96-token vocabulary.
+    torch._dynamo.reset()
+    rows = 48
+    tokens = torch.randperm(V, generator=torch.Generator().manual_seed(4))[:rows].sort().values
+    model = VocabParallelDrafter(V, H, world, rank, draft_rows=rows)
+    compiled = torch.compile(model, backend="nanospec", options={
+        "capacity": CAPACITY, "inductor": False, "draft_to_target": tokens, "target_vocab_size": V})  # row r -> tokens[r]
+    ids = torch.cat([tokens[torch.tensor([3, 7, 3, 40])], torch.tensor([int(t) for t in range(V) if t not in tokens][:2])])
+    with torch.no_grad():
+        out = compiled(ids.view(2, 3))
+    state = nanospec_fx.active_vocab(model)
+    assert set(state.token_ids().tolist()) == set(ids.tolist()) & set(tokens.tolist())
+    torch.testing.assert_close(out, dense_masked(model, ids.view(2, 3), state.contains(tokens)), rtol=1e-5, atol=1e-5)
+    assert _all_equal(state.token_ids().tolist())
+    report["draft_to_target"] = len(state)
+    # A vocabulary-parallel target observing its top-3 into the drafter's replicated set.
+    torch._dynamo.reset()
+    drafter = VocabParallelDrafter(V, H, world, rank)
+    target = VocabParallelDrafter(V, H, world, rank, seed=5)
+    compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": drafter,
+                                                                  "inductor": False})
+    first, ids = torch.randint(0, V, (2, 1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        compiled(first)  # creates the drafter's state
+        out = observer(ids)
+        expected = target(ids)
+    state = nanospec_fx.active_vocab(drafter)
+    torch.testing.assert_close(out, expected)  # the target's output is untouched
+    wanted = set(first.flatten().tolist()) | set(ids.flatten().tolist()) | set(
+        expected.topk(3, dim=-1).indices.flatten().tolist())
+    assert set(state.token_ids().tolist()) == wanted, "the target's top-3 and every fed id, nothing else"
+    active = state.contains(torch.arange(V))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), dense_masked(drafter, ids, active), rtol=1e-5, atol=1e-5)
+    assert _all_equal(state.token_ids().tolist())
+    report["target_observer"] = len(state)
+    return report
+
+
+def disagree(rank: int, world: int) -> dict:
+    """Rank 1 runs its trainable head in grad mode (dense there), rank 0 under no_grad (rewritten there): every
+    rank raises the same error at compile time instead of hanging at the first draft step."""
+    model = VocabParallelDrafter(V, H, world, rank)
+    compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    try:
+        with torch.set_grad_enabled(rank == 1), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(torch.randint(0, V, (2, 3)))
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps it in BackendCompilerFailed
+        text = str(error)
+        assert "took different decisions" in text, text
+        return {"error": text[text.index("nanospec:"):].splitlines()[0]}
+    raise AssertionError("no error on this rank")
+
+
+SCENARIOS = {"exact": exact, "disagree": disagree}
+
+
+def main() -> None:
+    scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world)
+        print("RESULT " + json.dumps(result), flush=True)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""RequestVocabs: per-request active vocabularies of one head (nanospec_fx/request_vocab.py).
+
+Oracles are plain torch: the dense head ``x @ W.T + b`` masked to a Python model of each request's set.
+Runs on the CPU paths (host and reference); the Triton kernels are checked op by op in
+tests/kernels/test_per_request_ops.py, and once end to end here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanospec_fx import RequestVocabs, VocabConfig
+from nanospec_fx.kernels.triton_util import INTERPRET
+from nanospec_fx.request_vocab import token_to_row_from_d2t
+
+NEG = float("-inf")
+V, H = 41, 16
+TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(params=["host", "reference"])
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("NANOSPEC_KERNELS", request.param)
+    return request.param
+
+
+def _head(seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, H, generator=g), (torch.randn(V, generator=g) if bias else None)
+
+
+def _oracle(x, weight, bias, sets_per_row):
+    """Dense logits with -inf outside each row's set (a list of Python sets, one per row of x [B, H])."""
+    dense = x @ weight.T + (bias if bias is not None else 0)
+    mask = torch.zeros_like(dense, dtype=torch.bool)
+    for i, s in enumerate(sets_per_row):
+        mask[i, sorted(s)] = True
+    return dense.masked_fill(~mask, NEG)
+
+
+def test_each_row_is_computed_against_its_own_request(kernels):
+    weight, bias = _head(1)
+    vocabs = RequestVocabs(weight, bias, max_requests=3, capacity=8)
+    sets = {"a": {1, 2, 3}, "b": {3, 40, 7, 0}, "c": set()}
+    for rid, s in sets.items():
+        vocabs.assign(rid)
+        vocabs.observe(rid, sorted(s))
+    order = ["b", "a", "b", "c", "a", "a"]  # permuted and repeated batch rows
+    rows = vocabs.rows_for(order)
+    x = torch.randn(len(order), H, generator=torch.Generator().manual_seed(2))
+    want = _oracle(x, weight, bias, [sets[r] for r in order])
+    torch.testing.assert_close(vocabs.logits(x, rows), want, **TOL)
+    torch.testing.assert_close(vocabs.scatter(vocabs.compact_logits(x, rows), rows), want, **TOL)
+    vals, toks = vocabs.topk(x, rows, 2)
+    want_vals, want_toks = torch.sort(want, dim=-1, descending=True, stable=True)
+    torch.testing.assert_close(vals, want_vals[:, :2], **TOL)
+    assert torch.equal(toks, want_toks[:, :2])  # request c (empty): padded with ids 0, 1 at -inf
+    assert torch.equal(vocabs.argmax(x, rows), want.argmax(-1))
+    assert vocabs.head_calls == 4  # logits, compact_logits, topk, argmax
+    # leading dims: x [2, 3, H] with rows [2, 3]
+    got = vocabs.logits(x.reshape(2, 3, H), rows.reshape(2, 3))
+    torch.testing.assert_close(got.reshape(len(order), V), want, **TOL)
+
+
+def test_isolation_survives_release_and_row_reuse(kernels):
+    weight, _ = _head(3)
+    vocabs = RequestVocabs(weight, max_requests=2, capacity=6)
+    row_a, row_b = vocabs.assign("A"), vocabs.assign("B")
+    assert row_a != row_b
+    vocabs.observe("A", [5, 9])
+    vocabs.observe("B", [1])
+    x = torch.randn(1, H)
+    assert not torch.isfinite(vocabs.logits(x, vocabs.rows_for(["B"]))[0, [5, 9]]).any()
+    assert vocabs.contains("A", [5, 9, 1]).tolist() == [True, True, False]
+    assert vocabs.contains("B", [5, 9, 1]).tolist() == [False, False, True]
+    vocabs.release("A")
+    vocabs.release("A")  # twice: no-op
+    assert "A" not in vocabs and vocabs.free_rows == 1
+    assert vocabs.assign("C") == row_a  # the freed row, emptied
+    assert vocabs.active_count("C") == 0
+    assert not torch.isfinite(vocabs.logits(x, vocabs.rows_for(["C"]))).any()
+    assert vocabs.token_ids("B").tolist() == [1]
+
+
+def test_assign_is_idempotent_and_full_rows_raise(kernels):
+    vocabs = RequestVocabs(_head(4)[0], max_requests=2, capacity=4)
+    assert vocabs.assign("x") == vocabs.assign("x") == 0
+    vocabs.assign(17)
+    with pytest.raises(RuntimeError, match="all 2 request rows"):
+        vocabs.assign("y")
+    with pytest.raises(KeyError, match="no row"):
+        vocabs.observe("y", [1])
+    assert sorted(map(str, vocabs.request_ids)) == ["17", "x"]
+
+
+def test_reset_and_seed_ids(kernels):
+    vocabs = RequestVocabs(_head(5)[0], max_requests=2, capacity=6, seed_ids=[0, 2])
+    vocabs.assign("r")
+    assert vocabs.token_ids("r").tolist() == [0, 2]
+    vocabs.observe("r", [7, 8])
+    vocabs.reset("r")
+    assert vocabs.token_ids("r").tolist() == [0, 2]
+    vocabs.release("r")
+    vocabs.assign("s")
+    assert vocabs.token_ids("s").tolist() == [0, 2]
+
+
+def test_eviction_is_per_request(kernels):
+    """One request overflowing its capacity evicts its own oldest tokens, never another request's."""
+    vocabs = RequestVocabs(_head(6)[0], max_requests=2, capacity=4, num_pinned=1)
+    vocabs.assign("busy")
+    vocabs.assign("calm")
+    vocabs.observe("calm", [30, 31])
+    vocabs.observe("busy", [1, 2, 3, 4])
+    vocabs.observe("busy", [5, 6])  # ring of 3 slots after the pinned token 1: 2, 3 evicted
+    assert sorted(vocabs.token_ids("busy").tolist()) == [1, 4, 5, 6]
+    assert vocabs.token_ids("calm").tolist() == [30, 31]
+
+
+def test_observe_rows_batches_several_requests(kernels):
+    weight, bias = _head(7)
+    one, many = (RequestVocabs(weight, bias, max_requests=3, capacity=5) for _ in range(2))
+    for v in (one, many):
+        for rid in ("a", "b", "c"):
+            v.assign(rid)
+    batch = [("b", [4, 5, -1]), ("a", [6, -1, -1]), ("b", [5, 7, 8]), ("b", [9, 10, 11])]
+    for rid in ("a", "b"):  # the oracle: per request, its ids in batch order, as one call
+        one.observe(rid, [t for r, toks in batch if r == rid for t in toks if t >= 0])
+    many.observe_rows(many.rows_for([r for r, _ in batch]), torch.tensor([t for _, t in batch]))
+    for rid in ("a", "b", "c"):
+        assert torch.equal(one.token_ids(rid), many.token_ids(rid)), rid
+    assert sorted(many.token_ids("b").tolist()) == [7, 8, 9, 10, 11]  # 4, 5 dropped within the call (capacity 5)
+    many.observe_rows(many.rows_for([]), torch.zeros(0, 3, dtype=torch.int64))  # an empty batch: nothing
+    assert sorted(many.token_ids("b").tolist()) == [7, 8, 9, 10, 11]
+
+
+def test_validation_and_token_map(kernels):
+    weight, _ = _head(8)  # 41 head rows: a draft vocabulary of a 100-token target
+    d2t = torch.arange(V) * 2 - torch.arange(V)  # draft id i -> target id 2 i
+    vocabs = RequestVocabs(weight, max_requests=1, capacity=8, token_to_row=token_to_row_from_d2t(d2t, 100))
+    vocabs.assign(0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        vocabs.observe(0, [100])
+    with pytest.raises(TypeError):
+        vocabs.observe(0, [1.5])
+    vocabs.observe(0, [4, 5, 10])  # 5 has no draft row: skipped
+    assert vocabs.token_ids(0).tolist() == [4, 10]
+    x = torch.randn(1, H)
+    finite = torch.isfinite(vocabs.logits(x, vocabs.rows_for([0])))[0]
+    assert finite.nonzero().flatten().tolist() == [2, 5]  # head rows (draft ids) of tokens 4 and 10
+
+
+def test_weight_written_in_place_is_followed(kernels):
+    weight, _ = _head(9)
+    vocabs = RequestVocabs(weight, max_requests=1, capacity=4)
+    vocabs.assign("r")
+    vocabs.observe("r", [3])
+    with torch.no_grad():
+        weight.mul_(2)
+    x = torch.randn(1, H)
+    torch.testing.assert_close(vocabs.logits(x, vocabs.rows_for(["r"]))[0, 3], (x @ weight[3]).reshape(()), **TOL)
+
+
+def test_bad_arguments():
+    weight, _ = _head(10)
+    with pytest.raises(ValueError, match="max_requests"):
+        RequestVocabs(weight, max_requests=0)
+    with pytest.raises(ValueError, match="num_pinned"):
+        RequestVocabs(weight, capacity=4, num_pinned=4)
+    vocabs = RequestVocabs(weight, max_requests=1, capacity=4)
+    vocabs.assign("r")
+    with pytest.raises(ValueError, match="leading dims"):
+        vocabs.logits(torch.randn(2, H), vocabs.rows_for(["r"]))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs the interpreter")
+def test_triton_path_end_to_end(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+    weight, bias = _head(11)
+    vocabs = RequestVocabs(weight, bias, max_requests=2, capacity=5)
+    vocabs.assign("a")
+    vocabs.assign("b")
+    vocabs.observe_rows(vocabs.rows_for(["a", "b", "a"]), torch.tensor([[1, 2], [3, -1], [2, 4]]))
+    rows = vocabs.rows_for(["b", "a"])
+    x = torch.randn(2, H)
+    want = _oracle(x, weight, bias, [{3}, {1, 2, 4}])
+    torch.testing.assert_close(vocabs.logits(x, rows), want, **TOL)
+    assert torch.equal(vocabs.argmax(x, rows), want.argmax(-1))
+
+
+def test_built_from_the_backends_vocabulary_options(kernels):
+    weight, _ = _head(12)
+    counts = torch.zeros(V)
+    counts[[9, 4, 30]] = torch.tensor([50.0, 40.0, 30.0])  # frequency ranks: 9, 4, 30
+    hybrid = RequestVocabs.from_config(weight, None, VocabConfig(capacity=5, policy="hybrid", frequencies=counts,
+                                                                 pinned_size=2), max_requests=2)
+    assert (hybrid.capacity, hybrid.num_pinned, hybrid.policy) == (5, 2, "hybrid")
+    hybrid.assign("a")
+    hybrid.observe("a", [1, 2, 3, 5, 6])  # the ring of 3 keeps the last 3; the pinned core stays
+    assert sorted(hybrid.token_ids("a").tolist()) == [3, 4, 5, 6, 9]
+    static = RequestVocabs.from_config(weight, None, VocabConfig(policy="static", frequencies=counts, static_size=2))
+    static.assign("s")
+    static.observe("s", [1])  # frozen: ignored
+    assert sorted(static.token_ids("s").tolist()) == [4, 9]
