@@ -126,8 +126,9 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
     weight, bias = real.get(head.weight), _bias_tensor(head, real)
     if weight is None or bias is False:
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
-    if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and (
-            weight.requires_grad or (bias is not None and bias.requires_grad)):
+    sources = [real.get(n) for n in head.sources]  # the scales / parameters a weight computed per row reads
+    if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, bias, *sources)):
         return ("it needs gradients here: grad mode is on where it runs and its weights are trainable. "
                 "NanoSpec is for inference: call the drafter under torch.inference_mode() or torch.no_grad(), "
                 "or freeze the head with requires_grad_(False)")
@@ -147,9 +148,11 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
     for head, weight, bias in rewritable:
-        state = state_for(weight, bias, config, name=head.name)
+        state = state_for(weight, bias, config, name=head.name, transposed=head.transposed)
         mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
+        if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
+            into.transposed = True
         try:
             report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
         except DenseFallback as reason:
@@ -247,7 +250,7 @@ class _DrafterBinding(_Binding):
             self.state.set_bias(bias)  # a replaced bias (same shape) is followed; another shape raises clearly
             return self.sync()
         old = self.state
-        self.track(state_for(args[self.weight_pos], bias, old.config()))
+        self.track(state_for(args[self.weight_pos], bias, old.config(), transposed=old.transposed))
         if not self.state.rewrites:
             self.state.rewrites = list(old.rewrites)
         self.sync()
@@ -324,7 +327,7 @@ class _TargetBinding(_Binding):
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.state
-        return [s.weight] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
+        return [s.head_rows] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
 
     def update(self, args: tuple) -> bool:
         return self.sync()
@@ -381,7 +384,8 @@ class _GraphBuilder:
     def remap(self, head: HeadMatch) -> HeadMatch:
         m = self.node_map
         return HeadMatch(m[head.weight], [m[n] for n in head.nodes], head.name, head.vocab_size, head.hidden_size,
-                         [m[b] if b is not None else None for b in head.biases], head.module_path)
+                         [m[b] if b is not None else None for b in head.biases], head.module_path,
+                         transposed=head.transposed)
 
     def user_input_position(self, node: fx.Node | None) -> int | None:
         return self.user_placeholders.index(node) if node in self.user_placeholders else None
@@ -406,7 +410,7 @@ class _GraphBuilder:
         names = [] if weight is not None else ["weight"] + (["bias"] if state.bias is not None else [])
         names += list(STATE_TENSORS) + (["token_to_row"] if state.token_to_row is not None else [])
         nodes = self.add_inputs(names)
-        tensors = ([] if weight is not None else [state.weight] + ([state.bias] if state.bias is not None else []))
+        tensors = ([] if weight is not None else [state.head_rows] + ([state.bias] if state.bias is not None else []))
         self.set_input_values(nodes, tensors + _state_inputs(state))
         if weight is None:
             weight, nodes = nodes[0], nodes[1:]

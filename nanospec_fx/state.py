@@ -44,6 +44,8 @@ class ActiveVocab:
             token id to its head row, -1 for tokens the head cannot produce. Token ids passed to
             :meth:`observe`/:meth:`contains` and returned by :meth:`token_ids` are then token ids,
             not head rows.
+        transposed: the weight is stored [H, R] (a head ``h @ W``): its columns are the head rows. The state
+            is keyed on that stored tensor, never on a ``W.t()`` view (a new object every call).
     """
 
     def __init__(
@@ -57,10 +59,12 @@ class ActiveVocab:
         observes: bool = True,
         policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
+        transposed: bool = False,
     ):
         if weight.dim() != 2:
-            raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-        rows, hidden = weight.shape
+            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed), got shape {tuple(weight.shape)}")
+        self.transposed = bool(transposed)
+        rows, hidden = weight.shape[::-1] if self.transposed else weight.shape
         if bias is not None and tuple(bias.shape) != (rows,):
             raise ValueError(f"head bias must have shape ({rows},), got {tuple(bias.shape)}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -111,6 +115,11 @@ class ActiveVocab:
                 "replaced); get the current one with nanospec_fx.active_vocab(model)"
             )
         return weight
+
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The weight as [R, H] head rows: the weight itself, or a ``.t()`` view of a transposed one."""
+        return self.weight.t() if self.transposed else self.weight
 
     def is_weight(self, tensor: Any) -> bool:
         """Whether ``tensor`` is this state's head weight (False once that weight was freed)."""
@@ -205,7 +214,7 @@ class ActiveVocab:
         """
         with torch.no_grad(), torch.inference_mode(False):
             rows = torch.clamp(self.ids, min=0)
-            self.cache_w.copy_(self.weight.detach().index_select(0, rows))
+            self.cache_w.copy_(self.head_rows.detach().index_select(0, rows))
             if self.bias is not None:
                 self.cache_b.copy_(self.bias.detach().index_select(0, rows))
         self._seen_versions = self._weight_versions()
@@ -265,7 +274,7 @@ class ActiveVocab:
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            ops.observe(self.rows_of(token_ids), self.weight, self.bias, *self.tensors(), self.num_pinned)
+            ops.observe(self.rows_of(token_ids), self.head_rows, self.bias, *self.tensors(), self.num_pinned)
 
     def _seed(self) -> None:
         if self.seed_ids is not None:
@@ -277,7 +286,8 @@ class ActiveVocab:
 
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether the cache still has ``weight``'s shape, dtype and device."""
-        return (tuple(weight.shape) == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
+        shape = tuple(weight.shape)[::-1] if self.transposed else tuple(weight.shape)
+        return (shape == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
                 and weight.device == self.cache_w.device)
 
     def differences(self, config: StateConfig) -> list[str]:
@@ -298,10 +308,10 @@ class ActiveVocab:
         tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
         return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
 
-    def _reconfigure(self, weight, bias, config: StateConfig) -> None:
+    def _reconfigure(self, weight, bias, config: StateConfig, transposed: bool) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
-        fresh = ActiveVocab(weight, bias, **config.keywords())
+        fresh = ActiveVocab(weight, bias, **config.keywords(), transposed=transposed)
         kept = self.token_ids() if self.observes else None
         keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
                 "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
@@ -391,7 +401,7 @@ VOCAB_OPTIONS = ", ".join(f.name for f in fields(VocabConfig))
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig | VocabConfig, *,
-              name: str | None = None) -> ActiveVocab:
+              name: str | None = None, transposed: bool | None = None) -> ActiveVocab:
     """The ActiveVocab of ``weight`` for ``config`` (a VocabConfig is resolved first). One state per head weight:
 
     * the existing one when it matches;
@@ -400,21 +410,27 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
       that can still run reads it;
     * otherwise a ``ValueError``: two compiled wrappers of one head asked for different
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
+
+    ``transposed``: the weight is stored [H, V] (``h @ W``); None keeps the existing state's layout (else [V, H]).
     """
     if isinstance(config, VocabConfig):
         config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:
-            state = ActiveVocab(weight, bias, **config.keywords())
+            state = ActiveVocab(weight, bias, **config.keywords(), transposed=bool(transposed))
             state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state
-        if bias is not state.bias and state.fits(weight) and state.bias_fits(bias):
+        layout = state.transposed if transposed is None else bool(transposed)
+        if bias is not state.bias and state.fits(weight) and state.bias_fits(bias) and layout == state.transposed:
             state.set_bias(bias)  # the head's bias was replaced by a tensor of the same shape: follow it
-        if state.matches(weight, bias, config):
+        if layout == state.transposed and state.matches(weight, bias, config):
             return state
         diffs = state.differences(config)
+        if layout != state.transposed:
+            diffs.append(f"the weight's layout ({'[H, V]' if layout else '[V, H]'}: the weight is read "
+                         f"{'transposed' if layout else 'as stored'} by this graph)")
         if bias is not state.bias:
             diffs.append("the head's bias tensor")
         if diffs and _running_users(state, weight):
@@ -425,7 +441,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
                 f"wrapper (and target observer) of this head with the same vocabulary options ({VOCAB_OPTIONS}), "
                 "or drop the other wrapper first (torch._dynamo.reset())."
             )
-        state._reconfigure(weight, bias, config)
+        state._reconfigure(weight, bias, config, layout)
         return state
 
 
