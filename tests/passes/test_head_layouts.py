@@ -27,12 +27,16 @@ V, H = 40, 8
 NEG = float("-inf")
 
 
+FED = torch.tensor([[5, 17, 23], [9, 31, 2]])  # no token 0: a gather at unfilled slots (id -1 -> 0) would show
+
+
 def _ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, V, (2, 3), generator=torch.Generator().manual_seed(seed))
 
 
-def _check_exact(model, compiled, ids) -> nanospec_fx.ActiveVocab:
-    """compiled(ids) == eager logits with -inf at inactive tokens; the ids fed are active; no warning."""
+def _check_exact(model, compiled, ids, only: torch.Tensor | None = None) -> nanospec_fx.ActiveVocab:
+    """compiled(ids) == eager logits with -inf at inactive tokens; the ids fed are active (with ``only``: exactly
+    those ids are); no warning."""
     with torch.no_grad():
         out = compiled(ids)
         dense = model(ids)
@@ -41,6 +45,8 @@ def _check_exact(model, compiled, ids) -> nanospec_fx.ActiveVocab:
     assert active[ids.flatten()].all(), "an id fed to the drafter is not active"
     torch.testing.assert_close(out, dense.masked_fill(~active, NEG), rtol=1e-5, atol=1e-5)
     assert state.rewrites, "the head was not rewritten"
+    if only is not None:
+        assert set(state.token_ids().tolist()) == set(only.flatten().tolist()), "tokens nobody fed are active"
     return state
 
 
@@ -99,7 +105,7 @@ class HVHead(nn.Module):
 def test_hv_weight_head_is_rewritten_exactly(form, bias):
     model = HVHead(form, bias).eval()
     compiled = compile_nanospec(model, capacity=16)
-    state = _check_exact(model, compiled, _ids(0))
+    state = _check_exact(model, compiled, FED, only=FED)
     assert state.transposed and state.is_weight(model.W)  # keyed on the Parameter, not on a view of it
     _check_exact(model, compiled, _ids(1))  # a second call: the same state, new ids added
 
@@ -216,7 +222,7 @@ def test_quantised_head_is_rewritten_on_its_active_rows(form, qdtype, bias):
         pytest.skip("this torch has no float8_e4m3fn")
     model = QuantHead(form, QDTYPES[qdtype], bias).eval()
     compiled, graphs = _graphs_of(model)
-    state = _check_exact(model, compiled, _ids(0))
+    state = _check_exact(model, compiled, FED, only=FED)
     assert state.is_weight(model.q) and state.cache_w.dtype == QDTYPES[qdtype]  # the quantised rows are cached
     assert graphs and not any(_full_matrices(g) for g in graphs), "the whole [V, H] weight was dequantised"
     _check_exact(model, compiled, _ids(1))
@@ -307,7 +313,7 @@ class _Normalize(nn.Module):
 def test_row_wise_parametrised_head_computes_only_active_rows(kind, bias):
     model = ParamHead(kind, bias).eval()
     compiled, graphs = _graphs_of(model)
-    _check_exact(model, compiled, _ids(0))
+    _check_exact(model, compiled, FED, only=FED)
     assert graphs and not any(_full_matrices(g) for g in graphs), "the whole [V, H] weight was computed"
     with torch.no_grad():  # a write to the stored parameter: the cached rows follow it
         for p in model.lm_head.parametrizations.weight.parameters():
@@ -332,3 +338,24 @@ def test_parametrised_head_with_a_trainable_input_in_grad_mode_runs_dense():
     g = model.lm_head.parametrizations.weight.original0
     expected = torch.autograd.grad(model(ids).sum(), g)[0]
     torch.testing.assert_close(g.grad, expected)
+
+
+@pytest.mark.parametrize("drafter", ["hv", "int8"])
+def test_target_observer_copies_the_rows_of_a_transposed_or_quantised_drafter_head(drafter):
+    """A target observer feeding these drafters' sets copies head rows the drafter's compact head reads."""
+    model = (HVHead("at", bias=True) if drafter == "hv" else QuantHead("row_none", torch.int8)).eval()
+    compiled = compile_nanospec(model, capacity=32)
+    _check_exact(model, compiled, _ids(0))  # the drafter's state exists and is bound
+    class Target(HVHead):  # its own forward: Dynamo compiles it apart from the drafter's
+        def forward(self, ids):
+            return F.linear(torch.tanh(self.body(self.embed(ids))), self.W.t())
+
+    target = Target("at", seed=3).eval()  # any head of V outputs: its top-2 join the drafter's set
+    observer = torch.compile(target, backend="nanospec", options={
+        "inductor": False, "observe_topk": 2, "vocab": nanospec_fx.active_vocab(compiled)})
+    ids = _ids(2)
+    with torch.no_grad():
+        top2 = target(ids).topk(2, dim=-1).indices
+        observer(ids)
+    assert nanospec_fx.active_vocab(compiled).contains(top2).all()
+    _check_exact(model, compiled, _ids(0))  # the rows the observer copied are the drafter's
