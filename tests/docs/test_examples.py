@@ -22,3 +22,11 @@ def test_assisted_generation_example():
     out = run("examples/assisted_generation.py", "--no-inductor", "--vocab", "3000", "--new-tokens", "8")
     assert out.count("assisted output == greedy target output: True") == 2
     assert "nanospec: 1 head(s) rewritten" in out
+
+
+@pytest.mark.slow
+def test_head_layouts_example():
+    out = run("examples/head_layouts.py")
+    for kind in ("[H, V] weight", "int8 weight-only", "weight_norm"):
+        assert f"{kind:18s} rewritten, exact: True, active tokens: 4" in out
+    assert "column-normalised  dense: True" in out
