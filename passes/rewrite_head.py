@@ -195,7 +195,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
         with graph.inserting_before(proj):
             safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
             set_example_value(safe_ids)
-            cache_w = gathered_rows(graph, rows, state.cache_w, safe_ids)
+            cache_w = gathered_rows(graph, rows, state.cache_w, safe_ids, state.ids)
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)

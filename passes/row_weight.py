@@ -175,9 +175,11 @@ def _reduces_last_axis(node: fx.Node, name: str | None) -> bool:
     return dim in (1, -1)
 
 
-def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.Node) -> fx.Node:
+def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.Node, ids: fx.Node) -> fx.Node:
     """Replay ``rw`` at the graph's insertion point on the active rows: the base is ``cached`` (the state's
-    [C, H] rows of it), every other row tensor and vector is gathered at ``safe_ids``; returns the [C, H] rows."""
+    [C, H] rows of it), every other row tensor and vector is gathered at ``safe_ids``; returns the [C, H] rows,
+    zero at slots never filled (``ids`` -1: a zero cached row through ``W / W.norm()`` is NaN, and a NaN row
+    would reach the hidden state's gradient through the masked slot: 0 * NaN)."""
     from .rewrite_head import set_example_value
 
     env: dict[fx.Node, fx.Node] = {}
@@ -190,4 +192,9 @@ def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.
     for node in rw.nodes:
         env[node] = graph.node_copy(node, lambda a: env.get(a, a))
         set_example_value(env[node])
-    return env[rw.weight]
+    unfilled = graph.call_function(operator.lt, (ids, 0))
+    column = graph.call_method("unsqueeze", (unfilled, -1))
+    rows = graph.call_method("masked_fill", (env[rw.weight], column, 0))
+    for node in (unfilled, column, rows):
+        set_example_value(node)
+    return rows

@@ -456,6 +456,11 @@ KNOWN_OPEN: list[tuple[str, object]] = [
      and any(s[0] == "out_new_softcap" for s in r.chain[[s[0] for s in r.chain].index(next(
          s[0] for s in r.chain if s[0] in _MOVES_VOCAB)):])),
 ]
+KNOWN_OPEN_INDUCTOR: list[tuple[str, object]] = [  # inductor only (the same recipes pass on the reference kernels)
+    ("a draft loop in grad mode: inductor's decompose_auto_functionalized asserts on the observe ops of a training "
+     "graph (on main too; test_pass_fuzzer_regressions.py::test_draft_loop_in_grad_mode_under_inductor)",
+     lambda r: r.draft_steps > 0 and r.mode in GRAD_MODES),
+]
 KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = [
     ("class 1: prefill calls (ids of a call without the head)", lambda sc: any(a == "prefill" for _, a in sc.schedule)),
 ]
@@ -509,6 +514,8 @@ def test_fuzz_scenarios(scenario):
 def test_fuzz_inductor(recipe):
     """A few draws compiled with inductor (a cold compile costs seconds)."""
     _skip_known_open(recipe)
+    if os.environ.get("NANOSPEC_FUZZ_ALL") != "1":
+        assume(not any(pred(recipe) for _, pred in KNOWN_OPEN_INDUCTOR))
     event(run_case(recipe, {"inductor": True}).split(" (")[0])
 
 
