@@ -6,7 +6,9 @@ parameters are placeholders, an ``nn.Linear`` is ``torch._C._nn.linear(x, w, b)`
 
 * **Projections** turn a hidden state [..., H] into [..., N] with a 2-D weight [N, H]:
   ``linear``/``F.linear`` (bias optional, a tied embedding weight included) and
-  ``matmul``/``@`` against a transposed 2-D weight. One whose N is the vocabulary size and
+  ``matmul``/``@`` against a transposed 2-D weight; or with a parameter stored [H, N] (``x @ W``,
+  ``F.linear(x, W.t())``: :func:`projection_transposed`); or with a weight computed in the graph row by
+  row from stored tensors (quantised, parametrised: ``row_weight.py``). One whose N is the vocabulary size and
   whose output reaches the graph output is the LM head.
 * **Post-ops** are elementwise steps drafters apply to logits (temperature ``/ t``, a bias
   ``+ b``, soft-capping ``cap * tanh(z / cap)``, dtype casts) and views that leave the
