@@ -304,7 +304,7 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     reads on the slot table it was computed with.
     """
     lookups = [lk for lk in token_id_lookups(graph, into.vocab_size)  # not the rewrite's own gathers at active ids
-               if not (isinstance(lk.ids, fx.Node) and into.state.ids in _ancestors([lk.ids]))]
+               if not lk.node.meta.get("nanospec_active_rows")]
     reads = _state_reads(graph, into.state)
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned

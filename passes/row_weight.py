@@ -188,6 +188,7 @@ def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.
             env[leaf] = cached
         elif kind in ("row", "vec"):
             env[leaf] = graph.call_function(torch.index_select, (leaf, 0, safe_ids))
+            env[leaf].meta["nanospec_active_rows"] = True  # reads rows of the active set: no token lookup to observe
             set_example_value(env[leaf])
     for node in rw.nodes:
         env[node] = graph.node_copy(node, lambda a: env.get(a, a))
