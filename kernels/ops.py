@@ -85,6 +85,11 @@ def _register(name: str, body: Callable, fake: Callable):
 
 
 # ----------------------------------------------------------------------------- bodies
+# 1-byte floats (weight-only float8 heads): few kernels index them, so ``observe`` copies their rows as uint8 bytes.
+_BYTE_FLOATS = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, n)}
+
+
 def _observe(
     token_ids: torch.Tensor,
     weight: torch.Tensor,
@@ -102,6 +107,8 @@ def _observe(
     (:func:`reference.renew_fed_ids`), so a call never evicts a token it feeds while they fit.
     """
     check_num_pinned(num_pinned, ids.numel())
+    if cache_w.dtype in _BYTE_FLOATS and weight.dtype == cache_w.dtype:  # float8 rows: copied as their bytes
+        weight, cache_w = weight.view(torch.uint8), cache_w.view(torch.uint8)
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 

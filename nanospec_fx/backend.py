@@ -198,8 +198,9 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
     if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
         return ("its weight is a DTensor in a layout nanospec does not rewrite (it rewrites ColwiseParallel heads, "
                 "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate())")
-    if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and (
-            weight.requires_grad or (bias is not None and bias.requires_grad)):
+    sources = [real.get(n) for n in getattr(head, "sources", ())]  # scales / parameters a weight computed per row reads
+    if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, bias, *sources)):
         return ("it needs gradients here: grad mode is on where it runs and its weights are trainable. "
                 "NanoSpec is for inference: call the drafter under torch.inference_mode() or torch.no_grad(), "
                 "or freeze the head with requires_grad_(False)")
@@ -227,9 +228,11 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             state = tensor_parallel.sharded_state_for(weight, bias, config, shard, name=head.name)
             mapped = vocab_parallel.remap(builder.graph, head, builder.node_map)
         else:
-            state = state_for(weight, bias, config, name=head.name)
+            state = state_for(weight, bias, config, name=head.name, transposed=head.transposed)
             mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
+        if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
+            into.transposed = True
         try:
             report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
         except DenseFallback as reason:
@@ -347,7 +350,8 @@ class _DrafterBinding(_Binding):
             changed = self.sync()
         else:
             old = self.state
-            self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory()))
+            self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory(),
+                                 transposed=old.transposed))
             if not self.state.rewrites:
                 self.state.rewrites = list(old.rewrites)
             self.sync()
@@ -454,7 +458,7 @@ class _TargetBinding(_Binding):
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.state
-        return [s.weight] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
+        return [s.head_rows] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
 
     def update(self, args: tuple) -> bool:
         return self.sync()
@@ -522,7 +526,8 @@ class _GraphBuilder:
     def remap(self, head: HeadMatch) -> HeadMatch:
         m = self.node_map
         return HeadMatch(m[head.weight], [m[n] for n in head.nodes], head.name, head.vocab_size, head.hidden_size,
-                         [m[b] if b is not None else None for b in head.biases], head.module_path)
+                         [m[b] if b is not None else None for b in head.biases], head.module_path,
+                         transposed=head.transposed)
 
     def user_input_position(self, node: fx.Node | None) -> int | None:
         return self.user_placeholders.index(node) if node in self.user_placeholders else None
@@ -547,7 +552,7 @@ class _GraphBuilder:
         names = [] if weight is not None else ["weight"] + (["bias"] if state.bias is not None else [])
         names += list(STATE_TENSORS) + (["token_to_row"] if state.token_to_row is not None else [])
         nodes = self.add_inputs(names)
-        tensors = ([] if weight is not None else [state.weight] + ([state.bias] if state.bias is not None else []))
+        tensors = ([] if weight is not None else [state.head_rows] + ([state.bias] if state.bias is not None else []))
         self.set_input_values(nodes, tensors + _state_inputs(state))
         if weight is None:
             weight, nodes = nodes[0], nodes[1:]

@@ -44,6 +44,8 @@ class ActiveVocab:
             token id to its head row, -1 for tokens the head cannot produce. Token ids passed to
             :meth:`observe`/:meth:`contains` and returned by :meth:`token_ids` are then token ids,
             not head rows.
+        transposed: the weight is stored [H, R] (a head ``h @ W``): its columns are the head rows. The state
+            is keyed on that stored tensor, never on a ``W.t()`` view (a new object every call).
     """
 
     def __init__(
@@ -57,12 +59,15 @@ class ActiveVocab:
         observes: bool = True,
         policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
+        transposed: bool = False,
     ):
         if weight.dim() != 2:
-            raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-        rows, hidden = self._head_rows(weight), weight.shape[1]
-        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"head bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed), got shape {tuple(weight.shape)}")
+        self.transposed = bool(transposed)
+        local_rows = weight.shape[1] if self.transposed else weight.shape[0]  # rows this weight holds
+        rows, hidden = (local_rows, weight.shape[0]) if self.transposed else (self._head_rows(weight), weight.shape[1])
+        if bias is not None and tuple(bias.shape) != (local_rows,):
+            raise ValueError(f"head bias must have shape ({local_rows},), got {tuple(bias.shape)}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         capacity = min(capacity, rows)
@@ -120,6 +125,11 @@ class ActiveVocab:
         """What builds a new state of this kind, ``factory(weight, bias, **config.keywords())`` (``state_for``'s
         ``factory``; a vocabulary-parallel state passes its shard along)."""
         return type(self)
+
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The weight as [R, H] head rows: the weight itself, or a ``.t()`` view of a transposed one."""
+        return self.weight.t() if self.transposed else self.weight
 
     def is_weight(self, tensor: Any) -> bool:
         """Whether ``tensor`` is this state's head weight (False once that weight was freed)."""
@@ -214,7 +224,7 @@ class ActiveVocab:
         """
         with torch.no_grad(), torch.inference_mode(False):
             rows = torch.clamp(self.ids, min=0)
-            self.cache_w.copy_(self.weight.detach().index_select(0, rows))
+            self.cache_w.copy_(self.head_rows.detach().index_select(0, rows))
             if self.bias is not None:
                 self.cache_b.copy_(self.bias.detach().index_select(0, rows))
         self._seen_versions = self._weight_versions()
@@ -274,7 +284,7 @@ class ActiveVocab:
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            ops.observe(self.rows_of(token_ids), self.weight, self.bias, *self.tensors(), self.num_pinned)
+            ops.observe(self.rows_of(token_ids), self.head_rows, self.bias, *self.tensors(), self.num_pinned)
 
     def _seed(self) -> None:
         if self.seed_ids is not None:
@@ -286,7 +296,8 @@ class ActiveVocab:
 
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether the cache still has ``weight``'s shape, dtype and device."""
-        return (tuple(weight.shape) == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
+        shape = tuple(weight.shape)[::-1] if self.transposed else tuple(weight.shape)
+        return (shape == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
                 and weight.device == self.cache_w.device)
 
     def differences(self, config: StateConfig) -> list[str]:
@@ -307,10 +318,10 @@ class ActiveVocab:
         tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
         return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
 
-    def _reconfigure(self, weight, bias, config: StateConfig) -> None:
+    def _reconfigure(self, weight, bias, config: StateConfig, transposed: bool) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
-        fresh = self._fresh_factory()(weight, bias, **config.keywords())
+        fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed))
         kept = self.token_ids() if self.observes else None
         keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
                 "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
@@ -394,13 +405,18 @@ def _check_token_map(token_to_row: torch.Tensor, rows: int, device) -> tuple[tor
 # as long as its weight (the state holds the weight weakly, so the entry never keeps its own key
 # alive), and nothing is stored on the tensor, so pickling, torch.save and deepcopy of a drafter,
 # its state_dict(keep_vars=True) or the weight alone never meet it. A copy gets its own state.
+def _layout(transposed: bool | None) -> dict:
+    """The layout keyword of a state's constructor (only [V, H] states of other kinds take none)."""
+    return {"transposed": True} if transposed else {}
+
+
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.RLock()
 VOCAB_OPTIONS = ", ".join(f.name for f in fields(VocabConfig))
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig | VocabConfig, *,
-              name: str | None = None, factory: Any = ActiveVocab) -> ActiveVocab:
+              name: str | None = None, factory: Any = ActiveVocab, transposed: bool | None = None) -> ActiveVocab:
     """The ActiveVocab of ``weight`` for ``config`` (a VocabConfig is resolved first). One state per head weight:
 
     * the existing one when it matches;
@@ -412,21 +428,26 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
 
     ``factory(weight, bias, **keywords)`` builds a new state (a vocabulary-parallel head's builds a
     :class:`nanospec_fx.tensor_parallel.ShardedActiveVocab`).
+    ``transposed``: the weight is stored [H, V] (``h @ W``); None keeps the existing state's layout (else [V, H]).
     """
     if isinstance(config, VocabConfig):
         config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:
-            state = factory(weight, bias, **config.keywords())
+            state = factory(weight, bias, **config.keywords(), **_layout(transposed))
             state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state
-        if bias is not state.bias and state.fits(weight) and state.bias_fits(bias):
+        layout = state.transposed if transposed is None else bool(transposed)
+        if bias is not state.bias and state.fits(weight) and state.bias_fits(bias) and layout == state.transposed:
             state.set_bias(bias)  # the head's bias was replaced by a tensor of the same shape: follow it
-        if state.matches(weight, bias, config):
+        if layout == state.transposed and state.matches(weight, bias, config):
             return state
         diffs = state.differences(config)
+        if layout != state.transposed:
+            diffs.append(f"the weight's layout ({'[H, V]' if layout else '[V, H]'}: the weight is read "
+                         f"{'transposed' if layout else 'as stored'} by this graph)")
         if bias is not state.bias:
             diffs.append("the head's bias tensor")
         if diffs and _running_users(state, weight):
@@ -437,7 +458,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
                 f"wrapper (and target observer) of this head with the same vocabulary options ({VOCAB_OPTIONS}), "
                 "or drop the other wrapper first (torch._dynamo.reset())."
             )
-        state._reconfigure(weight, bias, config)
+        state._reconfigure(weight, bias, config, layout)
         return state
 
 

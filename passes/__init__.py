@@ -2,6 +2,7 @@
 
 * ``patterns``       - what is matched and why (projections, post-ops, views, consumers)
 * ``find_head``      - which projection is the LM head
+* ``row_weight``     - a head weight computed row by row (quantised, parametrised): only the active rows
 * ``rewrite_head``   - head -> compact logits -> post-ops -> scatter
 * ``observe_inputs`` - token ids fed to the drafter, and the target's top-k, join the active vocabulary
 * ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks

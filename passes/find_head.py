@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from . import patterns
 from .observe_inputs import embedding_lookups
+from .row_weight import row_weight
 
 
 class HeadSelectionError(ValueError):
@@ -36,6 +37,8 @@ class HeadMatch:
     biases: list[fx.Node | None] = field(default_factory=list)
     module_path: str | None = None
     reach: str | None = field(default=None, compare=False)  # how its output reaches the graph output
+    transposed: bool = False  # the weight is stored [H, V] (``h @ W``, ``F.linear(h, W.t())``): its columns are the rows
+    sources: list[fx.Node] = field(default_factory=list, compare=False)  # other inputs of a weight computed per row
 
     __hash__ = object.__hash__
 
@@ -140,7 +143,8 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     if vocab_size is not None:
         return _unique([g for g in reaching if g.vocab_size == vocab_size])
     tables = token_tables(gm)
-    tied = [g for g in reaching if g.weight in tables]
+    tied = [g for g in reaching if tables.get(g.weight) == g.vocab_size or g.transposed and any(
+        patterns.transposed_weight(t) is g.weight for t in tables)]  # F.embedding(ids, W.t()) with the head h @ W
     if tied:
         return _unique(tied)
     vocabularies = set(tables.values())
@@ -153,6 +157,12 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          f"padded vocabulary name the head's width, e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
                          f"(candidates: {_describe(padded)})")
+        computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
+                    and reaches_output(n, shape[0])]  # no group reaches it: a weight computed in the graph
+        if computed and notes is not None:
+            notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
+                         "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
+                         "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
         return []
     # Every projection wider than its input that reaches the output counts (through its logits or only
     # through a selection of them): a wider one returned as logits is not the head because the head's own
@@ -175,12 +185,16 @@ def projections_reaching_output(gm: fx.GraphModule) -> list[fx.Node]:
     output: what could be a head."""
     found = []
     for node in gm.graph.nodes:
-        m = patterns.match_projection(node)
-        shape = patterns.tensor_shape(m[1]) if m is not None else None
-        if shape and len(shape) == 2 and isinstance(shape[0], int) and shape[0] > shape[1] \
+        shape = patterns.projection_shape(node)
+        if shape and isinstance(shape[0], int) and shape[0] > shape[1] \
                 and reaches_output(node, shape[0]):
             found.append(node)
     return found
+
+
+def _weight_op(node: fx.Node) -> str:
+    w = patterns.match_projection(node)[1]
+    return f"{w.target if isinstance(w.target, str) else getattr(w.target, '__name__', w.target)}"
 
 
 def _unique(heads: list[HeadMatch]) -> list[HeadMatch]:
@@ -200,23 +214,32 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
     """Every projection with a static 2-D parameter/buffer weight, grouped by weight."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example_of = {n: ex for n, ex in zip(placeholders, example_inputs)}
-    groups: dict[fx.Node, HeadMatch] = {}
+    groups: dict[tuple, HeadMatch] = {}
+    lookups = {lookup for lookup, _, _, _ in embedding_lookups(gm.graph)}  # ``one_hot(ids) @ E`` reads rows of E
     for node in gm.graph.nodes:
-        m = patterns.match_projection(node)
+        m = patterns.match_projection(node) if node not in lookups else None
         if m is None:
             continue
         x, w, b = m
-        w_shape, out_shape = patterns.tensor_shape(w), patterns.tensor_shape(node)
+        transposed = patterns.projection_transposed(node)
+        w_shape, out_shape = patterns.projection_shape(node), patterns.tensor_shape(node)
         if w_shape is None or out_shape is None or not all(isinstance(d, int) for d in w_shape):
             continue  # V and H must be static
-        if not _is_weight_like(w, example_of.get(w)):
-            continue
         n_out, hidden = w_shape
-        match = groups.get(w)
+        if not _is_weight_like(w, example_of.get(w)):
+            rows = row_weight(w, n_out) if not transposed else None  # quantised / parametrised: computed per row
+            if rows is None or not _is_weight_like(rows.base, example_of.get(rows.base)):
+                continue
+            w, sources = rows.base, [n for n in rows.leaves if n is not rows.base]
+        else:
+            sources = []
+        match = groups.get((w, transposed))  # one weight read in both layouts (square): two groups, never one head
         if match is None:
-            match = groups[w] = HeadMatch(w, [], parameter_name(w), n_out, hidden, module_path=module_path(node))
+            match = groups[(w, transposed)] = HeadMatch(w, [], parameter_name(w), n_out, hidden,
+                                                        module_path=module_path(node), transposed=transposed)
         match.nodes.append(node)
         match.biases.append(b)
+        match.sources += [n for n in sources if n not in match.sources]
         reach = reaches_output(node, n_out)
         if reach == "logits" or (reach and not match.reach):
             match.reach = reach

@@ -32,6 +32,7 @@ class ObserveInto:
     num_pinned: int
     vocab_size: int  # size of the token-id space observed
     token_to_row: fx.Node | None = None  # token id -> head row map (EAGLE-3 draft vocabularies)
+    transposed: bool = False  # ``weight`` is stored [H, V] (``h @ W``): observers copy its columns
 
 
 @dataclass
@@ -181,6 +182,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
       be read, so they would not join the set.
     """
     params = {head.weight, *(b for b in head.biases if b is not None)}
+    params |= {n for n in graph.nodes if patterns.transposed_weight(n) in params}  # W.t() of a [H, V] head: W itself
     for node in graph.nodes:
         written = set(effects.mutated_inputs(node)) & params
         if written or any(lk.writes_table and lk.table in params for lk in _lookups_at(node)):
@@ -280,7 +282,11 @@ def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
         for n in (ge, lt, ok, safe, mapped, rows):
             set_example_value(n)
     s = into.state
-    node = op_call(graph, "observe", token_ids=rows, weight=into.weight, bias=into.bias, ids=s.ids, slot_of=s.slot_of,
+    weight = into.weight
+    if into.transposed:  # the head rows of a [H, V] weight: a view, made where the observer runs
+        weight = graph.call_method("t", (into.weight,))
+        set_example_value(weight)
+    node = op_call(graph, "observe", token_ids=rows, weight=weight, bias=into.bias, ids=s.ids, slot_of=s.slot_of,
                    cursor=s.cursor, cache_w=s.cache_w, cache_b=s.cache_b, num_pinned=into.num_pinned)
     node.meta["val"] = node.meta["example_value"] = None  # returns nothing; writes the state
     return node
@@ -297,7 +303,8 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     observed right after they are computed; :func:`snapshot_state_reads` keeps each head's later
     reads on the slot table it was computed with.
     """
-    lookups = token_id_lookups(graph, into.vocab_size)
+    lookups = [lk for lk in token_id_lookups(graph, into.vocab_size)  # not the rewrite's own gathers at active ids
+               if not lk.node.meta.get("nanospec_active_rows")]
     reads = _state_reads(graph, into.state)
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned

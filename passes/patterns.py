@@ -6,7 +6,9 @@ parameters are placeholders, an ``nn.Linear`` is ``torch._C._nn.linear(x, w, b)`
 
 * **Projections** turn a hidden state [..., H] into [..., N] with a 2-D weight [N, H]:
   ``linear``/``F.linear`` (bias optional, a tied embedding weight included) and
-  ``matmul``/``@`` against a transposed 2-D weight. One whose N is the vocabulary size and
+  ``matmul``/``@`` against a transposed 2-D weight; or with a parameter stored [H, N] (``x @ W``,
+  ``F.linear(x, W.t())``: :func:`projection_transposed`); or with a weight computed in the graph row by
+  row from stored tensors (quantised, parametrised: ``row_weight.py``). One whose N is the vocabulary size and
   whose output reaches the graph output is the LM head.
 * **Post-ops** are elementwise steps drafters apply to logits (temperature ``/ t``, a bias
   ``+ b``, soft-capping ``cap * tanh(z / cap)``, dtype casts) and views that leave the
@@ -230,19 +232,56 @@ def transposed_weight(node: Any) -> fx.Node | None:
 
 
 def match_projection(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """``(x, weight, bias)`` when ``node`` projects x [..., H] with a 2-D weight [N, H]."""
+    """``(x, weight, bias)`` when ``node`` projects x [..., H] with a 2-D weight: stored [N, H] (``F.linear(x, W)``,
+    ``x @ W.t()``) or, see :func:`projection_transposed`, a parameter/buffer stored [H, N] (``x @ W``,
+    ``torch.matmul(x, W)``, ``F.linear(x, W.t())`` in any spelling of the transpose). ``weight`` is the stored
+    tensor's node: the state is keyed on it (a view is a new object every call)."""
+    m = _match_projection(node)
+    return m[:3] if m is not None else None
+
+
+def projection_transposed(node: fx.Node) -> bool:
+    """Whether the weight :func:`match_projection` returns for ``node`` is stored [H, N] (its columns are the
+    head's rows)."""
+    m = _match_projection(node)
+    return m is not None and m[3]
+
+
+def projection_shape(node: fx.Node) -> tuple | None:
+    """``(N, H)`` of the projection ``node`` (outputs, inputs), whatever its weight's layout."""
+    m = _match_projection(node)
+    shape = tensor_shape(m[1]) if m is not None else None
+    if shape is None or len(shape) != 2:
+        return None
+    return (shape[1], shape[0]) if m[3] else tuple(shape)
+
+
+def _stored(node: Any) -> bool:
+    """A tensor the graph receives (parameter, buffer, input), not one it computes."""
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+def _match_projection(node: fx.Node) -> tuple | None:
+    """``(x, weight, bias, transposed)``: :func:`match_projection` and :func:`projection_transposed` in one."""
     if node.op == "call_function" and node.target in LINEAR_TARGETS:
         args = list(node.args) + [None] * 3
         x = node.kwargs.get("input", args[0])
         w = node.kwargs.get("weight", args[1])
         b = node.kwargs.get("bias", args[2])
         if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
-            return x, w, b if isinstance(b, fx.Node) else None
+            stored = transposed_weight(w)
+            if _stored(stored):  # F.linear(x, W.t()): W [H, N]
+                return x, stored, b if isinstance(b, fx.Node) else None, True
+            return x, w, b if isinstance(b, fx.Node) else None, False
         return None
     if is_call(node, MATMUL_TARGETS, {"matmul", "__matmul__"}) and len(node.args) == 2:
         w = transposed_weight(node.args[1])
         if w is not None:
-            return node.args[0], w, None
+            return node.args[0], w, None, False
+        w, x_shape, w_shape = node.args[1], tensor_shape(node.args[0]), tensor_shape(node.args[1])
+        if _stored(w) and w_shape is not None and len(w_shape) == 2 and x_shape and len(x_shape) >= 1 \
+                and _known_equal(x_shape[-1], w_shape[0]):  # x @ W, W [H, N]
+            return node.args[0], w, None, True
     if node.op == "call_function" and node.target in EINSUM_TARGETS and node.args and isinstance(node.args[0], str):
         operands = node.args[1:]
         if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
@@ -250,7 +289,7 @@ def match_projection(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] |
         if len(operands) == 2 and _is_head_equation(node.args[0]):
             x, w = operands
             if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
-                return x, w, None
+                return x, w, None, False
     return None
 
 

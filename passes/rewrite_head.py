@@ -39,6 +39,7 @@ import torch.fx as fx
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
 from . import effects, patterns
+from .row_weight import gathered_rows, row_weight
 
 if TYPE_CHECKING:
     from .find_head import HeadMatch
@@ -186,9 +187,15 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
 
 
 def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> None:
-    x = patterns.match_projection(proj)[0]
+    x, w, _ = patterns.match_projection(proj)
     derived = _value_downstream(proj)
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
+    rows = row_weight(w, vocab) if w.op not in ("placeholder", "get_attr") else None
+    if rows is not None:  # a weight computed row by row (quantised, parametrised): only the active rows
+        with graph.inserting_before(proj):
+            safe_ids = graph.call_function(torch.clamp, (state.ids,), {"min": 0})
+            set_example_value(safe_ids)
+            cache_w = gathered_rows(graph, rows, state.cache_w, safe_ids, state.ids)
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)

@@ -35,6 +35,13 @@ HEADS = (
     "einsum",          # torch.einsum("...h,vh->...v", h, self.W)
     "buffer",          # F.linear(h, self.head_buf): the weight is a registered buffer
     "dequant",         # F.linear(h, self.qweight.to(dtype) * self.scale): int8 weight dequantised in the graph
+    "matmul_hv",       # h @ self.W (+ self.b): the weight is stored [H, V]
+    "linear_hv",       # F.linear(h, self.W.t(), self.b): the same weight, read through a transpose
+    "quant_row",       # F.linear(h, self.qweight.to(dtype) * self.qscale_v[:, None]): per-row scale [V] before
+    "quant_after",     # F.linear(h, self.qweight.to(dtype)) * self.qscale_v: the scale after the matmul
+    "fp8_row",         # as quant_row with a float8_e4m3fn weight
+    "param_rownorm",   # nn.Linear behind parametrize: W / W.norm(dim=-1, keepdim=True) (row-wise)
+    "param_colnorm",   # nn.Linear behind parametrize: W / W.norm(dim=0, keepdim=True) (mixes rows: dense)
 )
 
 # How the token ids reach the embedding table (issue 16, class 3 and 14).
@@ -135,6 +142,20 @@ def _value(v):
     return float("-inf") if v == NEG_INF else float(v)
 
 
+class RowNorm(nn.Module):
+    """A parametrisation whose every output row depends only on the same input row."""
+
+    def forward(self, W):
+        return W / W.norm(dim=-1, keepdim=True)
+
+
+class ColumnNorm(nn.Module):
+    """A parametrisation that mixes rows (each column normalised): not row-wise."""
+
+    def forward(self, W):
+        return W / W.norm(dim=0, keepdim=True)
+
+
 def scale_output_hook(module, args, output):
     """A forward hook on the head (module level: a drafter with it stays picklable)."""
     return output * 0.5
@@ -232,6 +253,22 @@ class FuzzDrafter(nn.Module):
             scale = w.abs().amax(1, keepdim=True) / 127
             self.register_buffer("qweight", torch.round(w / scale).to(torch.int8))
             self.register_buffer("qscale", scale)
+        elif r.head in ("matmul_hv", "linear_hv"):
+            self.W = nn.Parameter(w.t().contiguous())
+            self.b = nn.Parameter(b) if b is not None else None
+        elif r.head in ("quant_row", "quant_after", "fp8_row"):
+            scale = w.abs().amax(1) / 127
+            self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+            self.register_buffer("qscale_v", scale)
+            self.b = nn.Parameter(b) if b is not None else None
+        elif r.head in ("param_rownorm", "param_colnorm"):
+            self.lm_head = nn.Linear(H, Vh, bias=r.head_bias)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(w)
+                if b is not None:
+                    self.lm_head.bias.copy_(b)
+            torch.nn.utils.parametrize.register_parametrization(
+                self.lm_head, "weight", RowNorm() if r.head == "param_rownorm" else ColumnNorm())
         if r.hook and r.head in ("linear", "linear_tied"):
             self.lm_head.register_forward_hook(scale_output_hook)
         if "wide_proj" in r.extra_outputs:
@@ -254,6 +291,8 @@ class FuzzDrafter(nn.Module):
         self.register_buffer("probe", torch.randint(0, r.vocab, (5,), generator=g))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.to(DTYPES[r.dtype])  # floating tensors only: the int8 weight, ids and masks keep their dtype
+        if r.head == "fp8_row":  # float8 is floating: stored after the cast of the other tensors
+            self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
                 if name.startswith(("lm_head", "W", "b", "logit_bias")) or (name.startswith("embed") and "tied" in r.head):
@@ -267,10 +306,14 @@ class FuzzDrafter(nn.Module):
             return self.lm_head.weight
         if r.head == "functional_tied":
             return self.embed.weight
-        if r.head in ("matmul_bias", "matmul_T", "einsum"):
+        if r.head in ("matmul_bias", "matmul_T", "einsum", "matmul_hv", "linear_hv"):
             return self.W
         if r.head == "buffer":
             return self.head_buf
+        if r.head in ("dequant", "quant_row", "quant_after", "fp8_row"):
+            return self.qweight
+        if r.head in ("param_rownorm", "param_colnorm"):
+            return self.lm_head.parametrizations.weight.original
         return None
 
     def fed_ids(self, inputs: dict, outputs=None) -> torch.Tensor:
@@ -300,6 +343,18 @@ class FuzzDrafter(nn.Module):
             return z + self.b if self.b is not None else z
         if r.head == "buffer":
             return F.linear(h, self.head_buf)
+        if r.head == "matmul_hv":
+            z = h @ self.W
+            return z + self.b if self.b is not None else z
+        if r.head == "linear_hv":
+            return F.linear(h, self.W.t(), self.b)
+        if r.head in ("quant_row", "fp8_row"):
+            return F.linear(h, self.qweight.to(h.dtype) * self.qscale_v[:, None].to(h.dtype), self.b)
+        if r.head == "quant_after":
+            z = F.linear(h, self.qweight.to(h.dtype)) * self.qscale_v.to(h.dtype)
+            return z + self.b if self.b is not None else z
+        if r.head in ("param_rownorm", "param_colnorm"):
+            return self.lm_head(h)
         return F.linear(h, self.qweight.to(h.dtype) * self.qscale.to(h.dtype))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -29,3 +29,11 @@ def test_tensor_parallel_example():
     out = run("examples/tensor_parallel.py", "--no-inductor")
     assert "same active set and slot order on every rank: True" in out
     assert "logits == dense tensor-parallel drafter masked to the active set: True" in out
+
+
+@pytest.mark.slow
+def test_head_layouts_example():
+    out = run("examples/head_layouts.py")
+    for kind in ("[H, V] weight", "int8 weight-only", "weight_norm"):
+        assert f"{kind:18s} rewritten, exact: True, active tokens: 4" in out
+    assert "column-normalised  dense: True" in out

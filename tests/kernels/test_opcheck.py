@@ -60,6 +60,33 @@ def _cases():
             yield f"compact_topk-{g}-largest{largest}", "compact_topk", (_compact(grad), ids, cursor, 3, largest)
     yield "compact_topk-k-past-count", "compact_topk", (_compact(False), ids, cursor, C - 1, True)
     yield "compact_argmax", "compact_argmax", (_compact(False), ids, cursor)
+    for name, weight in _head_weights():  # quantised rows and the columns of an [H, V] weight
+        state = schema.new_state(V, H, C, weight.dtype, "cpu")
+        yield f"observe-{name}", "observe", (torch.tensor([1, 2, 9]), weight, None, *state, 0)
+
+
+def _head_weights():
+    """Head weights beyond a contiguous float [V, H]: int8, float8 (when torch has it), a ``W.t()`` view."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(V, H, generator=g) * 20
+    yield "int8", w.round().to(torch.int8)
+    if hasattr(torch, "float8_e4m3fn"):
+        yield "float8", w.to(torch.float8_e4m3fn)
+    yield "transposed", w.t().contiguous().t()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "host", "triton"])
+@pytest.mark.parametrize("name,weight", list(_head_weights()), ids=lambda v: v if isinstance(v, str) else "")
+def test_observe_copies_the_exact_rows_of_every_head_weight(kernels, name, weight, monkeypatch):
+    """Every implementation caches the fed tokens' rows bit for bit (float8 is copied as its bytes)."""
+    monkeypatch.setenv("NANOSPEC_KERNELS", kernels)
+    ids, slot_of, cursor, cache_w, cache_b = schema.new_state(V, H, C, weight.dtype, "cpu")
+    tokens = torch.tensor([4, 19, 4, 0])
+    torch.ops.nanospec.observe(tokens, weight, None, ids, slot_of, cursor, cache_w, cache_b, 0)
+    assert ids[:3].tolist() == [4, 19, 0] and int(cursor) == 3
+    assert torch.equal(cache_w[:3].view(torch.uint8) if weight.element_size() == 1 else cache_w[:3],
+                       weight[[4, 19, 0]].contiguous().view(torch.uint8) if weight.element_size() == 1
+                       else weight[[4, 19, 0]])
 
 
 CASES = list(_cases())
@@ -73,4 +100,10 @@ def test_every_op_in_the_schema_is_checked():
     "op,args", [pytest.param(op, args, id=name) for name, op, args in CASES]
 )
 def test_opcheck(op, args):
-    torch.library.opcheck(getattr(torch.ops.nanospec, op).default, args)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if any(isinstance(a, torch.Tensor) and a.dtype in _FLOAT8 for a in args):
+        utils = utils[1:]  # opcheck's schema check compares values with arithmetic float8 tensors do not have on CPU
+    torch.library.opcheck(getattr(torch.ops.nanospec, op).default, args, test_utils=utils)
+
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}

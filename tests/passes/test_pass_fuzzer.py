@@ -472,6 +472,11 @@ def scenarios(draw, max_steps: int = 3) -> Scenario:
 # them (each has a strict xfail case in test_pass_fuzzer_regressions.py); long runs
 # (``python tests/passes/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
 KNOWN_OPEN: list[tuple[str, object]] = []
+KNOWN_OPEN_INDUCTOR: list[tuple[str, object]] = [  # inductor only (the same recipes pass on the reference kernels)
+    ("a draft loop in grad mode: inductor's decompose_auto_functionalized asserts on the observe ops of a training "
+     "graph (on main too; test_pass_fuzzer_regressions.py::test_draft_loop_in_grad_mode_under_inductor)",
+     lambda r: r.draft_steps > 0 and r.mode in GRAD_MODES),
+]
 KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = []
 
 
@@ -523,6 +528,8 @@ def test_fuzz_scenarios(scenario):
 def test_fuzz_inductor(recipe):
     """A few draws compiled with inductor (a cold compile costs seconds)."""
     _skip_known_open(recipe)
+    if os.environ.get("NANOSPEC_FUZZ_ALL") != "1":
+        assume(not any(pred(recipe) for _, pred in KNOWN_OPEN_INDUCTOR))
     event(run_case(recipe, {"inductor": True}).split(" (")[0])
 
 

@@ -161,7 +161,31 @@ CASES.update({
                                                          ("index_fill_", 0.0), ("multinomial", "log_softmax")),
                                                   return_logits=False, mode="no_grad_forward", capacity=16, batch=1,
                                                   seq=2, seq2=2, extra_active=3, n_ban=1), ()),
+    # found by the CI draws of cov16: a row-wise parametrised head (W / ||W||) in grad mode: a slot never filled has a
+    # zero cached row, NaN after the parametrisation, and 0 * NaN reached the body's gradient through the masked slot
+    "row_norm_parametrised_head_frozen_in_grad_mode": (R(vocab=40, hidden=8, head="param_rownorm", return_logits=False,
+                                                         mode="grad", capacity=4, batch=1, seq=1, seq2=1, n_ban=1), ()),
 })
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="open, on main too: inductor's decompose_auto_functionalized asserts on the "
+                   "observe ops of a draft loop's training graph (the reference kernels without inductor match); it "
+                   "depends on what the process compiled before: fails in a fresh python and after the other fuzzer "
+                   "tests, passes alone under pytest")
+def test_draft_loop_in_grad_mode_under_inductor():
+    """Found by the CI draws of cov16 (test_fuzz_inductor); skipped there via KNOWN_OPEN_INDUCTOR."""
+    os.environ["NANOSPEC_KERNELS"] = "reference"
+    try:
+        _run_inductor_draft_loop()
+    finally:
+        os.environ.pop("NANOSPEC_KERNELS", None)
+
+
+def _run_inductor_draft_loop():
+    run_case(R(vocab=139, hidden=8, head="einsum", head_bias=True, return_logits=True,
+               extra_outputs=("hidden", "wide_proj"), mode="grad", capacity=512, batch=3, seq=4, seq2=4, seed=2,
+               draft_steps=3), {"inductor": True})
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in CASES.items()])
