@@ -170,15 +170,22 @@ def observe(
     rows = padded_length(n)
     dest = torch.empty(rows, dtype=torch.int64, device=ids.device)
     weight = contiguous_rows(weight)  # a transposed/tied head: copied once, not read strided per call
-    hidden = weight.shape[1]
-    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
-    has_bias = bias is not None
-    b = bias if has_bias else cache_b
     with device_guard(ids):
         wrap_triton(_observe_alloc_kernel)[(1,)](
             tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=_BLOCK,
         )
-        wrap_triton(_observe_copy_kernel)[(rows, triton.cdiv(hidden, block_h))](
-            tok, dest, n, weight, b, cache_w, cache_b, hidden, weight.stride(0), b.stride(0), cache_w.stride(0),
-            HAS_BIAS=has_bias, BLOCK_H=block_h,
-        )
+        launch_copy(tok, dest, n, rows, weight, bias, cache_w, cache_b)
+
+
+def launch_copy(tok, dest, n: int, rows: int, weight, bias, cache_w, cache_b) -> None:
+    """Launch ``_observe_copy_kernel``: head row (and bias entry) of ``tok[i]`` into row ``dest[i]`` of ``cache_w``
+    [S, H] (``cache_b`` [S]) for every i < n with ``dest[i] >= 0``, on a grid of ``rows`` positions x chunks of H.
+    ``weight`` must have contiguous rows."""
+    hidden = weight.shape[1]
+    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
+    has_bias = bias is not None
+    b = bias if has_bias else cache_b
+    wrap_triton(_observe_copy_kernel)[(rows, triton.cdiv(hidden, block_h))](
+        tok, dest, n, weight, b, cache_w, cache_b, hidden, weight.stride(0), b.stride(0), cache_w.stride(0),
+        HAS_BIAS=has_bias, BLOCK_H=block_h,
+    )

@@ -27,7 +27,7 @@ from torch.library import wrap_triton
 from . import reference_per_request as RP
 from .schema import check_num_pinned
 from .triton_head import _scatter_kernel
-from .triton_observe import _BLOCK, _BLOCK_H, _allocate, _observe_copy_kernel, padded_length
+from .triton_observe import _BLOCK, _allocate, launch_copy, padded_length
 from .triton_select import _MAX_BLOCK, _topk_kernel, topk_num_warps
 from .triton_util import FLOAT_DTYPES, contiguous_rows, device_guard
 
@@ -112,19 +112,12 @@ def observe_per_request(
     lead = RP.lead_rows(rows).to(torch.int8)
     dest = torch.full((batch * n,), -1, dtype=torch.int64, device=ids.device)
     weight = contiguous_rows(weight)
-    hidden = weight.shape[1]
-    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
-    has_bias = bias is not None
-    b = bias if has_bias else cache_b.view(-1)
-    flat_w, flat_b = cache_w.view(-1, hidden), cache_b.view(-1)
+    flat_w, flat_b = cache_w.view(-1, weight.shape[1]), cache_b.view(-1)  # dest holds flat slots of [R * C, H]
     with device_guard(ids):
         wrap_triton(_observe_alloc_rows_kernel)[(batch,)](
             tok, rows, lead, n, ids, slot_of, cursor, dest, slot_of.shape[1], capacity, num_pinned, BLOCK=_BLOCK,
         )
-        wrap_triton(_observe_copy_kernel)[(batch * n, triton.cdiv(hidden, block_h))](
-            tok, dest, batch * n, weight, b, flat_w, flat_b, hidden, weight.stride(0), b.stride(0), flat_w.stride(0),
-            HAS_BIAS=has_bias, BLOCK_H=block_h,
-        )
+        launch_copy(tok, dest, batch * n, batch * n, weight, bias, flat_w, flat_b)
 
 
 def _supported(x, cache_w, cache_b) -> bool:
