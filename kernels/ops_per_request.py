@@ -9,10 +9,10 @@ are inference ops (a drafter is trained through the shared-set ops).
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .dispatch import implementation_for
+from . import ops
 from .ops import _register
 from .schema import check_num_pinned
 
@@ -66,21 +66,22 @@ def _compact_logits_fake(x, rows, cache_w, cache_b, cursor):
     return x.new_empty((*x.shape[:-1], cache_w.shape[1]))
 
 
+# ``rows`` only picks each batch row's state, so these outputs have the shared-set op's shapes: its fake says them
+# (compact_logits and observe read C from the [R, C] state: their own fakes above).
 def _scatter_logits_fake(compact, rows, ids, cursor, vocab_size):
-    return compact.new_empty((*compact.shape[:-1], vocab_size))
+    return ops._scatter_logits_fake(compact, ids, cursor, vocab_size)
 
 
 def _head_logits_fake(x, rows, cache_w, cache_b, ids, cursor, vocab_size):
-    return x.new_empty((*x.shape[:-1], vocab_size))
+    return ops._head_logits_fake(x, cache_w, cache_b, ids, cursor, vocab_size)
 
 
 def _compact_topk_fake(compact, rows, ids, cursor, k, largest=True):
-    shape = (*compact.shape[:-1], k)
-    return compact.new_empty(shape), compact.new_empty(shape, dtype=torch.int64)
+    return ops._compact_topk_fake(compact, ids, cursor, k, largest)
 
 
 def _compact_argmax_fake(compact, rows, ids, cursor):
-    return compact.new_empty(compact.shape[:-1], dtype=torch.int64)
+    return ops._compact_argmax_fake(compact, ids, cursor)
 
 
 observe_per_request = _register("observe_per_request", _observe_per_request, _observe_fake)

@@ -47,31 +47,34 @@ def padded_length(n: int) -> int:
 
 
 @triton.jit
-def _claimed(tok_ptr, slot_of_ptr, offs, n, V):
-    """Token ids at ``offs``, their safe indices, and which positions won their token's claim."""
+def _looked_up(tok_ptr, slot_of_ptr, offs, n, V, VOLATILE: tl.constexpr):
+    """Token ids at ``offs``, their safe indices, which are in range, their ``slot_of`` entries, their claim codes."""
     inb = offs < n
     x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
     ok = inb & (x >= 0) & (x < V)
     xs = tl.where(ok, x, 0)
-    cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=True)
+    cur = tl.load(slot_of_ptr + xs, mask=ok, other=0, volatile=VOLATILE)
     code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+    return x, xs, ok, cur, code
+
+
+@triton.jit
+def _claimed(tok_ptr, slot_of_ptr, offs, n, V):
+    """Token ids at ``offs``, their safe indices, and which positions won their token's claim."""
+    x, xs, ok, cur, code = _looked_up(tok_ptr, slot_of_ptr, offs, n, V, True)
     return x, xs, ok & (cur == code)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _observe_alloc_kernel(
-    tok_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
-):
+@triton.jit
+def _allocate(tok_ptr, n, n_mine, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, dest_base, V, C, P, BLOCK: tl.constexpr):
+    """Observe ``tok[:n]`` into one shared-set state (``ids [C]``, ``slot_of [V]``, ``cursor``): claim, count,
+    allocate; ``dest[i]`` gets ``dest_base`` + the slot position i inserted into, or -1. Returns the new cursor
+    (the caller stores it). ``n_mine``: n, or 0 for a program with nothing to do (every loop runs zero times)."""
     # Phase 1: claim. Active entries (>= 0) do not change in this phase, so a plain load
     # tells them apart; codes are < -1, so they never look active or empty.
-    for start in range(0, n, BLOCK):
+    for start in range(0, n_mine, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
-        ok = inb & (x >= 0) & (x < V)
-        xs = tl.where(ok, x, 0)
-        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0)
-        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
+        x, xs, ok, cur, code = _looked_up(tok_ptr, slot_of_ptr, offs, n, V, False)
         tl.atomic_min(slot_of_ptr + xs, code, mask=ok & (cur < 0))
     tl.debug_barrier()
 
@@ -82,7 +85,7 @@ def _observe_alloc_kernel(
     ring = C - P
     n_pinned_new = tl.maximum(P - cursor0, 0)
     n_new = tl.zeros((), dtype=tl.int64)
-    for start in range(0, tl.where(n > ring, n, 0), BLOCK):
+    for start in range(0, tl.where(n_mine > ring, n_mine, 0), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
         n_new += tl.sum(first.to(tl.int64), axis=0)
@@ -91,7 +94,7 @@ def _observe_alloc_kernel(
     # Phase 2b: allocate in order of first occurrence. A winner's entry is written only by
     # its own lane; evicted tokens were active before the call, so never a winner.
     done = tl.zeros((), dtype=tl.int64)
-    for start in range(0, n, BLOCK):
+    for start in range(0, n_mine, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < n
         x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
@@ -107,10 +110,16 @@ def _observe_alloc_kernel(
         tl.store(ids_ptr + slot, x, mask=keep)
         tl.store(slot_of_ptr + xs, slot.to(tl.int32), mask=keep)
         tl.store(slot_of_ptr + xs, tl.full((BLOCK,), -1, tl.int32), mask=first & ~keep)
-        tl.store(dest_ptr + offs, tl.where(keep, slot, -1), mask=inb)
+        tl.store(dest_ptr + offs, tl.where(keep, dest_base + slot, -1), mask=inb)
         done += tl.sum(f, axis=0)
+    return cursor0 + done
 
-    tl.store(cursor_ptr, cursor0 + done)
+
+@triton.jit(do_not_specialize=["n"])
+def _observe_alloc_kernel(
+    tok_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
+):
+    tl.store(cursor_ptr, _allocate(tok_ptr, n, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, 0, V, C, P, BLOCK))
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -161,15 +170,22 @@ def observe(
     rows = padded_length(n)
     dest = torch.empty(rows, dtype=torch.int64, device=ids.device)
     weight = contiguous_rows(weight)  # a transposed/tied head: copied once, not read strided per call
-    hidden = weight.shape[1]
-    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
-    has_bias = bias is not None
-    b = bias if has_bias else cache_b
     with device_guard(ids):
         wrap_triton(_observe_alloc_kernel)[(1,)](
             tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=_BLOCK,
         )
-        wrap_triton(_observe_copy_kernel)[(rows, triton.cdiv(hidden, block_h))](
-            tok, dest, n, weight, b, cache_w, cache_b, hidden, weight.stride(0), b.stride(0), cache_w.stride(0),
-            HAS_BIAS=has_bias, BLOCK_H=block_h,
-        )
+        launch_copy(tok, dest, n, rows, weight, bias, cache_w, cache_b)
+
+
+def launch_copy(tok, dest, n: int, rows: int, weight, bias, cache_w, cache_b) -> None:
+    """Launch ``_observe_copy_kernel``: head row (and bias entry) of ``tok[i]`` into row ``dest[i]`` of ``cache_w``
+    [S, H] (``cache_b`` [S]) for every i < n with ``dest[i] >= 0``, on a grid of ``rows`` positions x chunks of H.
+    ``weight`` must have contiguous rows."""
+    hidden = weight.shape[1]
+    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
+    has_bias = bias is not None
+    b = bias if has_bias else cache_b
+    wrap_triton(_observe_copy_kernel)[(rows, triton.cdiv(hidden, block_h))](
+        tok, dest, n, weight, b, cache_w, cache_b, hidden, weight.stride(0), b.stride(0), cache_w.stride(0),
+        HAS_BIAS=has_bias, BLOCK_H=block_h,
+    )

@@ -11,8 +11,8 @@
 * observe: the fed-id renewal in plain torch for all rows at once
   (:func:`kernels.reference_per_request.renew_fed_ids_per_request`), then ``_observe_alloc_rows_kernel`` (one
   program per batch row; only the first batch row of each request works, so no two programs touch one request
-  row) - the allocation of :mod:`kernels.triton_observe` on that request's row of the state - and the shared
-  copy kernel over flat ``[R * C, H]`` slot indices.
+  row) - the allocation of :mod:`kernels.triton_observe` (``_allocate``) on that request's row of the state -
+  and the shared copy kernel over flat ``[R * C, H]`` slot indices.
 
 No host sync anywhere: ``rows`` and the counts are read by the kernels. Launch grids depend on B, C, H and a
 power-of-two bucket of the ids per row only.
@@ -27,7 +27,7 @@ from torch.library import wrap_triton
 from . import reference_per_request as RP
 from .schema import check_num_pinned
 from .triton_head import _scatter_kernel
-from .triton_observe import _BLOCK, _BLOCK_H, _claimed, _observe_copy_kernel, padded_length
+from .triton_observe import _BLOCK, _allocate, launch_copy, padded_length
 from .triton_select import _MAX_BLOCK, _topk_kernel, topk_num_warps
 from .triton_util import FLOAT_DTYPES, contiguous_rows, device_guard
 
@@ -73,59 +73,16 @@ def _head_rows_kernel(
 def _observe_alloc_rows_kernel(
     tok_ptr, rows_ptr, lead_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
 ):
-    # Program b allocates batch row b's grouped ids (tok[b, :n]) in request row rows[b], exactly as
-    # triton_observe._observe_alloc_kernel does for the shared set (see there for the three phases); a batch row
-    # that is not the first of its request has nothing to do (its loops run zero times, its cursor store is masked).
+    # Program b allocates batch row b's grouped ids (tok[b, :n]) in request row rows[b] with the shared set's
+    # allocation (triton_observe._allocate, on that row of the state); a batch row that is not the first of its
+    # request has nothing to do (its loops run zero times, its cursor store is masked).
     b = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + b).to(tl.int64)
     lead = tl.load(lead_ptr + b) != 0
     mine = tl.where(lead, n, 0)
-    tok_ptr += b * n
-    dest_ptr += b * n
-    ids_ptr += r * C
-    slot_of_ptr += r * V
-    cursor_ptr += r
-    for start in range(0, mine, BLOCK):  # claim: the first position of each new id wins (atomic_min of a code)
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x = tl.load(tok_ptr + offs, mask=inb, other=-1).to(tl.int64)
-        ok = inb & (x >= 0) & (x < V)
-        xs = tl.where(ok, x, 0)
-        cur = tl.load(slot_of_ptr + xs, mask=ok, other=0)
-        code = (offs.to(tl.int64) - n - 1).to(tl.int32)
-        tl.atomic_min(slot_of_ptr + xs, code, mask=ok & (cur < 0))
-    tl.debug_barrier()
-
-    cursor0 = tl.load(cursor_ptr)
-    ring = C - P
-    n_pinned_new = tl.maximum(P - cursor0, 0)
-    n_new = tl.zeros((), dtype=tl.int64)
-    for start in range(0, tl.where(mine > ring, mine, 0), BLOCK):  # count winners only if the ring may overflow
-        offs = start + tl.arange(0, BLOCK)
-        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
-        n_new += tl.sum(first.to(tl.int64), axis=0)
-    n_dropped = tl.maximum(n_new - n_pinned_new - ring, 0)
-
-    done = tl.zeros((), dtype=tl.int64)
-    for start in range(0, mine, BLOCK):  # allocate in order of first occurrence
-        offs = start + tl.arange(0, BLOCK)
-        inb = offs < n
-        x, xs, first = _claimed(tok_ptr, slot_of_ptr, offs, n, V)
-        f = first.to(tl.int64)
-        rank = done + tl.cumsum(f, axis=0) - 1
-        k = cursor0 + rank
-        keep = first & ((k < P) | (rank >= n_pinned_new + n_dropped))
-        slot = tl.where(k < C, k, P + (k - P) % ring)
-        slot = tl.where(keep, slot, 0)
-        old = tl.load(ids_ptr + slot, mask=keep, other=-1)
-        evict = keep & (old >= 0)
-        tl.store(slot_of_ptr + tl.where(evict, old, 0), tl.full((BLOCK,), -1, tl.int32), mask=evict)
-        tl.store(ids_ptr + slot, x, mask=keep)
-        tl.store(slot_of_ptr + xs, slot.to(tl.int32), mask=keep)
-        tl.store(slot_of_ptr + xs, tl.full((BLOCK,), -1, tl.int32), mask=first & ~keep)
-        tl.store(dest_ptr + offs, tl.where(keep, r * C + slot, -1), mask=inb)  # flat slot of [R * C, H]
-        done += tl.sum(f, axis=0)
-    tl.store(cursor_ptr, cursor0 + done, mask=lead)
+    new_cursor = _allocate(tok_ptr + b * n, n, mine, ids_ptr + r * C, slot_of_ptr + r * V, cursor_ptr + r,
+                           dest_ptr + b * n, r * C, V, C, P, BLOCK)  # dest: flat slots of [R * C, H]
+    tl.store(cursor_ptr + r, new_cursor, mask=lead)
 
 
 def observe_per_request(
@@ -155,19 +112,12 @@ def observe_per_request(
     lead = RP.lead_rows(rows).to(torch.int8)
     dest = torch.full((batch * n,), -1, dtype=torch.int64, device=ids.device)
     weight = contiguous_rows(weight)
-    hidden = weight.shape[1]
-    block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
-    has_bias = bias is not None
-    b = bias if has_bias else cache_b.view(-1)
-    flat_w, flat_b = cache_w.view(-1, hidden), cache_b.view(-1)
+    flat_w, flat_b = cache_w.view(-1, weight.shape[1]), cache_b.view(-1)  # dest holds flat slots of [R * C, H]
     with device_guard(ids):
         wrap_triton(_observe_alloc_rows_kernel)[(batch,)](
             tok, rows, lead, n, ids, slot_of, cursor, dest, slot_of.shape[1], capacity, num_pinned, BLOCK=_BLOCK,
         )
-        wrap_triton(_observe_copy_kernel)[(batch * n, triton.cdiv(hidden, block_h))](
-            tok, dest, batch * n, weight, b, flat_w, flat_b, hidden, weight.stride(0), b.stride(0), flat_w.stride(0),
-            HAS_BIAS=has_bias, BLOCK_H=block_h,
-        )
+        launch_copy(tok, dest, batch * n, batch * n, weight, bias, flat_w, flat_b)
 
 
 def _supported(x, cache_w, cache_b) -> bool:
