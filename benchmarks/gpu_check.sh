@@ -80,9 +80,11 @@ if [ "${GPU_CHECK_FALLBACK:-0}" = 1 ] || ! $PY -c 'import nanospec_fx.kernels.op
     else
         TREE=$(mktemp -d)
         mkdir -p "$TREE/nanospec_fx"
-        for f in "$ROOT"/nanospec_fx/*; do ln -s "$f" "$TREE/nanospec_fx/"; done
-        ln -s "$ROOT/kernels" "$TREE/nanospec_fx/kernels"
-        ln -s "$ROOT/passes" "$TREE/nanospec_fx/passes"
+        for f in "$ROOT"/nanospec_fx/*; do
+            case "$(basename "$f")" in kernels|passes) ;; *) ln -s "$f" "$TREE/nanospec_fx/" ;; esac
+        done
+        ln -sfn "$ROOT/kernels" "$TREE/nanospec_fx/kernels"
+        ln -sfn "$ROOT/passes" "$TREE/nanospec_fx/passes"
         export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
         say "no editable install; using the symlink tree $TREE"
     fi
