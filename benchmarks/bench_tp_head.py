@@ -85,7 +85,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         print(f"| draft step time | {dense_ms:.2f} ms | {ours_ms:.2f} ms ({dense_ms / ours_ms:.1f}x) |")
         print(f"| draft step collective payload | [{rows}, {V}] gathered: {gathered / 1e6:.2f} MB "
               f"(each rank sends {gathered / tp / 1e6:.2f} MB) | none |")
-        print(f"| observe of {args.observe_ids} new ids | - | {observe_ms:.2f} ms, all-reduce of [{args.observe_ids}, {H}]:"
+        print(f"| observe of {args.observe_ids} new ids | - | {observe_ms:.2f} ms, "
+              f"all-reduce of [{args.observe_ids}, {H}]:"
               f" {args.observe_ids * H * item / 1e6:.3f} MB |")
         print(f"| memory per rank | shard {shard.numel() * item / 1e6:.1f} MB | shard + cache "
               f"{args.capacity * H * item / 1e6:.1f} MB + slot map {V * 4 / 1e6:.2f} MB |")

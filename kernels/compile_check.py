@@ -76,7 +76,8 @@ class Recorder:
                repr(sorted(attrs.items(), key=str)), options.num_warps, options.num_stages)
         if key in self.seen:
             return None
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=self.target, options=options.__dict__)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=self.target,
+                                  options=options.__dict__)
         if not compiled.asm.get("cubin"):
             self.problems.append(f"{kernel.fn.__name__}: no cubin")
         for line in int32_argument_products(compiled.asm["ttir"]):
@@ -127,7 +128,8 @@ def _launch_everything() -> None:
                     for rows in (1, 3, 10):
                         x = torch.zeros(rows, hidden, dtype=dtype)
                         for bias in (None, cache_b):
-                            names = getattr(th, "HEAD_CONFIGS", ["default"]) if (dtype, vocab) == (torch.bfloat16, 128256) else ["default"]
+                            names = (getattr(th, "HEAD_CONFIGS", ["default"])
+                                     if (dtype, vocab) == (torch.bfloat16, 128256) else ["default"])
                             for name in names:
                                 os.environ["NANOSPEC_HEAD_CONFIG"] = name
                                 compact = T.compact_logits(x, cache_w, bias, cursor)

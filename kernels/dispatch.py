@@ -93,7 +93,8 @@ def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     if mode in ("reference", "host") or (mode == "auto" and tensor.device.type != "cuda"):
         return getattr(reference_ops, op)
     if mode == "triton" and tensor.device.type == "cpu" and not _interpreting():
-        raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
+        raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                           "(set before importing triton)")
     triton_ops = triton_loader()
     if triton_ops is None or not hasattr(triton_ops, op):
         if mode == "triton":

@@ -106,7 +106,9 @@ def observe(
 
 
 # ----------------------------------------------------------------------------- head and selection
-def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+def compact_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+) -> torch.Tensor:
     """``x @ cache_w.T (+ cache_b)`` over the bucket of active rows -> [..., C]; -inf past the count."""
     capacity = cache_w.shape[0]
     n = active_count(cursor, capacity)
@@ -126,7 +128,8 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
 
 
 def head_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
+    vocab_size: int,
 ) -> torch.Tensor:
     """``scatter_logits(compact_logits(...))``: the head with no post-ops, [..., V]."""
     return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)

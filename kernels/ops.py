@@ -112,7 +112,9 @@ def _observe(
     implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
 
 
-def _compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+def _compact_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+) -> torch.Tensor:
     """Logits of the active slots, [..., C]; slots past the count are -inf."""
     return implementation_for("compact_logits", x)(x, cache_w, cache_b, cursor)
 
@@ -123,7 +125,8 @@ def _scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tens
 
 
 def _head_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
+    vocab_size: int,
 ) -> torch.Tensor:
     """compact_logits then scatter_logits in one op (a head without post-ops), [..., V]."""
     return implementation_for("head_logits", x)(x, cache_w, cache_b, ids, cursor, vocab_size)
@@ -218,7 +221,8 @@ def _active(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def _grad_x(grad_compact: torch.Tensor, cache_w: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
-    g = torch.where(_active(cursor, cache_w.shape[0]), grad_compact, torch.zeros((), dtype=grad_compact.dtype, device=grad_compact.device))
+    g = torch.where(_active(cursor, cache_w.shape[0]), grad_compact,
+                    torch.zeros((), dtype=grad_compact.dtype, device=grad_compact.device))
     return g @ cache_w.to(g.dtype)
 
 
@@ -273,9 +277,11 @@ def _compact_topk_backward(ctx, grad_values, grad_tokens):
     return grad, None, None, None, None
 
 
-torch.library.register_autograd("nanospec::compact_logits", _compact_logits_backward, setup_context=_compact_logits_setup)
+torch.library.register_autograd(
+    "nanospec::compact_logits", _compact_logits_backward, setup_context=_compact_logits_setup)
 torch.library.register_autograd("nanospec::head_logits", _head_logits_backward, setup_context=_head_logits_setup)
-torch.library.register_autograd("nanospec::scatter_logits", _scatter_logits_backward, setup_context=_scatter_logits_setup)
+torch.library.register_autograd(
+    "nanospec::scatter_logits", _scatter_logits_backward, setup_context=_scatter_logits_setup)
 torch.library.register_autograd("nanospec::compact_topk", _compact_topk_backward, setup_context=_compact_topk_setup)
 
 __all__ = [

@@ -52,7 +52,9 @@ def _first_occurrence(x: torch.Tensor) -> torch.Tensor:
     return first
 
 
-def _redirect_masked(index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, fallback_value: torch.Tensor, dim: int = 0):
+def _redirect_masked(
+    index: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, fallback_value: torch.Tensor, dim: int = 0
+):
     """Index/value pairs where masked-off entries repeat the first masked-on one.
 
     Every write to a position then carries the same value, so duplicate indices are harmless
@@ -133,7 +135,9 @@ def observe(
     cursor.add_(n_new)
 
 
-def renew_fed_ids(token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int) -> None:
+def renew_fed_ids(
+    token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int
+) -> None:
     """Free the slots of the already-active ids of this call that its new ids would evict, so that
     :func:`observe` inserts them again, at the newest end of the ring.
 
@@ -176,7 +180,9 @@ def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.arange(capacity, device=cursor.device) < cursor
 
 
-def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+def compact_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+) -> torch.Tensor:
     """``x @ cache_w.T (+ cache_b)`` -> [..., C]; slots past the count are -inf."""
     out = torch.nn.functional.linear(x, cache_w, cache_b)
     return out.masked_fill(~active_mask(cursor, cache_w.shape[0]), float("-inf"))
@@ -193,7 +199,8 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
 
 
 def head_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
+    vocab_size: int,
 ) -> torch.Tensor:
     """``scatter_logits(compact_logits(...))`` in one op: the head with no post-ops, [..., V]."""
     return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)

@@ -164,7 +164,8 @@ def op_arg(node, name: str):
 def new_state(vocab: int, hidden: int, capacity: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """Empty state tensors in :data:`STATE` order (tests and benchmarks; ActiveVocab builds its own)."""
     fill = {"ids": -1, "slot_of": -1, "cursor": 0, "cache_w": 0, "cache_b": 0}
-    shape = {"ids": (capacity,), "slot_of": (vocab,), "cursor": (1,), "cache_w": (capacity, hidden), "cache_b": (capacity,)}
+    shape = {"ids": (capacity,), "slot_of": (vocab,), "cursor": (1,),
+             "cache_w": (capacity, hidden), "cache_b": (capacity,)}
     return [torch.full(shape[f.name], fill[f.name], dtype=f.dtype or dtype, device=device) for f in STATE_FIELDS]
 
 

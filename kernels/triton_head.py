@@ -81,8 +81,10 @@ def _head_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + offs_c[None, :] * stride_wc + offs_k[:, None], mask=live[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_c[None, :] * stride_wc + offs_k[:, None],
+                    mask=live[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -102,7 +104,8 @@ def _head_kernel(
         tok = tl.where(ok, tok, 0)
         tl.store(out_ptr + offs_m[:, None] * stride_om + tok[None, :], out, mask=row_ok[:, None] & ok[None, :])
     else:
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_c[None, :], out, mask=row_ok[:, None] & (offs_c < C)[None, :])
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_c[None, :], out,
+                 mask=row_ok[:, None] & (offs_c < C)[None, :])
 
 
 @triton.jit
@@ -161,7 +164,9 @@ def _tiles(dtype: torch.dtype, rows: int, cfg: dict) -> tuple[bool, int, int]:
     return True, _BLOCK_M, cfg["BLOCK_K"]
 
 
-def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor) -> torch.Tensor:
+def compact_logits(
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+) -> torch.Tensor:
     """Same contract as :func:`nanospec_fx.kernels.reference.compact_logits`."""
     if not _supported(x, cache_w, cache_b):
         return reference.compact_logits(x, cache_w, cache_b, cursor)
@@ -173,7 +178,8 @@ def compact_logits(x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor
 
 
 def head_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
+    vocab_size: int,
 ) -> torch.Tensor:
     """Same contract as :func:`nanospec_fx.kernels.reference.head_logits`."""
     if not _supported(x, cache_w, cache_b):

@@ -86,7 +86,8 @@ def register() -> None:
 
 
 __all__ = [
-    "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost", "FrequencyTable",
+    "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost",
+    "FrequencyTable",
     "POLICIES",
     "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register",
     "BACKEND_NAME", "compile",

@@ -42,7 +42,9 @@ from nanospec_fx.vocab_config import StateConfig
 BACKEND_NAME = "nanospec"
 
 
-def nanospec_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any) -> Callable:
+def nanospec_backend(
+    gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any
+) -> Callable:
     """torch.compile backend: rewrite the LM head to the active vocabulary, compile the rest."""
     opts = NanoSpecOptions.parse(options)
     record_compiled_frame()
@@ -255,7 +257,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         if observe and not report.observers and token_tables(builder.gm):
             warn_once(
                 f"nanospec: the head {head.name} is rewritten, but no token embedding of this graph has its vocabulary "
-                f"(V={head.vocab_size} rows or more), so nothing joins the active set here: tokens outside it get -inf. "
+                f"(V={head.vocab_size} rows or more), so nothing joins the active set here: "
+                "tokens outside it get -inf. "
                 "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
                 "observe_topk/vocab).")
         reports.append((state, report))
@@ -304,7 +307,8 @@ class _Binding:
         """Returns whether the state's tensors changed (the call's extra inputs must be rebuilt)."""
         changed = self.generation != self.state.generation
         if changed:
-            if self.state.layout() != self.layout and self.config is not None and not self.state.fits(self.state.weight):
+            if (self.state.layout() != self.layout and self.config is not None
+                    and not self.state.fits(self.state.weight)):
                 # The weight changed dtype/device back to this graph's (Dynamo guards chose it): rebuild for it.
                 state_for(self.state.weight, self.state.bias, self.config)
             if self.state.layout() != self.layout:
@@ -325,8 +329,8 @@ class _DrafterBinding(_Binding):
     parameter identity, e.g. a second instance of the same class), the new weight's state is used.
     """
 
-    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None, ids_node: fx.Node | None = None,
-                 table_positions: list[int] = ()):
+    def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None,
+                 ids_node: fx.Node | None = None, table_positions: list[int] = ()):
         self.weight_pos, self.bias_pos = weight_pos, bias_pos
         self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
         self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
@@ -369,12 +373,15 @@ class _ShardedDrafterBinding(_DrafterBinding):
 
 
 # ----------------------------------------------------------------------------- target role
-def _compile_target_observer(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
+def _compile_target_observer(
+    gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict
+) -> Callable:
     state = resolve_vocab(opts.vocab, opts)
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled
-    return _TargetObserverCall(compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches))
+    return _TargetObserverCall(
+        compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches))
 
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
@@ -400,7 +407,8 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
         if head.vocab_size != state.vocab_size:
             raise ValueError(
                 f"nanospec: the target's head {head.name} has {head.vocab_size} outputs but the drafter's active "
-                f"vocabulary has {state.vocab_size} tokens; for a draft vocabulary use options={{'draft_to_target': ...}}"
+                f"vocabulary has {state.vocab_size} tokens; "
+                "for a draft vocabulary use options={'draft_to_target': ...}"
             )
         if opts.observe_topk > head.vocab_size:
             raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
@@ -486,7 +494,8 @@ def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
     if len(states) == 1:
         return states[0]
     if len(states) > 1:
-        raise ValueError("the drafter has several active vocabularies; pass options['vocab'] = nanospec_fx.active_vocab(drafter, head=...)")
+        raise ValueError("the drafter has several active vocabularies; "
+                         "pass options['vocab'] = nanospec_fx.active_vocab(drafter, head=...)")
     try:
         weight, bias = head_parameters(vocab)
     except ValueError:

@@ -168,7 +168,8 @@ class ShardedActiveVocab(ActiveVocab):
         if bias is None or self.bias is None:
             return bias is None and self.bias is None
         local, mine = local_shard(bias), local_shard(self.bias)
-        return tuple(local.shape) == (self.shard.shard_rows,) and local.dtype == mine.dtype and local.device == mine.device
+        return (tuple(local.shape) == (self.shard.shard_rows,) and local.dtype == mine.dtype
+                and local.device == mine.device)
 
     def _weight_versions(self) -> tuple | None:
         try:
@@ -179,8 +180,8 @@ class ShardedActiveVocab(ActiveVocab):
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            observe_shard(self.rows_of(token_ids), local_shard(self.weight), local_shard(self.bias), self.zero_rows, self.zero_bias,
-                          *self.tensors(), self.num_pinned, self.shard)
+            observe_shard(self.rows_of(token_ids), local_shard(self.weight), local_shard(self.bias),
+                          self.zero_rows, self.zero_bias, *self.tensors(), self.num_pinned, self.shard)
 
     def refresh(self) -> None:
         """Re-copy the rows of every slot from their owner shards (one ``[C, H]`` all-reduce: on every rank)."""
@@ -223,7 +224,8 @@ def shard_observers(graph: fx.Graph, into, zero: list[fx.Node], shard: VocabShar
     observers = [n for n in graph.nodes if is_op(n, "observe") and op_arg(n, "cursor") is s.cursor]
     order = {n: i for i, n in enumerate(graph.nodes)}
     for shard_of in (into.weight, into.bias):  # a DTensor head's ``W.to_local()``: computed before the first observer
-        if shard_of is not None and shard_of.op != "placeholder" and observers and order[shard_of] > order[observers[0]]:
+        if (shard_of is not None and shard_of.op != "placeholder" and observers
+                and order[shard_of] > order[observers[0]]):
             observers[0].prepend(shard_of)
     for node in observers:
         before = set(graph.nodes)

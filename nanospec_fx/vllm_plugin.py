@@ -141,7 +141,8 @@ class NanoSpecHead:
         if d2t is not None:  # EAGLE-3's draft vocabulary: head row r is target token r + d2t[r]
             self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t.detach()
             token_to_row = token_to_row_from_d2t(d2t.detach(), self.target_vocab_size)
-        self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity, token_to_row=token_to_row)
+        self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity,
+                                    token_to_row=token_to_row)
         self.scale, self.soft_cap = processor.scale, processor.soft_cap
         self.head_dtype = getattr(processor, "head_dtype", None)  # vLLM's logits dtype when it differs from the model's
         self.dense_compute_logits = dense_compute_logits

@@ -37,7 +37,8 @@ class HeadMatch:
     biases: list[fx.Node | None] = field(default_factory=list)
     module_path: str | None = None
     reach: str | None = field(default=None, compare=False)  # how its output reaches the graph output
-    transposed: bool = False  # the weight is stored [H, V] (``h @ W``, ``F.linear(h, W.t())``): its columns are the rows
+    # the weight is stored [H, V] (``h @ W``, ``F.linear(h, W.t())``): its columns are the rows
+    transposed: bool = False
     sources: list[fx.Node] = field(default_factory=list, compare=False)  # other inputs of a weight computed per row
 
     __hash__ = object.__hash__
@@ -155,7 +156,8 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         padded = [g for g in reaching if g.hidden_size < g.vocab_size < max(vocabularies)]
         if padded and notes is not None:  # a padded table: its rows do not say what V is, so nothing is guessed
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
-                         f"padded vocabulary name the head's width, e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
+                         "padded vocabulary name the head's width, "
+                         f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
                          f"(candidates: {_describe(padded)})")
         computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
                     and reaches_output(n, shape[0])]  # no group reaches it: a weight computed in the graph

@@ -92,7 +92,8 @@ def _match_lookup(node: fx.Node) -> tuple | None:
         if dim in (0, -2) and isinstance(ids, fx.Node) and _is_int_tensor(ids):
             return ids, table, False
         return None
-    if patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm}, {"matmul", "mm", "__matmul__"}) and len(node.args) == 2:
+    if (patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm}, {"matmul", "mm", "__matmul__"})
+            and len(node.args) == 2):
         lhs, table = node.args
         while isinstance(lhs, fx.Node) and lhs.op == "call_method" and lhs.target in patterns.CAST_METHODS:
             lhs = lhs.args[0]
@@ -242,7 +243,8 @@ def _integer_data(graph: fx.Graph, lookups: dict) -> set[fx.Node]:
 def _soft_lookup(node: fx.Node, vocab: int) -> bool:
     """``x @ E`` contracting a vocabulary table's rows (a one-hot or a mixture of rows built by hand): which
     rows it reads depends on values nanospec cannot see."""
-    if not (patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm, torch.bmm}, {"matmul", "mm", "bmm", "__matmul__"})
+    if not (patterns.is_call(node, patterns.MATMUL_TARGETS | {torch.mm, torch.bmm},
+                             {"matmul", "mm", "bmm", "__matmul__"})
             and len(node.args) == 2):
         return False
     table = node.args[1]
@@ -341,7 +343,8 @@ def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node
     inputs = _ancestors([ids])
     for n in late:
         name = describe(n).lower()
-        if n.op not in ("call_function", "call_method") or effects.has_side_effect(n) or any(r in name for r in _RANDOM):
+        if (n.op not in ("call_function", "call_method") or effects.has_side_effect(n)
+                or any(r in name for r in _RANDOM)):
             raise DenseFallback(f"the ids looked up at {where(lookup)} are computed after the head reads the active "
                                 f"set, by {describe(n)} ({where(n)}), which cannot be moved before it; look the "
                                 "ids up before the head")

@@ -124,7 +124,8 @@ def is_comparison(node: fx.Node) -> bool:
     """An elementwise op with a bool result (``z > 0``, ``torch.isinf(z)``): computed from the logits
     column by column, but not a step of the chain nanospec can run compact."""
     value = example_value(node)
-    if node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+    if (node.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor)
+            or value.dtype != torch.bool):
         return False
     if node.op == "call_function" and node.target in (operator.lt, operator.le, operator.gt, operator.ge, operator.eq,
                                                       operator.ne, operator.and_, operator.or_, operator.xor,
@@ -178,7 +179,8 @@ def tensor_shape(node: Any) -> tuple | None:
 
 
 def is_call(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
-    return (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and node.target in methods)
+    return ((node.op == "call_function" and node.target in functions)
+            or (node.op == "call_method" and node.target in methods))
 
 
 # The 2-D transposes, however Dynamo spells them: a Tensor method (``call_method``), a torch function, a
@@ -213,7 +215,8 @@ def transposed_weight(node: Any) -> fx.Node | None:
     ``W.permute(1, 0)`` of a 2-D ``W``, in any of the spellings :func:`_op_name` reads."""
     if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    name, args = _op_name(node), node.args[2:] if node.op == "call_function" and node.target is getattr else node.args[1:]
+    name, args = (_op_name(node),
+                  node.args[2:] if node.op == "call_function" and node.target is getattr else node.args[1:])
     src = node.args[0]
     if name in _SWAP_ALL:
         ok = not args and not node.kwargs
@@ -362,7 +365,8 @@ def view_keeps_vocab(node: fx.Node, logits: fx.Node, vocab_size: int) -> bool:
         dims = node.args[1:]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = tuple(dims[0])
-        return len(dims) > 0 and dims[-1] == vocab_size and tensor_shape(node) is not None and _last_dim(tensor_shape(node)) == vocab_size
+        return (len(dims) > 0 and dims[-1] == vocab_size and tensor_shape(node) is not None
+                and _last_dim(tensor_shape(node)) == vocab_size)
     if node.op == "call_method" and node.target in ("squeeze", "unsqueeze") and len(node.args) == 2:
         d = node.args[1]
         return isinstance(d, int) and 0 <= d < ndim - (node.target == "squeeze")
@@ -458,7 +462,8 @@ RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsque
                    "expand", "expand_as", "view_as", "reshape_as"}
 RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.detach}
 PERMUTE_METHODS = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t"}
-PERMUTE_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute, torch.movedim, torch.moveaxis, torch.t}
+PERMUTE_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute, torch.movedim, torch.moveaxis,
+                     torch.t}
 
 
 def _known_equal(a: Any, b: Any) -> bool:

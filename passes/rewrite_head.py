@@ -199,7 +199,8 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
-    compact.meta.update({k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    compact.meta.update(
+        {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
     proj.replace_all_uses_with(compact)
     graph.erase_node(proj)
@@ -308,7 +309,9 @@ def _check_aliases(region: _Region, n: fx.Node) -> None:
         (region.unknown if unknown else region.selections).add(n)
 
 
-def _visit(region: _Region, n: fx.Node, compact_inputs: list, capacity: int, report: RewriteReport, erased: set) -> None:
+def _visit(
+    region: _Region, n: fx.Node, compact_inputs: list, capacity: int, report: RewriteReport, erased: set
+) -> None:
     """Classify one use of compact values (see the module docstring) and rewrite it accordingly."""
     graph, vocab = region.graph, region.vocab
     a = compact_inputs[0]
@@ -420,8 +423,8 @@ def _visit_dense(region: _Region, n: fx.Node, dense_inputs: list) -> None:
     elif effects.may_alias_input(n) and isinstance(patterns.example_value(n), torch.Tensor):
         known_view = n.op in ("call_function", "call_method") and (
             patterns.is_call(n, patterns.RESHAPE_FUNCTIONS | patterns.PERMUTE_FUNCTIONS,
-                             patterns.RESHAPE_METHODS | patterns.PERMUTE_METHODS | {"narrow", "select", "split", "chunk",
-                                                                                   "unbind", "unfold", "diagonal"})
+                             patterns.RESHAPE_METHODS | patterns.PERMUTE_METHODS
+                             | {"narrow", "select", "split", "chunk", "unbind", "unfold", "diagonal"})
             or n.target in (operator.getitem, getattr))
         (region.selections if known_view else region.unknown).add(n)
 
@@ -464,7 +467,8 @@ def _vocabulary_slice(n: fx.Node, logits: fx.Node, width: int) -> int | None:
     idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
     shape = patterns.tensor_shape(logits)
     last = idx[-1]
-    if not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1) or not isinstance(last.stop, int):
+    if (not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1)
+            or not isinstance(last.stop, int)):
         return None
     if Ellipsis not in idx and len(idx) != len(shape):
         return None

@@ -382,7 +382,8 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
         value = proj
         for op in gather.prefix:  # the casts and scalings of the slice, now on [..., V]
             value = graph.create_node(op.op, op.target, (value,) + tuple(op.args[1:]), dict(op.kwargs))
-    proj.meta.update({k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    proj.meta.update(
+        {k: v for k, v in local.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     fake, full = patterns.example_value(local), patterns.example_value(gather.full)
     if gather.prefix:  # [..., V] in the projection's dtype (the prefix may cast)
         with fake.fake_mode:
