@@ -295,7 +295,8 @@ class FuzzDrafter(nn.Module):
             self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
-                if name.startswith(("lm_head", "W", "b", "logit_bias")) or (name.startswith("embed") and "tied" in r.head):
+                if (name.startswith(("lm_head", "W", "b", "logit_bias"))
+                        or (name.startswith("embed") and "tied" in r.head)):
                     p.requires_grad_(False)
         self.eval()
 
@@ -620,7 +621,8 @@ class FuzzDrafter(nn.Module):
             elif name in ("topk", "argmax", "max", "sort", "multinomial", "inverse_cdf"):
                 x = read(z)
                 via = p[-1]
-                x = x if via == "none" else (torch.softmax(x.float(), -1) if via == "softmax" else torch.log_softmax(x.float(), -1))
+                x = x if via == "none" else (torch.softmax(x.float(), -1) if via == "softmax"
+                                             else torch.log_softmax(x.float(), -1))
                 if name == "topk":
                     k, largest = p[0], p[1]
                     emit("topk", tuple(torch.topk(x, k, dim=-1, largest=largest)), x, (k, largest))
@@ -730,7 +732,8 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
     temps = st.sampled_from([0.5, 0.7, 2.0])
     ban_values = st.sampled_from([NEG_INF, NEG_INF, -1e4, 0.0])
     clamps = st.sampled_from([-5.0, -2.0])
-    kinds = ["post", "post", "mutation", "mutation", "view", "view", "consumer", "consumer", "post_norm", "row", "other"]
+    kinds = ["post", "post", "mutation", "mutation", "view", "view", "consumer", "consumer", "post_norm", "row",
+             "other"]
     for _ in range(n):
         kind = draw(st.sampled_from(kinds))
         if kind == "post":
@@ -738,8 +741,10 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
             params = {
                 "temperature": (draw(temps),), "scale": (draw(st.sampled_from([0.5, 1.5])),),
                 "softcap": (draw(st.sampled_from([2.0, 5.0])),),
-                "cast": (draw(st.sampled_from(["float32", "float32", "bfloat16", "float16"])),), "clamp": (draw(clamps),),
-                "masked_fill": (draw(ban_values),), "where_ban": (draw(ban_values),), "scatter_ban": (draw(ban_values),),
+                "cast": (draw(st.sampled_from(["float32", "float32", "bfloat16", "float16"])),),
+                "clamp": (draw(clamps),),
+                "masked_fill": (draw(ban_values),), "where_ban": (draw(ban_values),),
+                "scatter_ban": (draw(ban_values),),
             }.get(name, ())
             step = (name, *params)
         elif kind == "mutation":
@@ -760,7 +765,8 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
         elif kind == "view":
             options = ["contiguous"] + (["mT"] if ndim >= 2 else []) + ([] if sliced else ["vslice", "vslice"])
             if ndim == 3:
-                options += ["last", "last_ellipsis", "flatten", "transpose", "permute"] + (["view_n"] if contiguous else [])
+                options += (["last", "last_ellipsis", "flatten", "transpose", "permute"]
+                            + (["view_n"] if contiguous else []))
             if ndim >= 2:
                 options += ["reshape", "unsqueeze"]
             if unsqueezed:
@@ -785,7 +791,8 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
             elif name == "vslice":
                 sliced = True
         elif kind in ("consumer", "post_norm"):
-            pool = ["topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe", "multinomial"]
+            pool = ["topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe",
+                    "multinomial"]
             if kind == "post_norm":
                 pool = sorted(CONSUMERS - set(pool)) + ["multinomial"]
             name = draw(st.sampled_from(pool))

@@ -5,8 +5,8 @@
   compiled graph, the forms nanospec cannot follow stay dense with one warning, target observers feed the set.
 * Two gloo processes (spawned, with a timeout; slow): exact against the dense tensor-parallel drafter masked to
   the active set, every fed id active, identical sets and slot order on both ranks, for every form, a DTensor head,
-  a draft vocabulary and a target observer; and a rank disagreeing on the decision raises the same error on every rank instead of
-  hanging.
+  a draft vocabulary and a target observer; and a rank disagreeing on the decision raises the same error on every
+  rank instead of hanging.
 """
 from __future__ import annotations
 

@@ -65,9 +65,10 @@ def exact(rank: int, world: int) -> dict:
     rows = 48
     tokens = torch.randperm(V, generator=torch.Generator().manual_seed(4))[:rows].sort().values
     model = VocabParallelDrafter(V, H, world, rank, draft_rows=rows)
-    compiled = torch.compile(model, backend="nanospec", options={
-        "capacity": CAPACITY, "inductor": False, "draft_to_target": tokens, "target_vocab_size": V})  # row r -> tokens[r]
-    ids = torch.cat([tokens[torch.tensor([3, 7, 3, 40])], torch.tensor([int(t) for t in range(V) if t not in tokens][:2])])
+    compiled = torch.compile(model, backend="nanospec", options={  # draft row r -> tokens[r]
+        "capacity": CAPACITY, "inductor": False, "draft_to_target": tokens, "target_vocab_size": V})
+    ids = torch.cat([tokens[torch.tensor([3, 7, 3, 40])],
+                     torch.tensor([int(t) for t in range(V) if t not in tokens][:2])])
     with torch.no_grad():
         out = compiled(ids.view(2, 3))
     state = nanospec_fx.active_vocab(model)

@@ -101,7 +101,8 @@ class HVHead(nn.Module):
         return HV_FORMS[self.form](h, self.W, self.b)
 
 
-@pytest.mark.parametrize("form,bias", [(f, i % 2 == 1) for i, f in enumerate(HV_FORMS)] + [("at", False), ("linear_t", True)])
+@pytest.mark.parametrize("form,bias",
+                         [(f, i % 2 == 1) for i, f in enumerate(HV_FORMS)] + [("at", False), ("linear_t", True)])
 def test_hv_weight_head_is_rewritten_exactly(form, bias):
     model = HVHead(form, bias).eval()
     compiled = compile_nanospec(model, capacity=16)

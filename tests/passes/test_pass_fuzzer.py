@@ -22,7 +22,8 @@ import contextlib
 import os
 import shutil
 
-if __name__ == "__main__" and shutil.which("nvidia-smi") is None:  # as tests/conftest.py does, before triton is imported
+# as tests/conftest.py does, before triton is imported
+if __name__ == "__main__" and shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import dataclasses  # noqa: E402
 import warnings  # noqa: E402
@@ -50,11 +51,13 @@ class Mismatch(AssertionError):
 def _close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
     """Equal within ``tol``; infinities (and NaNs) must be the same."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise Mismatch(f"{name}: compiled {tuple(actual.shape)} {actual.dtype}, expected {tuple(expected.shape)} {expected.dtype}")
+        raise Mismatch(f"{name}: compiled {tuple(actual.shape)} {actual.dtype}, "
+                       f"expected {tuple(expected.shape)} {expected.dtype}")
     if not expected.is_floating_point():
         bad = actual != expected
         if bad.any():
-            raise Mismatch(f"{name}: {int(bad.sum())}/{bad.numel()} entries differ (e.g. {actual[bad][:3].tolist()} vs {expected[bad][:3].tolist()})")
+            raise Mismatch(f"{name}: {int(bad.sum())}/{bad.numel()} entries differ "
+                           f"(e.g. {actual[bad][:3].tolist()} vs {expected[bad][:3].tolist()})")
         return
     rtol, atol = tol
     a, e = actual.double(), expected.double()
@@ -62,7 +65,8 @@ def _close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: tuple[f
     bad = ~same & ~(torch.isfinite(e) & ((a - e).abs() <= atol + rtol * e.abs()))  # infinities must be equal
     if bad.any():
         i = bad.nonzero()[0].tolist()
-        raise Mismatch(f"{name}: {int(bad.sum())}/{bad.numel()} entries differ, e.g. at {i}: compiled {a[tuple(i)].item()!r} "
+        raise Mismatch(f"{name}: {int(bad.sum())}/{bad.numel()} entries differ, "
+                       f"e.g. at {i}: compiled {a[tuple(i)].item()!r} "
                        f"vs expected {e[tuple(i)].item()!r}")
 
 
@@ -106,7 +110,8 @@ def _check_output(name, out, kind, source, params, tol) -> None:
     if kind == "topk":
         k, largest = params
         if out[0].dtype != expected[0].dtype or out[0].shape != expected[0].shape:
-            raise Mismatch(f"{name}: top-k values {tuple(out[0].shape)} {out[0].dtype} vs {tuple(expected[0].shape)} {expected[0].dtype}")
+            raise Mismatch(f"{name}: top-k values {tuple(out[0].shape)} {out[0].dtype} "
+                           f"vs {tuple(expected[0].shape)} {expected[0].dtype}")
         _check_selection(name, x, out[0], out[1], k, largest, tol)
     elif kind == "max":
         _close(f"{name}.values", out[0], expected[0], tol)
@@ -206,7 +211,8 @@ def _fed_ids_active(state, ids) -> None:
     ids = ids[ids < state.vocab_size].unique()
     if ids.numel() > state.capacity - state.num_pinned:
         if len(state) != state.capacity:
-            raise Mismatch(f"{ids.numel()} distinct ids fed, more than the capacity {state.capacity}, but only {len(state)} are active")
+            raise Mismatch(f"{ids.numel()} distinct ids fed, more than the capacity {state.capacity}, "
+                           f"but only {len(state)} are active")
         return
     missing = ids[~state.contains(ids)]
     if missing.numel():
@@ -284,7 +290,8 @@ def _judge_one_call(judge: Judgement, model, compiled, twin, recipe: Recipe, inp
             else:
                 grads = None
         except Exception as exc:
-            if _ambiguous_heads(recipe) and "HeadSelectionError" in repr(exc) + repr(getattr(exc, "inner_exception", "")):
+            if (_ambiguous_heads(recipe)
+                    and "HeadSelectionError" in repr(exc) + repr(getattr(exc, "inner_exception", ""))):
                 raise _Ambiguous from exc
             raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from exc
     judge.warned += [str(w.message) for w in caught if issubclass(w.category, NanoSpecWarning)]
@@ -344,7 +351,8 @@ def _validate(twin, recipe: Recipe, inputs: dict) -> None:
 
 
 def _compile(model, recipe: Recipe, options: dict | None):
-    return torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": recipe.capacity, **(options or {})})
+    return torch.compile(model, backend="nanospec",
+                         options={"inductor": False, "capacity": recipe.capacity, **(options or {})})
 
 
 def run_case(recipe: Recipe, options: dict | None = None) -> str:
@@ -369,7 +377,7 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
     return judge.verdict(f"run_case({recipe!r})")
 
 
-# ----------------------------------------------------------------------------- scenarios: several drafters in one process
+# ------------------------------------------------------------------------- scenarios: several drafters in one process
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """Several drafters (one instance per recipe; recipes equal but for the seed are instances of one class) and
@@ -428,7 +436,8 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
             inputs = make_inputs(r, n_calls[i])
             n_calls[i] += 1
             try:
-                ids = _judge_call(judges[i], models[i], compiled[i], twins[i], r, inputs, f"step {step} ({action} of drafter {i})",
+                ids = _judge_call(judges[i], models[i], compiled[i], twins[i], r, inputs,
+                                  f"step {step} ({action} of drafter {i})",
                                   earlier_ids=fed[i], prefill=action == "prefill")
             except _Ambiguous:
                 return "error (ambiguous heads, named)"
@@ -570,7 +579,8 @@ def _smaller_recipes(recipe: Recipe) -> list:
         seq = getattr(recipe, field)
         out += [dataclasses.replace(recipe, **{field: seq[:i] + seq[i + 1:]}) for i in range(len(seq))]
     for f in dataclasses.fields(Recipe):
-        if getattr(recipe, f.name) != getattr(defaults, f.name) and f.name not in ("chain", "body", "extra_outputs", "vocab", "hidden", "head"):
+        if (getattr(recipe, f.name) != getattr(defaults, f.name)
+                and f.name not in ("chain", "body", "extra_outputs", "vocab", "hidden", "head")):
             out.append(dataclasses.replace(recipe, **{f.name: getattr(defaults, f.name)}))
     if recipe.head != "linear":
         out.append(dataclasses.replace(recipe, head="linear"))
@@ -617,7 +627,8 @@ def shrink(case, options: dict | None = None):
 def main(argv: list[str]) -> None:
     """``python tests/passes/test_pass_fuzzer.py N [seed [reference|triton|inductor [seconds]]]``: N random cases (or as
     many as fit in ``seconds``; one in five a scenario) without shrinking; prints each failure with its reproduction and
-    the counts: cases, matched, dense with a warning (by reason), the allowed ambiguous-heads error, failures, SILENT."""
+    the counts: cases, matched, dense with a warning (by reason), the allowed ambiguous-heads error, failures,
+    SILENT."""
     import collections
     import logging
     import sys
@@ -639,7 +650,8 @@ def main(argv: list[str]) -> None:
     options = {"inductor": True} if flavour == "inductor" else None
     max_steps = 6 if flavour == "reference" else 4
 
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
     @given(st.one_of(recipes(max_steps=max_steps), recipes(max_steps=max_steps), recipes(max_steps=max_steps),
                      recipes(max_steps=max_steps), scenarios()))
     def one(case):
@@ -669,10 +681,12 @@ def main(argv: list[str]) -> None:
         one()
     except _OutOfTime:
         pass
-    print("dense with a warning, by reason:", *(f"  {n:4d}  {r}" for r, n in reasons.most_common()), sep="\n", file=sys.stderr)
+    print("dense with a warning, by reason:", *(f"  {n:4d}  {r}" for r, n in reasons.most_common()), sep="\n",
+          file=sys.stderr)
     total = sum(v for k, v in stats.items() if k != "SILENT")
-    print(f"{total} cases in {time.time() - t0:.0f} s: matched {stats['matched']}, dense with a warning {stats['dense']}, "
-          f"ambiguous-heads error {stats['error']}, failures {stats['FAIL']}, SILENT {stats['SILENT']}", file=sys.stderr)
+    print(f"{total} cases in {time.time() - t0:.0f} s: matched {stats['matched']}, "
+          f"dense with a warning {stats['dense']}, ambiguous-heads error {stats['error']}, "
+          f"failures {stats['FAIL']}, SILENT {stats['SILENT']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

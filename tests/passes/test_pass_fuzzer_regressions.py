@@ -42,10 +42,12 @@ _TOPK_SMALLEST = ()  # the contract: top-k(largest=False) over the masked logits
 CASES = {
     # in-place writes of the logits lost or applied to stale compact values
     "setitem_then_softcap": (R(chain=(("setitem", "-inf"), ("softcap", 2.0))), ()),
-    "setitem_view_then_masked_fill_": (R(chain=(("setitem_view", 0.0), ("masked_fill_", 0.0), ("scale", 0.5)), dtype="bfloat16", batch=1, seq=1, seq2=2), ()),
+    "setitem_view_then_masked_fill_": (R(chain=(("setitem_view", 0.0), ("masked_fill_", 0.0), ("scale", 0.5)),
+                                         dtype="bfloat16", batch=1, seq=1, seq2=2), ()),
     "setitem_finite_value": (R(chain=(("setitem", 0.0),)), ()),
     "setitem_view_then_clamp": (R(chain=(("setitem_view", "-inf"), ("clamp", -2.0))), ()),
-    "setitem_then_sort": (R(vocab=111, head="functional_tied", body=(), chain=(("setitem", 0.0), ("sort", True, "none")), batch=2, seq=2, n_ban=3, seed=665), ()),
+    "setitem_then_sort": (R(vocab=111, head="functional_tied", body=(),
+                            chain=(("setitem", 0.0), ("sort", True, "none")), batch=2, seq=2, n_ban=3, seed=665), ()),
     "clamp_method_then_log_softmax_topk": (R(chain=(("clamp_", -2.0), ("topk", 4, True, "log_softmax"))), ()),
     "clamp_function_form": (R(chain=(("clamp_fn_", -2.0),)), ()),
     "nan_to_num_function_form": (R(chain=(("masked_fill_", "-inf"), ("nan_to_num_fn", -50.0))), ()),
@@ -53,7 +55,8 @@ CASES = {
     "log_softmax_then_out_softcap": (R(chain=(("log_softmax",), ("out_new_softcap", 2.0))), ()),
     # head selection and the projection that is rewritten
     "position_table_dynamic_seq": (R(vocab=40, head="matmul_T", position=True, extra_outputs=("hidden",), seq2=2), ()),
-    "position_table_dynamic_seq_padded_embedding": (R(vocab=40, head="matmul_T", position=True, embed_pad=3, extra_outputs=("hidden",), seq2=4), ()),
+    "position_table_dynamic_seq_padded_embedding": (R(vocab=40, head="matmul_T", position=True, embed_pad=3,
+                                                      extra_outputs=("hidden",), seq2=4), ()),
     "wider_projection_returned": (R(extra_outputs=("wide_proj",)), ()),
     "padded_table_and_wider_projection": (R(embed_pad=16, extra_outputs=("wide_proj",)), ()),
     "padded_table_buffer_head_and_wider_projection": (R(head="buffer", embed_pad=16, extra_outputs=("wide_proj",)), ()),
@@ -76,14 +79,18 @@ CASES = {
     # training the body with a frozen head
     "grad_mode_frozen_head": (R(mode="grad"), ()),
     # graph breaks after the head
-    "graph_break_softcap_then_log_softmax": (R(vocab=133, hidden=8, head="linear_tied", head_bias=True, chain=(("sub_lse",), ("graph_break",), ("out_new_softcap", 2.0), ("sub_max",), ("log_softmax",)), return_logits=False, capacity=4, batch=2, seq=2, seq2=2, extra_active=3, seed=168), ()),
+    "graph_break_softcap_then_log_softmax": (R(vocab=133, hidden=8, head="linear_tied", head_bias=True, chain=(
+        ("sub_lse",), ("graph_break",), ("out_new_softcap", 2.0), ("sub_max",), ("log_softmax",)), return_logits=False,
+        capacity=4, batch=2, seq=2, seq2=2, extra_active=3, seed=168), ()),
     "graph_break_softcap_log_softmax": (R(chain=(("graph_break",), ("softcap", 2.0), ("log_softmax",))), ()),
 }
 
 
 # Found by the issue-16 grammar and oracle (this branch, against the pass of 1e66396), shrunk.
-_LOOKUP = _issue16(3, "a lookup other than nn.Embedding/E[ids] is not observed: fed ids inactive, head rewritten, no warning")
-_POST_NORM = _issue16(5, "re-masking after a normalisation: IEEE gives 0 / +inf / finfo.min / NaN / a finite entropy there")
+_LOOKUP = _issue16(3, "a lookup other than nn.Embedding/E[ids] is not observed: fed ids inactive, head rewritten, "
+                      "no warning")
+_POST_NORM = _issue16(5, "re-masking after a normalisation: IEEE gives 0 / +inf / finfo.min / NaN / "
+                         "a finite entropy there")
 CASES.update({
     # class 3: lookups
     **{f"lookup_{k}": (R(lookup=k), _LOOKUP) for k in (
@@ -93,7 +100,8 @@ CASES.update({
     "lookup_index": (R(lookup="index"), ()),
     # class 4: views in the chain
     "last_ellipsis_then_softcap": (R(chain=(("last_ellipsis",), ("softcap", 2.0), ("topk", 3, True, "none"))),
-                                   _issue16(4, "z[..., -1, :] drops the mask: a later soft-cap leaves inactive tokens at -cap")),
+                                   _issue16(4, "z[..., -1, :] drops the mask: "
+                                               "a later soft-cap leaves inactive tokens at -cap")),
     "flatten_then_softcap": (R(chain=(("flatten",), ("softcap", 2.0), ("topk", 3, True, "none"))), ()),
     "transpose_then_clamp": (R(chain=(("transpose",), ("clamp", -2.0))), ()),
     "unsqueeze_clamp_squeeze": (R(chain=(("unsqueeze",), ("clamp", -2.0), ("squeeze",), ("argmax", "none"))), ()),
@@ -106,22 +114,27 @@ CASES.update({
     "post_entropy_entr": (R(chain=(("entropy_entr",),)), ()),
     "post_inverse_cdf": (R(chain=(("inverse_cdf", "none"),)), ()),
     # class 2: the head scored before the ids are embedded, with each kind of break (dense with a warning today)
-    **{f"head_first_break_{k}": (R(order="head_first", head_break=k, chain=(("masked_fill", "-inf"), ("temperature", 0.7))), ())
+    **{f"head_first_break_{k}": (R(order="head_first", head_break=k,
+                                   chain=(("masked_fill", "-inf"), ("temperature", 0.7))), ())
        for k in ("item", "int", "print", "branch", "helper_item", "helper_branch", "dynamo")},
     # class 8: a draft loop in forward whose later ids are given: not active when the first head reads the set
     "draft_loop_given_ids": (R(draft_steps=2, draft_feed="input"),
-                             _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads of the same call")),
+                             _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads "
+                                         "of the same call")),
     "draft_loop_argmax": (R(draft_steps=3), ()),
-    "draft_loop_graph_break_in_body": (R(vocab=40, hidden=8, head="functional_tied", body=("mlp", "graph_break"), return_logits=False,
-                                            capacity=512, batch=1, seq=1, seq2=1, n_ban=1, draft_steps=2),
-                                       _issue16(8, "a draft loop after a graph break in the body: the fed-back ids are not "
-                                                   "active, the loop's argmax differs from the dense drafter")),
+    "draft_loop_graph_break_in_body": (R(vocab=40, hidden=8, head="functional_tied", body=("mlp", "graph_break"),
+                                         return_logits=False, capacity=512, batch=1, seq=1, seq2=1, n_ban=1,
+                                         draft_steps=2),
+                                       _issue16(8, "a draft loop after a graph break in the body: "
+                                                   "the fed-back ids are not active, "
+                                                   "the loop's argmax differs from the dense drafter")),
     "draft_loop_with_gradients": (R(vocab=40, hidden=8, body=(), mode="grad", draft_steps=2),
-                                  _issue16(8, "a draft loop under autograd: the compiled backward raises 'modified by an "
-                                              "inplace operation' where eager works")),
+                                  _issue16(8, "a draft loop under autograd: the compiled backward raises "
+                                              "'modified by an inplace operation' where eager works")),
     # class 11: max_norm renormalises the tied table in place during the lookup, after the rows were copied
     "max_norm_tied_embedding": (R(lookup="max_norm", head="linear_tied"),
-                                _issue16(11, "embedding max_norm renormalises the tied head rows after the pass copied them")),
+                                _issue16(11, "embedding max_norm renormalises the tied head rows "
+                                             "after the pass copied them")),
     # classes 12 and 15: gradient modes inside forward
     "enable_grad_inside_no_grad": (R(mode="enable_grad_inside"), ()),
     "no_grad_forward_in_grad_mode": (R(mode="no_grad_forward"), ()),
@@ -152,9 +165,10 @@ CASES.update({
         ("cast", "bfloat16")), mode="enable_grad_inside", lookup="index_select_method", batch=2, seq=1, seq2=1,
         extra_active=3, n_ban=3, capacity=512, body=("mlp_vocab_width", "counter", "clamp_fn_")), ()),
     # found by a long run: a value written with out= is computed from the logits (z - lse after it is no chain step)
-    "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias", chain=(("out_new_softcap", 5.0),
-                                                                                               ("categorical_entropy",)),
-                                               return_logits=False, mode="no_grad", batch=1, seq=1, seq2=1, n_ban=1), ()),
+    "out_softcap_then_categorical_entropy": (R(vocab=160, hidden=8, head="matmul_bias",
+                                               chain=(("out_new_softcap", 5.0), ("categorical_entropy",)),
+                                               return_logits=False, mode="no_grad", batch=1, seq=1, seq2=1,
+                                               n_ban=1), ()),
     # found by a long run: bans written out of place (scatter of a constant) are steps of the chain
     "scatter_ban_then_index_fill_then_sample": (R(vocab=184, hidden=32, head="functional_tied", order="head_first",
                                                   chain=(("out_self", 0.7), ("scatter_ban", "-inf"), ("out_self", 0.5),
@@ -199,11 +213,13 @@ def test_fuzzer_regression(name):
 
 def test_fuzzer_regression_state_leaks_between_drafters():
     """Two drafters in one process (found by a long run: the second failed only after the first)."""
-    first = Recipe(vocab=142, hidden=8, head="matmul_T", head_bias=True, embed_pad=3, position=True, body=("mlp", "tanh_fn_", "tanh_fn_"),
-                   order="head_first", chain=(("max", "none"), ("sub_max",), ("sub_max",)), return_logits=False,
+    first = Recipe(vocab=142, hidden=8, head="matmul_T", head_bias=True, embed_pad=3, position=True,
+                   body=("mlp", "tanh_fn_", "tanh_fn_"), order="head_first",
+                   chain=(("max", "none"), ("sub_max",), ("sub_max",)), return_logits=False,
                    extra_outputs=("wide_proj",), dtype="bfloat16", mode="no_grad", capacity=32, batch=1, seq=4, seq2=4,
                    feed_padded_ids=True, extra_active=20, n_ban=3, seed=1)
-    second = R(vocab=140, hidden=8, head="matmul_bias", body=("mlp", "graph_break"), capacity=16, extra_active=20, batch=2, seq=4, seq2=4)
+    second = R(vocab=140, hidden=8, head="matmul_bias", body=("mlp", "graph_break"), capacity=16, extra_active=20,
+               batch=2, seq=4, seq2=4)
     os.environ["NANOSPEC_KERNELS"] = "reference"
     try:
         run_case(first)
@@ -235,10 +251,12 @@ SCENARIOS = {
     # ids for the head's next call
     "vocab_wide_prefill_then_call": (Scenario(drafters=(R(body=("mlp_vocab_width",), seq=3, seq2=4),), schedule=(
         (0, "prefill"), (0, "call"))), ()),
-    "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)), schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
+    "two_instances_alternate": (Scenario(drafters=(R(), R(seed=5)),
+                                         schedule=((0, "call"), (1, "call"), (0, "call"))), ()),
     "two_models_reset_between": (Scenario(drafters=(R(), R(vocab=70, head="matmul_T")),
                                           schedule=((0, "call"), (0, "reset"), (1, "call"))), ()),
-    **{f"save_{how}_after_call": (Scenario(drafters=(R(),), schedule=((0, "call"), (0, f"save:{how}"), (0, "call"))), _SAVE)
+    **{f"save_{how}_after_call": (Scenario(drafters=(R(),),
+                                           schedule=((0, "call"), (0, f"save:{how}"), (0, "call"))), _SAVE)
        for how in ("torch_save", "pickle", "state_dict_keep_vars", "weight")},
     "deepcopy_after_call": (Scenario(drafters=(R(),), schedule=((0, "call"), (0, "save:deepcopy"), (0, "call"))), ()),
 }
