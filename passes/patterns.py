@@ -173,6 +173,14 @@ def fake_value(node: fx.Node) -> Any:
         return None
 
 
+def set_example_value(node: fx.Node) -> None:
+    """Record ``node``'s FakeTensor value (``example_value`` and ``val``), computed from its inputs'."""
+    value = fake_value(node)
+    if value is not None:
+        node.meta["example_value"] = value
+        node.meta["val"] = value
+
+
 def tensor_shape(node: Any) -> tuple | None:
     v = example_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None

@@ -39,6 +39,7 @@ import torch.fx as fx
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
 from . import effects, patterns
+from .patterns import set_example_value
 from .row_weight import gathered_rows, row_weight
 
 if TYPE_CHECKING:
@@ -608,14 +609,6 @@ def _retarget_view(user: fx.Node, capacity: int) -> None:
             dims = list(dims[0])
         dims[-1] = capacity
         user.args = (user.args[0], *dims)
-
-
-def set_example_value(node: fx.Node) -> None:
-    """Record ``node``'s FakeTensor value (``example_value`` and ``val``), computed from its inputs'."""
-    value = patterns.fake_value(node)
-    if value is not None:
-        node.meta["example_value"] = value
-        node.meta["val"] = value
 
 
 def describe(node: fx.Node) -> str:

@@ -180,8 +180,6 @@ def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.
     [C, H] rows of it), every other row tensor and vector is gathered at ``safe_ids``; returns the [C, H] rows,
     zero at slots never filled (``ids`` -1: a zero cached row through ``W / W.norm()`` is NaN, and a NaN row
     would reach the hidden state's gradient through the masked slot: 0 * NaN)."""
-    from .rewrite_head import set_example_value
-
     env: dict[fx.Node, fx.Node] = {}
     for leaf, kind in rw.leaves.items():
         if leaf is rw.base:
@@ -189,13 +187,13 @@ def gathered_rows(graph: fx.Graph, rw: RowWeight, cached: fx.Node, safe_ids: fx.
         elif kind in ("row", "vec"):
             env[leaf] = graph.call_function(torch.index_select, (leaf, 0, safe_ids))
             env[leaf].meta["nanospec_active_rows"] = True  # reads rows of the active set: no token lookup to observe
-            set_example_value(env[leaf])
+            patterns.set_example_value(env[leaf])
     for node in rw.nodes:
         env[node] = graph.node_copy(node, lambda a: env.get(a, a))
-        set_example_value(env[node])
+        patterns.set_example_value(env[node])
     unfilled = graph.call_function(operator.lt, (ids, 0))
     column = graph.call_method("unsqueeze", (unfilled, -1))
     rows = graph.call_method("masked_fill", (env[rw.weight], column, 0))
     for node in (unfilled, column, rows):
-        set_example_value(node)
+        patterns.set_example_value(node)
     return rows
