@@ -20,7 +20,9 @@ import torch
 from nanospec_fx.kernels import ops_per_request as ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
 from nanospec_fx.policies import resolve, token_to_row
-from nanospec_fx.state import _check_token_map, as_token_ids
+from nanospec_fx.state import (
+    FollowsWeightWrites, _check_token_map, as_token_ids, check_token_range, rows_of_tokens,
+)
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
@@ -30,7 +32,7 @@ def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
 
 
-class RequestVocabs:
+class RequestVocabs(FollowsWeightWrites):
     """Per-request active vocabularies of one head: ``max_requests`` rows of ``capacity`` slots each.
 
     Args:
@@ -253,14 +255,6 @@ class RequestVocabs:
                 self.cache_b.copy_(self.bias.detach()[rows])
         self._seen_versions = self._weight_versions()
 
-    def refresh_if_stale(self) -> bool:
-        """Refresh when the weight or bias was written in place since the rows were cached (host check, no sync)."""
-        versions = self._weight_versions()
-        if versions is None or versions == self._seen_versions:
-            return False
-        self.refresh()
-        return True
-
     def __repr__(self) -> str:
         return (f"RequestVocabs(requests={len(self._row_of)}/{self.max_requests}, capacity={self.capacity}, "
                 f"vocab_size={self.vocab_size}, hidden={self.hidden_size}, policy={self.policy!r}, "
@@ -282,19 +276,10 @@ class RequestVocabs:
         return rows
 
     def _rows_of_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
-        if self.token_to_row is None:
-            return tokens
-        ok = (tokens >= 0) & (tokens < self.token_vocab_size)
-        rows = self.token_to_row[torch.where(ok, tokens, torch.zeros_like(tokens))]
-        return torch.where(ok, rows, torch.full_like(rows, -1))
+        return rows_of_tokens(tokens, self.token_to_row)
 
     def _check_range(self, tokens: torch.Tensor) -> None:
-        if tokens.numel():
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.token_vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.token_vocab_size})")
+        check_token_range(tokens, self.token_vocab_size)
 
     def _clear_row(self, row: int) -> None:
         with torch.no_grad():
@@ -306,9 +291,3 @@ class RequestVocabs:
         self._clear_row(row)
         if self.seed_ids is not None:
             self._observe(torch.tensor([row], dtype=torch.int64).to(self.device), self.seed_ids.reshape(1, -1), True)
-
-    def _weight_versions(self) -> tuple | None:
-        try:
-            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
-        except RuntimeError:
-            return None

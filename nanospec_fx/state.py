@@ -26,7 +26,49 @@ from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
-class ActiveVocab:
+class FollowsWeightWrites:
+    """Re-copies cached head rows when the weight or bias was written in place since they were cached: a
+    host-side check of their version counters, no device sync. Users define ``weight``, ``bias``,
+    ``refresh()`` and set ``_seen_versions`` when they copy rows."""
+
+    def refresh_if_stale(self) -> bool:
+        """Refresh when the head weight or bias was written in place since the rows were cached
+        (a host-side check of their version counters: no device sync). Returns whether it did."""
+        versions = self._weight_versions()
+        if versions is None or versions == self._seen_versions:
+            return False
+        self.refresh()
+        return True
+
+    def _weight_versions(self) -> tuple | None:
+        """What changes when the weight or bias is written: their version counters (in-place writes,
+        ``load_state_dict``, optimizer steps) and data pointers (``p.data = t``). None for inference
+        tensors, which have no version counter."""
+        try:
+            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
+        except RuntimeError:
+            return None
+
+
+def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -> torch.Tensor:
+    """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
+    if token_to_row is None:
+        return token_ids
+    ok = (token_ids >= 0) & (token_ids < token_to_row.numel())
+    rows = token_to_row[torch.where(ok, token_ids, torch.zeros_like(token_ids))]
+    return torch.where(ok, rows, torch.full_like(rows, -1))
+
+
+def check_token_range(token_ids: torch.Tensor, vocab_size: int) -> None:
+    """``ValueError`` naming the first bad id when a token id is outside ``[0, vocab_size)`` (reads them on the host)."""
+    if token_ids.numel():
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+class ActiveVocab(FollowsWeightWrites):
     """The set of token ids the drafter's head computes logits for.
 
     The set only grows until :meth:`reset`; when it is full, the oldest insertions are evicted
@@ -171,11 +213,7 @@ class ActiveVocab:
 
     def rows_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Head rows of token ids (identity without a token map); -1 where the head has no row."""
-        if self.token_to_row is None:
-            return token_ids
-        ok = (token_ids >= 0) & (token_ids < self.vocab_size)
-        rows = self.token_to_row[torch.where(ok, token_ids, torch.zeros_like(token_ids))]
-        return torch.where(ok, rows, torch.full_like(rows, -1))
+        return rows_of_tokens(token_ids, self.token_to_row)
 
     # ----------------------------------------------------------------- user API
     def observe(self, token_ids: Any, validate: bool = True) -> None:
@@ -229,24 +267,6 @@ class ActiveVocab:
                 self.cache_b.copy_(self.bias.detach().index_select(0, rows))
         self._seen_versions = self._weight_versions()
 
-    def refresh_if_stale(self) -> bool:
-        """Refresh when the head weight or bias was written in place since the rows were cached
-        (a host-side check of their version counters: no device sync). Returns whether it did."""
-        versions = self._weight_versions()
-        if versions is None or versions == self._seen_versions:
-            return False
-        self.refresh()
-        return True
-
-    def _weight_versions(self) -> tuple | None:
-        """What changes when the weight or bias is written: their version counters (in-place writes,
-        ``load_state_dict``, optimizer steps) and data pointers (``p.data = t``). None for inference
-        tensors, which have no version counter."""
-        try:
-            return tuple((t._version, t.data_ptr()) if t is not None else None for t in (self.weight, self.bias))
-        except RuntimeError:
-            return None
-
     def token_ids(self) -> torch.Tensor:
         """The active token ids as a 1-D int64 tensor, in slot order (reads the count on the host)."""
         rows = self.ids[: len(self)]
@@ -276,11 +296,7 @@ class ActiveVocab:
         return as_token_ids(token_ids).to(self.ids.device)
 
     def _check_range(self, token_ids: torch.Tensor) -> None:
-        if token_ids.numel():
-            lo, hi = int(token_ids.min()), int(token_ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_range(token_ids, self.vocab_size)
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
