@@ -339,8 +339,7 @@ class _DrafterBinding(_Binding):
     def observe_prefill(self, args: tuple) -> None:
         """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
         for position in self.table_positions:
-            prefill_ids.link(args[position], self.state)
-            ids = prefill_ids.take(args[position])
+            ids = prefill_ids.claim(args[position], self.state)
             if ids is not None:
                 self.state.observe(ids, validate=False)
 

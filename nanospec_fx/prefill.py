@@ -20,12 +20,6 @@ _READERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # table tensor -> WeakSet
 _COLLAPSE_AT = 1 << 16  # pending ids kept unique beyond this many (a head that never reads them: bounded memory)
 
 
-def link(table: torch.Tensor, state) -> None:
-    """``state``'s head observes lookups into ``table`` (a rewritten head graph ran with both): a later prefill's
-    ids go straight into it."""
-    _READERS.setdefault(table, weakref.WeakSet()).add(state)
-
-
 def record(table: torch.Tensor, ids: torch.Tensor) -> None:
     """Observe ``ids`` (looked up in ``table``) into the states of the heads that read ``table``; before any
     such head ran, keep them for the first one."""
@@ -40,8 +34,10 @@ def record(table: torch.Tensor, ids: torch.Tensor) -> None:
         kept[:] = [torch.unique(torch.cat(kept))]
 
 
-def take(table: torch.Tensor) -> torch.Tensor | None:
-    """The ids recorded for ``table`` since the last take, in the order they were embedded (None: none)."""
+def claim(table: torch.Tensor, state) -> torch.Tensor | None:
+    """``state``'s head observes lookups into ``table`` (a rewritten head graph runs with both): later prefill ids
+    go straight into it; returns the ids recorded before, in the order they were embedded (None: none)."""
+    _READERS.setdefault(table, weakref.WeakSet()).add(state)
     kept = _PENDING.pop(table, None)
     return torch.cat(kept) if kept else None
 
