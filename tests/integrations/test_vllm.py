@@ -234,3 +234,55 @@ def test_more_requests_than_rows_runs_dense_and_says_so(preemption):
     (head,) = run["heads"]
     assert head["dense_calls"] > 0
     assert any("request rows" in w for w in run["warnings"])
+
+
+# ----------------------------------------------------------------------------- our EAGLE drafter in vLLM's layout
+@pytest.fixture(scope="module")
+def eagle_export(tmp_path_factory):
+    return _scenario(tmp_path_factory, "eagle_export")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_exported_eagle_runs_in_vllm_with_the_compact_head(eagle_export):
+    """A drafter of ours exported by nanospec_fx.eval.vllm_eagle, run by vLLM's `eagle` method: greedy output is the
+    target's with and without the plugin, and with it every draft step used the compact head."""
+    target = eagle_export["target"]["outputs"]
+    assert eagle_export["no_plugin"]["outputs"] == target[:1] and eagle_export["no_plugin"]["heads"] == []
+    run = eagle_export["plugin"]
+    assert run["outputs"] == target and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0 and head["checked"] and not head["disabled"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_exported_eagle_first_step_is_our_drafter(eagle_export):
+    """The oracle for the layout: vLLM's first draft step (no plugin) over a prompt, fed to our drafter (the
+    checkpoint the export was written from): vLLM's features are our drafter's (the target's final-norm input
+    under target_features), and its hidden state and logits are ours."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from vllm_worker import PROMPTS
+
+    from nanospec_fx.eagle import KVCache
+    from nanospec_fx.eval import train_eagle as T
+
+    checkpoints = Path(eagle_export["root"]) / "checkpoints"
+    step = load_file(str(checkpoints / "first_step.safetensors"))
+    target = LlamaForCausalLM.from_pretrained(checkpoints / "target", dtype=torch.float32).eval()
+    drafter = T.load_drafter(target, checkpoints / "ours")
+    prompt = torch.tensor(PROMPTS[0])
+    n = prompt.numel()
+    assert step["input_ids"][: n - 1].tolist() == PROMPTS[0][1:]  # (x[t+1], f[t]): the prefill of the drafter
+    caught = []  # our features: the input of the target's final norm (what train-eagle caches)
+    target.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    with torch.no_grad():
+        target(prompt[None])
+        torch.testing.assert_close(step["hidden_states"][:n], drafter.target_features(caught[-1][0]),
+                                   rtol=1e-5, atol=1e-5)
+        cache, slots = KVCache(drafter.config, n), torch.arange(n)
+        logits, hidden = drafter(step["input_ids"][:n].long()[None], step["hidden_states"][:n][None],
+                                 step["positions"][:n][None], slots, slots <= slots[:, None], cache.k, cache.v)
+    torch.testing.assert_close(hidden[0, -1:], step["compute_logits.hidden_states"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[0, -1:], step["compute_logits.logits"], rtol=1e-5, atol=1e-5)
