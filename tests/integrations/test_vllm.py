@@ -62,6 +62,30 @@ def test_import_nanospec_fx_does_not_load_the_plugin():
     assert out == ["False", "False"]
 
 
+def test_static_policy_reads_the_list(tmp_path, monkeypatch):
+    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE):
+        monkeypatch.delenv(name, raising=False)
+    assert plugin.static_tokens(100) is None  # dynamic by default
+    monkeypatch.setenv(plugin.ENV_POLICY, "static")
+    with pytest.raises(ValueError, match="needs NANOSPEC_VLLM_STATIC"):
+        plugin.static_tokens(100)
+    path = tmp_path / "ids.txt"
+    path.write_text("7 3\n7, 9\n1")
+    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
+    assert plugin.static_tokens(100) == [7, 3, 9, 1]  # first occurrence keeps its rank
+    monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "2")
+    assert plugin.static_tokens(100) == [7, 3]
+    path.write_text("[5, 120]")
+    monkeypatch.delenv(plugin.ENV_STATIC_SIZE)
+    with pytest.raises(ValueError, match=r"outside \[0, 100\).*120"):
+        plugin.static_tokens(100)
+    path.write_text("5 x")
+    with pytest.raises(ValueError, match="integer token ids"):
+        plugin.static_tokens(100)
+    monkeypatch.setenv(plugin.ENV_POLICY, "frequent")
+    with pytest.raises(ValueError, match="expected one of dynamic, static"):
+        plugin.static_tokens(100)
+
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
 def _scenario(tmp_path_factory, name: str) -> dict:
     root = tmp_path_factory.mktemp(f"vllm-{name}")
@@ -286,3 +310,20 @@ def test_exported_eagle_first_step_is_our_drafter(eagle_export):
                                  step["positions"][:n][None], slots, slots <= slots[:, None], cache.k, cache.v)
     torch.testing.assert_close(hidden[0, -1:], step["compute_logits.hidden_states"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits[0, -1:], step["compute_logits.logits"], rtol=1e-5, atol=1e-5)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_static_policy_set_is_the_list(eagle_export):
+    """NANOSPEC_VLLM_POLICY=static (FR-Spec): every request drafts from the same fixed list, in its order, cut at
+    NANOSPEC_VLLM_STATIC_SIZE, observing nothing (prompt tokens outside the list stay inactive); output unchanged."""
+    from vllm_worker import PROMPTS, STATIC_LIST
+
+    run = eagle_export["static"]
+    assert run["outputs"] == eagle_export["target"]["outputs"] and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["static"] == STATIC_LIST
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0 and head["checked"] and not head["disabled"]
+    assert head["assigned"] == head["released"] == 0  # no per-request rows
+    assert 3 in PROMPTS[1] and 3 not in head["static"]
+

@@ -21,6 +21,8 @@ import vllm_checkpoints  # noqa: E402
 NUM_SPEC = 3
 # Prompts with disjoint tokens, so a token fed only to one request is easy to name.
 PROMPTS = [[5, 17, 300, 42, 99, 5, 17], [700, 3, 3, 800, 11], [512, 256, 128, 64, 1000, 901, 77, 78]]
+# The static policy's list: the even ids from 1000 down (half the vocabulary; PROMPTS[1]'s 3 and 11 are not in it).
+STATIC_LIST = list(range(1000, 0, -2))
 
 
 def run(dirs, spec, prompts, max_tokens, **engine):
@@ -44,6 +46,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
               "checked": h.checked, "disabled": h.disabled,
+              "static": h.vocabs.token_ids(plugin.STATIC_ROW).tolist() if h.static else None,
               "released": h.released, "holding": list(h.vocabs.request_ids),
               "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
@@ -190,6 +193,12 @@ def eagle_export(dirs):
     os.environ["NANOSPEC_VLLM"] = "1"  # vLLM ran its plugins already in this process: install by hand
     plugin.register()
     out["plugin"] = run(dirs, spec, PROMPTS, 24)
+    # FR-Spec's static head: every request's set is this list (most frequent first), nothing observed
+    static = root / "static.txt"
+    static.write_text("\n".join(str(t) for t in STATIC_LIST + [3, 4]))  # NANOSPEC_VLLM_STATIC_SIZE cuts the tail
+    os.environ.update(NANOSPEC_VLLM_POLICY="static", NANOSPEC_VLLM_STATIC=str(static),
+                      NANOSPEC_VLLM_STATIC_SIZE=str(len(STATIC_LIST)))
+    out["static"] = run(dirs, spec, PROMPTS, 24)
     return out
 
 
