@@ -31,6 +31,7 @@ import os
 import re
 import threading
 import weakref
+from pathlib import Path
 
 ENV_SWITCH = "NANOSPEC_VLLM"
 ENV_CAPACITY = "NANOSPEC_VLLM_CAPACITY"
@@ -299,7 +300,7 @@ def static_tokens(vocab_size: int) -> list[int] | None:
     if not path:
         raise ValueError(f"nanospec: {ENV_POLICY}=static needs {ENV_STATIC}=FILE (token ids, most frequent first)")
     try:
-        text = open(path).read()
+        text = Path(path).read_text()
     except OSError as e:
         raise ValueError(f"nanospec: {ENV_STATIC}={path!r} cannot be read: {e}") from None
     try:
