@@ -21,6 +21,7 @@ from nanospec_fx.eagle import EagleDrafter
 
 ARCHITECTURE = "EagleLlamaForCausalLM"  # vLLM maps LlamaForCausalLM to it for `eagle`; named outright here
 WEIGHTS = "model.safetensors"
+STATIC_LIST = "static-tokens.txt"  # the training text's token ids, most frequent first (the plugin's static policy)
 #: our layer's module -> vLLM's (HF Llama's) name under ``layers.0``
 LAYER_NAMES = {
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
@@ -67,9 +68,11 @@ def vllm_config(drafter: EagleDrafter, max_position_embeddings: int, dtype: torc
 
 
 def export_vllm_eagle(drafter: EagleDrafter, out: str | Path, max_position_embeddings: int,
-                      dtype: torch.dtype | None = None) -> Path:
+                      dtype: torch.dtype | None = None, frequent: torch.Tensor | None = None) -> Path:
     """Write ``drafter`` (``vllm`` layout) to ``out`` for ``vllm ... --speculative-config '{"method": "eagle",
-    "model": "OUT"}'``; ``max_position_embeddings`` should be the target's. Returns ``out``."""
+    "model": "OUT"}'``; ``max_position_embeddings`` should be the target's. ``frequent`` (token ids, most frequent
+    first) is written to ``out/static-tokens.txt``, the list ``NANOSPEC_VLLM_STATIC`` takes (docs/vllm.md).
+    Returns ``out``."""
     from safetensors.torch import save_file
 
     tensors = vllm_tensors(drafter)
@@ -78,4 +81,6 @@ def export_vllm_eagle(drafter: EagleDrafter, out: str | Path, max_position_embed
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(dtype) for k, v in tensors.items()}, str(out / WEIGHTS))
     (out / "config.json").write_text(json.dumps(vllm_config(drafter, max_position_embeddings, dtype), indent=1))
+    if frequent is not None:
+        (out / STATIC_LIST).write_text("\n".join(map(str, frequent.tolist())) + "\n")
     return out

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from nanospec_fx.eagle import EagleConfig, EagleDrafter, KVCache, feed
 from nanospec_fx.eval import cli, loaders
 from nanospec_fx.eval import train_eagle as T
-from nanospec_fx.eval.vllm_eagle import WEIGHTS, check_target, export_vllm_eagle
+from nanospec_fx.eval.vllm_eagle import STATIC_LIST, WEIGHTS, check_target, export_vllm_eagle
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -123,3 +123,5 @@ def test_train_eagle_vllm_out(tmp_path, monkeypatch):
     exported = safetensors.load_file(str(tmp_path / "v" / WEIGHTS))
     torch.testing.assert_close(exported["fc.weight"], saved.fc.weight)
     torch.testing.assert_close(exported["layers.0.mlp.down_proj.weight"], saved.layer.down_proj.weight)
+    ranked = [int(t) for t in (tmp_path / "v" / STATIC_LIST).read_text().split()]  # FR-Spec's list
+    assert sorted(ranked) == list(range(V)) and ranked[0] != 0

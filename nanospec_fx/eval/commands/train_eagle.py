@@ -172,7 +172,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
         from nanospec_fx.eval.vllm_eagle import export_vllm_eagle
 
         text_config = getattr(target.config, "text_config", target.config)
-        export_vllm_eagle(drafter, vllm_out, getattr(text_config, "max_position_embeddings", 2048))
+        export_vllm_eagle(drafter, vllm_out, getattr(text_config, "max_position_embeddings", 2048),
+                          frequent=frequent)
         console.print(f"wrote vLLM's EAGLE layout to {vllm_out}: --speculative-config "
                       f"'{{\"method\": \"eagle\", \"model\": \"{vllm_out}\", \"num_speculative_tokens\": 3}}'")
     print(json.dumps(val))
