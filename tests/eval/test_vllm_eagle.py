@@ -125,3 +125,22 @@ def test_train_eagle_vllm_out(tmp_path, monkeypatch):
     torch.testing.assert_close(exported["layers.0.mlp.down_proj.weight"], saved.layer.down_proj.weight)
     ranked = [int(t) for t in (tmp_path / "v" / STATIC_LIST).read_text().split()]  # FR-Spec's list
     assert sorted(ranked) == list(range(V)) and ranked[0] != 0
+
+
+def test_vllm_layout_trains(tmp_path):
+    """train() and validate() in vLLM's layout: the drafter reads and regresses normed features and learns."""
+    target = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    motifs = torch.randint(0, V, (4, 8), generator=g)  # repetitive text: learnable in a few steps
+    stream = (motifs[torch.randint(0, 4, (8,), generator=g)].flatten().tolist() for _ in range(24))
+    T.extract_features(target, stream, tmp_path, tokens=24 * 64, window=64, windows_per_shard=4)
+    ids, feats = T.load_shards(tmp_path, 1)
+    val_ids, val_feats = T.load_shards(tmp_path, 0, 1)
+    drafter = T.new_drafter(target, seed=0, layout="vllm")
+    before = T.validate(drafter, val_ids, val_feats)["top1_agreement"]
+    frequent = torch.argsort(-torch.bincount(ids.flatten(), minlength=V))[:32]
+    cfg = T.TrainConfig(steps=60, minutes=5, batch=4, lr=3e-3, warmup=5, random_negatives=32)
+    log = T.train(drafter, ids, feats, cfg, frequent)
+    assert log.history[-1]["reg"] < log.history[0]["reg"] and log.history[-1]["kl"] < log.history[0]["kl"]
+    assert T.validate(drafter, val_ids, val_feats)["top1_agreement"] > max(before, 0.3)
+    assert drafter.fc.bias is None and isinstance(drafter.layer.attn_norm, torch.nn.Identity)
