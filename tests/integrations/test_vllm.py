@@ -62,6 +62,30 @@ def test_import_nanospec_fx_does_not_load_the_plugin():
     assert out == ["False", "False"]
 
 
+def test_static_policy_reads_the_list(tmp_path, monkeypatch):
+    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE):
+        monkeypatch.delenv(name, raising=False)
+    assert plugin.static_tokens(100) is None  # dynamic by default
+    monkeypatch.setenv(plugin.ENV_POLICY, "static")
+    with pytest.raises(ValueError, match="needs NANOSPEC_VLLM_STATIC"):
+        plugin.static_tokens(100)
+    path = tmp_path / "ids.txt"
+    path.write_text("7 3\n7, 9\n1")
+    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
+    assert plugin.static_tokens(100) == [7, 3, 9, 1]  # first occurrence keeps its rank
+    monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "2")
+    assert plugin.static_tokens(100) == [7, 3]
+    path.write_text("[5, 120]")
+    monkeypatch.delenv(plugin.ENV_STATIC_SIZE)
+    with pytest.raises(ValueError, match=r"outside \[0, 100\).*120"):
+        plugin.static_tokens(100)
+    path.write_text("5 x")
+    with pytest.raises(ValueError, match="integer token ids"):
+        plugin.static_tokens(100)
+    monkeypatch.setenv(plugin.ENV_POLICY, "frequent")
+    with pytest.raises(ValueError, match="expected one of dynamic, static"):
+        plugin.static_tokens(100)
+
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
 def _scenario(tmp_path_factory, name: str) -> dict:
     root = tmp_path_factory.mktemp(f"vllm-{name}")
@@ -234,3 +258,72 @@ def test_more_requests_than_rows_runs_dense_and_says_so(preemption):
     (head,) = run["heads"]
     assert head["dense_calls"] > 0
     assert any("request rows" in w for w in run["warnings"])
+
+
+# ----------------------------------------------------------------------------- our EAGLE drafter in vLLM's layout
+@pytest.fixture(scope="module")
+def eagle_export(tmp_path_factory):
+    return _scenario(tmp_path_factory, "eagle_export")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_exported_eagle_runs_in_vllm_with_the_compact_head(eagle_export):
+    """A drafter of ours exported by nanospec_fx.eval.vllm_eagle, run by vLLM's `eagle` method: greedy output is the
+    target's with and without the plugin, and with it every draft step used the compact head."""
+    target = eagle_export["target"]["outputs"]
+    assert eagle_export["no_plugin"]["outputs"] == target[:1] and eagle_export["no_plugin"]["heads"] == []
+    run = eagle_export["plugin"]
+    assert run["outputs"] == target and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0 and head["checked"] and not head["disabled"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_exported_eagle_first_step_is_our_drafter(eagle_export):
+    """The oracle for the layout: vLLM's first draft step (no plugin) over a prompt, fed to our drafter (the
+    checkpoint the export was written from): vLLM's features are our drafter's (the target's final-norm input
+    under target_features), and its hidden state and logits are ours."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    from vllm_worker import PROMPTS
+
+    from nanospec_fx.eagle import KVCache
+    from nanospec_fx.eval import train_eagle as T
+
+    checkpoints = Path(eagle_export["root"]) / "checkpoints"
+    step = load_file(str(checkpoints / "first_step.safetensors"))
+    target = LlamaForCausalLM.from_pretrained(checkpoints / "target", dtype=torch.float32).eval()
+    drafter = T.load_drafter(target, checkpoints / "ours")
+    prompt = torch.tensor(PROMPTS[0])
+    n = prompt.numel()
+    assert step["input_ids"][: n - 1].tolist() == PROMPTS[0][1:]  # (x[t+1], f[t]): the prefill of the drafter
+    caught = []  # our features: the input of the target's final norm (what train-eagle caches)
+    target.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    with torch.no_grad():
+        target(prompt[None])
+        torch.testing.assert_close(step["hidden_states"][:n], drafter.target_features(caught[-1][0]),
+                                   rtol=1e-5, atol=1e-5)
+        cache, slots = KVCache(drafter.config, n), torch.arange(n)
+        logits, hidden = drafter(step["input_ids"][:n].long()[None], step["hidden_states"][:n][None],
+                                 step["positions"][:n][None], slots, slots <= slots[:, None], cache.k, cache.v)
+    torch.testing.assert_close(hidden[0, -1:], step["compute_logits.hidden_states"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[0, -1:], step["compute_logits.logits"], rtol=1e-5, atol=1e-5)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_static_policy_set_is_the_list(eagle_export):
+    """NANOSPEC_VLLM_POLICY=static (FR-Spec): every request drafts from the same fixed list, in its order, cut at
+    NANOSPEC_VLLM_STATIC_SIZE, observing nothing (prompt tokens outside the list stay inactive); output unchanged."""
+    from vllm_worker import PROMPTS, STATIC_LIST
+
+    run = eagle_export["static"]
+    assert run["outputs"] == eagle_export["target"]["outputs"] and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["static"] == STATIC_LIST
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0 and head["checked"] and not head["disabled"]
+    assert head["assigned"] == head["released"] == 0  # no per-request rows
+    assert 3 in PROMPTS[1] and 3 not in head["static"]
+

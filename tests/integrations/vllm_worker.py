@@ -1,6 +1,6 @@
 """Runs vLLM (CPU build) with the NanoSpec plugin on tiny checkpoints and prints what the tests check, as JSON.
 
-    python vllm_worker.py SCENARIO ROOT    # SCENARIO: methods | preemption; ROOT: a scratch directory
+    python vllm_worker.py SCENARIO ROOT    # SCENARIO: methods | preemption | eagle_export; ROOT: a scratch directory
 
 A subprocess of tests/integrations/test_vllm.py: vLLM owns process-wide state (its plugins, torch's threads, a
 process group), so each scenario gets a fresh interpreter. The engine runs in this process
@@ -21,6 +21,8 @@ import vllm_checkpoints  # noqa: E402
 NUM_SPEC = 3
 # Prompts with disjoint tokens, so a token fed only to one request is easy to name.
 PROMPTS = [[5, 17, 300, 42, 99, 5, 17], [700, 3, 3, 800, 11], [512, 256, 128, 64, 1000, 901, 77, 78]]
+# The static policy's list: the even ids from 1000 down (half the vocabulary; PROMPTS[1]'s 3 and 11 are not in it).
+STATIC_LIST = list(range(1000, 0, -2))
 
 
 def run(dirs, spec, prompts, max_tokens, **engine):
@@ -44,6 +46,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
               "checked": h.checked, "disabled": h.disabled,
+              "static": h.vocabs.token_ids(plugin.STATIC_ROW).tolist() if h.static else None,
               "released": h.released, "holding": list(h.vocabs.request_ids),
               "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
@@ -124,12 +127,88 @@ def preemption(dirs):
     return out
 
 
+def _capture_drafter_calls(calls: list) -> None:
+    """Record the drafter model's forward inputs and its compute_logits in- and outputs while ``calls[0]`` is True
+    (vLLM's warm-up runs are left out)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    load_model = SpecDecodeBaseProposer.load_model
+
+    def capturing_load_model(self, *args, **kwargs):
+        result = load_model(self, *args, **kwargs)
+        model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+
+        def on_forward(module, args, kwargs):
+            if calls[0]:
+                calls.append(("forward", {k: kwargs[k].detach().clone() for k in
+                                          ("input_ids", "positions", "hidden_states")}))
+
+        model.register_forward_pre_hook(on_forward, with_kwargs=True)
+        compute_logits = model.compute_logits
+
+        def recorded_compute_logits(hidden_states):
+            logits = compute_logits(hidden_states)
+            if calls[0]:
+                calls.append(("logits", {"hidden_states": hidden_states.detach().clone(), "logits": logits.clone()}))
+            return logits
+
+        model.compute_logits = recorded_compute_logits
+        return result
+
+    SpecDecodeBaseProposer.load_model = capturing_load_model
+
+
+def eagle_export(dirs):
+    """A drafter of ours in vLLM's layout (nanospec_fx.eval.vllm_eagle) run by vLLM's `eagle` method: without the
+    plugin (its first draft step's inputs and logits are saved for the test's oracle), then with it."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from nanospec_fx.eval import train_eagle as T
+    from nanospec_fx.eval.vllm_eagle import export_vllm_eagle
+
+    target = LlamaForCausalLM.from_pretrained(dirs["target"], dtype=torch.float32).eval()
+    drafter = T.new_drafter(target, seed=1, layout="vllm")
+    with torch.no_grad():  # not the copy-the-feature start: every weight matters in the comparison
+        for p in [*drafter.layer.parameters(), drafter.fc.weight]:
+            p.add_(0.05 * torch.randn_like(p))
+    root = dirs["target"].parent
+    T.save_drafter(drafter, root / "ours", {})
+    export = export_vllm_eagle(drafter, root / "eagle_export", max_position_embeddings=512)
+    spec = {"method": "eagle", "model": str(export), "num_speculative_tokens": NUM_SPEC}
+
+    out = {"target": run(dirs, None, PROMPTS, 24)}
+    calls = [False]
+    _capture_drafter_calls(calls)
+    calls[0] = True
+    out["no_plugin"] = run(dirs, spec, PROMPTS[:1], 24)
+    calls[0] = False
+    forward = next(c for kind, c in calls[1:] if kind == "forward")
+    logits = next(c for kind, c in calls[1:] if kind == "logits")
+    save_file({**forward, **{f"compute_logits.{k}": v for k, v in logits.items()}}, str(root / "first_step.safetensors"))
+
+    import nanospec_fx.vllm_plugin as plugin
+
+    os.environ["NANOSPEC_VLLM"] = "1"  # vLLM ran its plugins already in this process: install by hand
+    plugin.register()
+    out["plugin"] = run(dirs, spec, PROMPTS, 24)
+    # FR-Spec's static head: every request's set is this list (most frequent first), nothing observed
+    static = root / "static.txt"
+    static.write_text("\n".join(str(t) for t in STATIC_LIST + [3, 4]))  # NANOSPEC_VLLM_STATIC_SIZE cuts the tail
+    os.environ.update(NANOSPEC_VLLM_POLICY="static", NANOSPEC_VLLM_STATIC=str(static),
+                      NANOSPEC_VLLM_STATIC_SIZE=str(len(STATIC_LIST)))
+    out["static"] = run(dirs, spec, PROMPTS, 24)
+    return out
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["NANOSPEC_VLLM"] = "1"
-    os.environ["NANOSPEC_VLLM_RECORD"] = "1"
     scenario, root = sys.argv[1], Path(sys.argv[2])
+    if scenario != "eagle_export":  # it starts without the plugin
+        os.environ["NANOSPEC_VLLM"] = "1"
+    os.environ["NANOSPEC_VLLM_RECORD"] = "1"
     checkpoints = vllm_checkpoints.build(root / "checkpoints")
-    result = {"methods": methods, "preemption": preemption}[scenario](checkpoints)
+    result = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export}[scenario](checkpoints)
     (root / f"{scenario}.json").write_text(json.dumps(result))

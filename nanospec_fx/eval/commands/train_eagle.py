@@ -53,13 +53,19 @@ def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where features and the checkpoint go (default: ~/.cache/nanospec-fx/eagle/<model>; "
                    "$NANOSPEC_FX_CACHE moves it).")
+@click.option("--vllm-out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Train the drafter in the layout vLLM's `eagle` method runs (EAGLE-1: the target's final-norm "
+                   "output as feature, no fc bias, no layer input norm, head(hidden)) and write it to this directory "
+                   "as vLLM loads it (config.json + model.safetensors; Llama targets). Its training state and "
+                   "checkpoint are kept apart from the default drafter's, in <cache>/vllm-layout (docs/vllm.md).")
 @threads_option
 def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, steps, batch, lr, token_weight, seed,
-                extract_only, fresh, cache_dir, threads):
+                extract_only, fresh, cache_dir, vllm_out, threads):
     """Train an EAGLE drafter (one decoder layer on the target's features, its head shared) for a target model.
 
     Features are cached in shards and a rerun resumes where it stopped; the trained drafter is saved as
-    safetensors and used by `nanospec-fx e2e --drafter eagle` and examples/eagle_drafting.py.
+    safetensors and used by `nanospec-fx e2e --drafter eagle` and examples/eagle_drafting.py. With
+    --vllm-out, the drafter is trained in vLLM's EAGLE layout instead and also written for vLLM.
     """
     import torch
 
@@ -91,6 +97,13 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
                              for s in load_option("--corpus", loaders.load_corpus, corpus))
     except loaders.MissingAsset as e:
         fail(e)
+    if vllm_out:
+        from nanospec_fx.eval.vllm_eagle import check_target
+
+        try:
+            check_target(target)
+        except ValueError as e:
+            fail(e)
     vocab = target.get_output_embeddings().weight.shape[0]
     digests: list[str] = []
 
@@ -123,8 +136,11 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     counts = torch.bincount(ids.flatten(), minlength=vocab)
     frequent = torch.argsort(-counts, stable=True)
     cfg = T.TrainConfig(steps=steps, minutes=minutes, batch=batch, lr=lr, token_weight=token_weight, seed=seed)
-    drafter = T.new_drafter(target, seed)
-    state = folder / T.TRAIN_STATE
+    layout = "vllm" if vllm_out else "nanospec"
+    drafter = T.new_drafter(target, seed, layout)
+    checkpoint = folder / "vllm-layout" if vllm_out else folder  # another architecture: never resume across them
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    state = checkpoint / T.TRAIN_STATE
     if fresh and state.exists():
         state.unlink()
     console.print(f"training on {ids.numel():,} tokens ({ids.shape[0]} windows of {window}); "
@@ -147,9 +163,17 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
             "train": {**cfg.__dict__, "steps_done": log.steps, "seconds": round(log.seconds, 1),
                       "positions": log.positions},
             "history": log.history, "validation": val, "machine": machine()}
-    path = T.save_drafter(drafter, folder, meta)
+    path = T.save_drafter(drafter, checkpoint, meta)
     console.print(f"held-out top-1 agreement with the target: {100 * val['top1_agreement']:.1f}% "
                   f"over {val['positions']:,} positions (head restricted to the 32k most frequent training tokens: "
                   f"{100 * val['top1_agreement_static']:.1f}%)")
     console.print(f"saved {path}")
+    if vllm_out:
+        from nanospec_fx.eval.vllm_eagle import export_vllm_eagle
+
+        text_config = getattr(target.config, "text_config", target.config)
+        export_vllm_eagle(drafter, vllm_out, getattr(text_config, "max_position_embeddings", 2048),
+                          frequent=frequent)
+        console.print(f"wrote vLLM's EAGLE layout to {vllm_out}: --speculative-config "
+                      f"'{{\"method\": \"eagle\", \"model\": \"{vllm_out}\", \"num_speculative_tokens\": 3}}'")
     print(json.dumps(val))
