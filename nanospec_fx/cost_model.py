@@ -48,14 +48,16 @@ class HeadCost:
     capacity: int | None = None  # C: the reference computes all of it, compact outputs are [rows, C]
     fixed_bytes: int = 0  # a nanospec call's fixed cost, as bytes (MACHINE[path] for a real head)
     dense_efficiency: float = 1.0  # the dense head's bandwidth relative to the compact head's
-    dense_flops_per_byte: float | None = None  # the dense head turns compute-bound at this; None: never
+    dense_flops_per_byte: float | None = None  # a matmul turns compute-bound at this (dense and compact); None: never
 
     @classmethod
     def for_path(cls, vocab_size: int, hidden_size: int, bytes_per_element: int, compact_output: bool, path: str,
-                 capacity: int) -> "HeadCost":
+                 capacity: int, machine=None) -> "HeadCost":
         """The model of a head run by ``path`` (kernels.dispatch.path_for), with that path's :data:`MACHINE`
-        constants."""
-        return cls(vocab_size, hidden_size, bytes_per_element, compact_output, path, capacity, *MACHINE[path])
+        constants, or ``machine``'s (a :class:`nanospec_fx.calibration.MachineConstants` measured here)."""
+        constants = MACHINE[path] if machine is None else (
+            machine.fixed_bytes, machine.dense_efficiency, machine.dense_flops_per_byte)
+        return cls(vocab_size, hidden_size, bytes_per_element, compact_output, path, capacity, *constants)
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -102,8 +104,19 @@ class HeadCost:
 
     @property
     def nanospec_time(self) -> sympy.Expr:
-        """nanospec head time, in bytes: the fixed cost plus the bytes moved."""
-        return self.fixed_bytes + self.nanospec_bytes
+        """nanospec head time, in bytes: the fixed cost of each op call plus the bytes moved, or, where the
+        few-row product is compute-bound on this machine (``dense_flops_per_byte``: a CPU's skinny matmul), its
+        FLOPs."""
+        fixed = self.fixed_bytes * self.op_calls
+        if self.dense_flops_per_byte is None:
+            return fixed + self.nanospec_bytes
+        return fixed + sympy.Max(self.nanospec_bytes, self.nanospec_flops / sympy.nsimplify(self.dense_flops_per_byte))
+
+    @property
+    def op_calls(self) -> int:
+        """nanospec op calls per head call, each paying the fixed cost: the compact head, and the scatter to
+        [rows, V] when something reads the full logits."""
+        return 1 if self.compact_output else 2
 
     @property
     def speedup(self) -> sympy.Expr:

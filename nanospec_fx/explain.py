@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.calibration import MachineConstants
+from nanospec_fx.calibration import calibrate as measure_constants
+from nanospec_fx.cost_model import MACHINE, HeadCost
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
@@ -27,6 +29,7 @@ class HeadExplanation:
     cost: HeadCost | None = None
     names: list[str] = field(default_factory=list)  # every name active_vocab(m, head=...) accepts
     path: str = "reference"  # the kernels that run its ops (kernels.dispatch.path_for)
+    constants: str = ""  # where the cost model's constants come from (calibration.MachineConstants.describe)
 
     @property
     def rewritten(self) -> bool:
@@ -77,6 +80,7 @@ class Explanation:
                 f"    bytes dense:    {h.cost.dense_bytes}",
                 f"    bytes nanospec: {h.cost.nanospec_bytes}",
                 f"    FLOPs dense / nanospec: {h.cost.dense_flops} / {h.cost.nanospec_flops}",
+                f"    cost model: {h.constants}",
                 "    predicted head speedup at the current active size: "
                 + ", ".join(f"{v:.1f}x for {r} row(s)" for r, v in h.predictions().items()),
             ]
@@ -95,12 +99,14 @@ def _not_rewritten(wrapper: bool) -> str:
     return why
 
 
-def explain(module: nn.Module) -> Explanation:
+def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
     """Report every head of ``module`` (compiled or original) that has an active vocabulary, wherever
     its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
     consumers kept in compact space, the active set, and the cost model of the kernels that run it.
     A head with an active vocabulary but no compiled graph (``attach`` without a compiled call, or a
-    ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason."""
+    ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason.
+    ``calibrate=True`` measures the cost model's constants on this CPU first (:mod:`nanospec_fx.calibration`,
+    about a second per head width); by default they are those fitted on the project's test machine."""
     wrapper = hasattr(module, "_orig_mod")
     module = unwrap(module)
     heads = []
@@ -110,7 +116,8 @@ def explain(module: nn.Module) -> Explanation:
         compact_only = bool(reports) and all(not r.exits for r in reports)
         path = path_for(state.cache_w.device)
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()
-        cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity)
+        machine = _constants(path, state.hidden_size, state.cache_w.dtype, calibrate)
+        cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity, machine)
         heads.append(HeadExplanation(
             name=name,
             module_path=next((r.module_path for r in reports if r.module_path), None),
@@ -125,8 +132,18 @@ def explain(module: nn.Module) -> Explanation:
             cost=cost,
             names=names,
             path=path,
+            constants=machine.describe(),
         ))
     return Explanation(heads, wrapper)
+
+
+def _constants(path: str, hidden_size: int, dtype: torch.dtype, calibrate: bool) -> MachineConstants:
+    if calibrate and path in ("host", "reference"):
+        return measure_constants(hidden_size, dtype)
+    fixed, efficiency, flops_per_byte = MACHINE[path]
+    if path == "triton":
+        return MachineConstants(fixed, efficiency, flops_per_byte, source="assumed (no GPU timing yet)")
+    return MachineConstants(fixed, efficiency, flops_per_byte)
 
 
 def _unique(items) -> list[str]:

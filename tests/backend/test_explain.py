@@ -63,11 +63,44 @@ def test_cost_model_follows_the_path_that_runs():
 def test_fixed_cost_and_dense_roofline():
     cost = HeadCost(1000, 10, 4, compact_output=True, path="triton", capacity=64, fixed_bytes=5000,
                     dense_efficiency=0.5, dense_flops_per_byte=0.25)
-    nano = 4 * (5 * 10 + 3 * 10 + 3 * 64) + 8 * 5 + 5000
+    nano_bytes = 4 * (5 * 10 + 3 * 10 + 3 * 64) + 8 * 5  # 1,128
+    nano_flops = 2 * 3 * 10 * 5 / 0.25  # 1,200 > 1,128: the compact product is compute-bound too
+    nano = 5000 + max(nano_bytes, nano_flops)
     dense_streamed = 4 * (1000 * 10 + 3 * 10 + 3 * 1000) / 0.5
     dense_flops = 2 * 3 * 10 * 1000 / 0.25  # 240,000 > 52,120: compute-bound
     assert cost.predict(3, 5) == pytest.approx(max(dense_streamed, dense_flops) / nano)
     assert HeadCost.for_path(1000, 10, 4, True, "host", 64).fixed_bytes == MACHINE["host"][0]
+    # a [rows, V] output takes a second op call (the scatter), which pays the fixed cost again
+    full = HeadCost(1000, 10, 4, compact_output=False, path="triton", capacity=64, fixed_bytes=5000)
+    assert full.op_calls == 2 and cost.op_calls == 1
+    assert full.predict(3, 5) == pytest.approx(4 * (1000 * 10 + 3 * 10 + 3 * 1000)
+                                               / (2 * 5000 + 4 * (5 * 10 + 3 * 10 + 3 * 1000) + 8 * 5))
+
+
+def test_measured_constants_replace_the_fitted_ones():
+    from nanospec_fx.calibration import MachineConstants, calibrate
+
+    machine = calibrate(16)
+    assert machine is calibrate(16)  # measured once per process and width
+    assert machine.bandwidth > 0 and machine.fixed_bytes >= 0 and machine.dense_efficiency > 0
+    assert machine.dense_flops_per_byte > 0 and "measured on this machine" in machine.describe()
+    cost = HeadCost.for_path(1000, 16, 4, True, "host", 64, machine)
+    assert (cost.fixed_bytes, cost.dense_efficiency, cost.dense_flops_per_byte) == (
+        machine.fixed_bytes, machine.dense_efficiency, machine.dense_flops_per_byte)
+    fitted = MachineConstants(*MACHINE["host"])
+    assert "calibrate=True" in fitted.describe()
+    with pytest.raises(ValueError, match="hidden_size"):
+        calibrate(0)
+
+
+def test_explain_calibrated_says_where_its_constants_come_from():
+    model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    assert "fitted on the project's 2-core test machine" in str(nanospec_fx.explain(compiled))
+    text = str(nanospec_fx.explain(compiled, calibrate=True))
+    assert "cost model: constants measured on this machine" in text and "GB/s" in text
 
 
 def test_explain_names_the_kernels_and_predicts_for_them(monkeypatch):

@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.calibration import MachineConstants, calibrate
+from nanospec_fx.cost_model import MACHINE, HeadCost
 from nanospec_fx.eval.bench.timing import time_call, timings
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.dispatch import path_for
@@ -186,11 +187,13 @@ class ActiveTiming:
 
 
 def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), capacity: int = 3072, rows=(1, 4),
-                         repeats: int = 30, dtype=torch.float32, device: str = "cpu") -> list[ActiveTiming]:
+                         repeats: int = 30, dtype=torch.float32, device: str = "cpu",
+                         machine: MachineConstants | None = None) -> list[ActiveTiming]:
     """nanospec head time at a fixed capacity against the active count, measured and predicted.
 
     Every call starts with cold caches (:func:`cold_timings`): the dense head once per row count,
-    then at each size the nanospec ops, compact logits and compact + scatter to [rows, V].
+    then at each size the nanospec ops, compact logits and compact + scatter to [rows, V]. ``machine``: the cost
+    model's constants (default: those of ``cost_model.MACHINE``; ``calibration.calibrate`` measures them here).
     """
     torch.manual_seed(0)
     weight = torch.randn(vocab, hidden, dtype=dtype, device=device).div_(math.sqrt(hidden))
@@ -212,7 +215,7 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
                 for variant, fn in variants.items():
                     ts = cold_timings(fn, repeats, flush)
                     t = statistics.median(ts)
-                    cost = HeadCost.for_path(vocab, hidden, size, variant == "compact", path, capacity)
+                    cost = HeadCost.for_path(vocab, hidden, size, variant == "compact", path, capacity, machine)
                     out.append(ActiveTiming(r, n, variant, path, 1e3 * t, 1e3 * dense, dense / t, cost.predict(r, n),
                                             min(dense_ts) / min(ts)))
     return out
@@ -228,13 +231,20 @@ def _main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--calibrate", action="store_true",
+                   help="predict with constants measured on this machine (explain(..., calibrate=True))")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     ints = [[int(v) for v in s.split(",")] for s in (a.active, a.rows)]
-    res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device)
+    load = os.getloadavg()[0]
+    machine = calibrate(a.hidden) if a.calibrate else None
+    res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device,
+                               machine=machine)
     print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
-          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, median of {a.repeats}")
+          f"{torch.get_num_threads()}, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"median of {a.repeats}")
+    print("cost model: " + (machine or MachineConstants(*MACHINE[res[0].path])).describe())
     print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
           "| predicted / measured (min) |")
     print("|---|---|---|---|---|---|---|---|")
