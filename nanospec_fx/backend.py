@@ -116,7 +116,9 @@ def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: Nano
             from nanospec_fx import tensor_parallel
 
             rewritten = any(r[0] is head for r in rewritable)
-            decision = (f"{head.name} rewritten with {opts.vocab_config}" if rewritten
+            observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
+            decision = (f"{head.name} rewritten with {opts.vocab_config}"
+                        + (f", {observers} input observer(s)" if observers is not None else "") if rewritten
                         else f"{head.name} dense ({'; '.join(said) or 'no reason given'})")
             tensor_parallel.agree(head.group_name, decision)
 
@@ -249,6 +251,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
+        if sharded:
+            head.observers = report.observers
         if sharded:
             zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
             builder.set_input_values(zero, state.graph_inputs())

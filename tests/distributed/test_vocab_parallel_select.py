@@ -24,7 +24,7 @@ from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_vocab_parallel import _run_ranks  # noqa: E402
-from tp_drafters import EXCHANGES, DTensorExchangeDrafter, ExchangeDrafter  # noqa: E402
+from tp_drafters import EXCHANGES, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter  # noqa: E402
 
 V, H, TP, RANK = 64, 16, 2, 1
 C10D = torch.ops._c10d_functional
@@ -165,3 +165,31 @@ def test_two_ranks_exchanges_are_exact():
     first, second = _run_ranks("exchange")  # each rank asserts exactness against plain torch and the dense drafter
     assert first == second and {"max_view", "topk_list", "max_stack_ties", "dtensor_shard"} <= set(first)
 
+
+@pytest.mark.parametrize("style", ["megatron", "where"])
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_vocab_parallel_embedding_observes_the_original_ids(fake_group, compiled_graphs, style):
+    """Each rank looks up only its rows at ``ids - start``; the tokens fed are ``ids``: they are what is observed
+    (no warning that nothing joins the set), before the head reads the set."""
+    model = ParallelEmbeddingDrafter(V, H, TP, RANK, style=style)
+    assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
+    graph = compiled_graphs[-1]
+    targets = _targets(graph)
+    assert C10D.all_gather_into_tensor not in targets
+    assert targets.count(C10D.all_reduce) == 2  # the embedding's own, and the observer's rows of the fed ids
+    observed = [n for n in graph.nodes if "observe" in str(n.target)]
+    assert len(observed) == 1
+    feeds, stack = set(), list(observed[0].all_input_nodes)
+    while stack:  # what the observed ids are computed from
+        node = stack.pop()
+        if node not in feeds:
+            feeds.add(node)
+            stack.extend(node.all_input_nodes)
+    assert any(n.op == "placeholder" and "ids" in n.name for n in feeds)
+    assert not any(n.op in ("call_function", "call_method") and "sub" in str(n.target) for n in feeds)  # not ids - start
+
+
+@pytest.mark.slow
+def test_two_ranks_vocab_parallel_embedding_feeds_every_id():
+    first, second = _run_ranks("embedding")  # each rank asserts: every fed id active, exact, identical sets
+    assert first == second and set(first) == {"megatron", "where"}

@@ -207,3 +207,40 @@ def full_selection(logits: torch.Tensor, active: torch.Tensor, k: int) -> tuple:
     z = logits.masked_fill(~active, float("-inf"))
     return z.max(-1) if k == 1 else z.topk(k, dim=-1)
 
+
+# ----------------------------------------------------------------------------- vocabulary-parallel token embedding
+class VocabParallelEmbedding(nn.Module):
+    """Megatron's ``VocabParallelEmbedding``: this rank's rows ``[start, end)`` of the table; ids outside are looked
+    up at row 0 and their rows zeroed; the sum over ranks is the full lookup. ``style``: ``"megatron"`` (in-place
+    masking, ``dist.all_reduce``) or ``"where"`` (``torch.where``, ``masked_fill``, ``funcol.all_reduce``, a
+    ``start`` buffer)."""
+
+    def __init__(self, full: torch.Tensor, tp: int, rank: int, style: str = "megatron"):
+        super().__init__()
+        rows = full.shape[0] // tp
+        self.start, self.end, self.style = rank * rows, (rank + 1) * rows, style
+        self.weight = nn.Parameter(full[self.start:self.end].clone())
+        self.register_buffer("first", torch.tensor(self.start))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids < self.start) | (ids >= self.end)
+        if self.style == "megatron":
+            local = ids - self.start
+            local[mask] = 0
+            out = F.embedding(local, self.weight)
+            out[mask, :] = 0.0
+            dist.all_reduce(out)
+            return out
+        local = torch.where(mask, 0, ids - self.first)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0.0)
+        return funcol.all_reduce(out, "sum", dist.group.WORLD)
+
+
+class ParallelEmbeddingDrafter(VocabParallelDrafter):
+    """A vocabulary-parallel drafter whose token embedding is vocabulary-parallel too (its ``embed`` holds the same
+    full table as the base class's, sharded); ``full_embed`` keeps the full table for the oracle."""
+
+    def __init__(self, vocab: int, hidden: int, tp: int, rank: int, style: str = "megatron", **kwargs):
+        super().__init__(vocab, hidden, tp, rank, **kwargs)
+        self.full_embed = self.embed
+        self.embed = VocabParallelEmbedding(self.full_embed.weight.detach(), tp, rank, style)

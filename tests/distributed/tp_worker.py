@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tp_drafters import (  # noqa: E402
-    DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, VocabParallelDrafter, dense_masked, full_selection)
+    DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter, VocabParallelDrafter, dense_masked,
+    full_selection)
 
 import nanospec_fx  # noqa: E402
 
@@ -187,7 +188,34 @@ def exchange(rank: int, world: int) -> dict:
     return report
 
 
-SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange}
+def embedding(rank: int, world: int) -> dict:
+    """A vocabulary-parallel token embedding (Megatron style, and torch.where + funcol): the original ids are
+    observed, so every fed id is active on every rank, and the output equals the dense tensor-parallel drafter
+    masked to the active set; the sets are identical across ranks."""
+    report = {}
+    warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # "nothing joins the set" would be one
+    for style in ("megatron", "where"):
+        torch._dynamo.reset()
+        model = ParallelEmbeddingDrafter(V, H, world, rank, style=style)
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+        g = torch.Generator().manual_seed(3)
+        fed: list[int] = []
+        for shape in [(2, 5), (2, 1), (1, 3)]:
+            ids = torch.randint(0, V, shape, generator=g)
+            with torch.no_grad():
+                torch.testing.assert_close(model.embed(ids), model.full_embed(ids))  # the drafter is what it says
+                out = compiled(ids)
+            fed += ids.flatten().tolist()
+            state = nanospec_fx.active_vocab(model)
+            active = state.contains(torch.arange(V))
+            assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
+            torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
+            assert _all_equal(state.token_ids().tolist())
+        report[style] = len(state)
+    return report
+
+
+SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding}
 
 
 def main() -> None:
