@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
@@ -27,6 +27,23 @@ class HeadExplanation:
     cost: HeadCost | None = None
     names: list[str] = field(default_factory=list)  # every name active_vocab(m, head=...) accepts
     path: str = "reference"  # the kernels that run its ops (kernels.dispatch.path_for)
+    world_size: int = 1  # a vocabulary-parallel head: the ranks its rows are split over
+    collective: CollectiveCost | None = None  # and the alpha-beta model of its draft step
+
+    def collective_lines(self, n_rows: int = 10) -> list[str]:
+        """The alpha-beta model of a vocabulary-parallel head's draft step, at this head's tp."""
+        c, t = self.collective, self.world_size
+        lines = [f"    tensor parallel: tp={t}, {self.vocab_size // t} rows per rank; draft step, alpha-beta model "
+                 f"(not a measurement; alpha={ALPHA * 1e6:.0f} us per ring step assumed, link={NVLINK4 / 1e9:.0f} "
+                 "GB/s per direction, NVLink 4):",
+                 f"      dense TP (shard read + all-gather of [rows, V]): {c.dense.subs(tp, t)}",
+                 f"      nanospec (cache read + all-reduce of the fed ids' rows [fed, H]): {c.nanospec.subs(tp, t)}"]
+        for gpu, bandwidth in GPU_HBM.items():
+            v = dict(tp=t, rows=n_rows, fed=n_rows, alpha=ALPHA, link=NVLINK4, hbm=bandwidth)
+            lines.append(f"      {gpu}, rows=fed={n_rows}: dense {c.at(c.dense, **v) * 1e6:.1f} us, nanospec "
+                         f"{c.at(c.nanospec, **v) * 1e6:.1f} us ({c.at(c.nanospec_outside, **v) * 1e6:.1f} us "
+                         "with the ids observed outside the step)")
+        return lines
 
     @property
     def rewritten(self) -> bool:
@@ -80,6 +97,8 @@ class Explanation:
                 "    predicted head speedup at the current active size: "
                 + ", ".join(f"{v:.1f}x for {r} row(s)" for r, v in h.predictions().items()),
             ]
+            if h.collective is not None:
+                lines += h.collective_lines()
         return "\n".join(lines)
 
 
@@ -111,6 +130,9 @@ def explain(module: nn.Module) -> Explanation:
         path = path_for(state.cache_w.device)
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()
         cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity)
+        shard = getattr(state, "shard", None)  # a vocabulary-parallel head (tensor_parallel.ShardedActiveVocab)
+        world = shard.world_size if shard is not None else 1
+        collective = CollectiveCost(state.rows, state.hidden_size, state.capacity, size) if shard is not None else None
         heads.append(HeadExplanation(
             name=name,
             module_path=next((r.module_path for r in reports if r.module_path), None),
@@ -125,6 +147,8 @@ def explain(module: nn.Module) -> Explanation:
             cost=cost,
             names=names,
             path=path,
+            world_size=world,
+            collective=collective,
         ))
     return Explanation(heads, wrapper)
 

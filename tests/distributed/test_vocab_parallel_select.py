@@ -193,3 +193,16 @@ def test_a_vocab_parallel_embedding_observes_the_original_ids(fake_group, compil
 def test_two_ranks_vocab_parallel_embedding_feeds_every_id():
     first, second = _run_ranks("embedding")  # each rank asserts: every fed id active, exact, identical sets
     assert first == second and set(first) == {"megatron", "where"}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_explain_prints_the_collective_cost_model(fake_group, compiled_graphs):
+    from tp_drafters import VocabParallelDrafter
+
+    model = VocabParallelDrafter(V, H, TP, RANK)
+    _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    text = str(nanospec_fx.explain(model))
+    assert f"tensor parallel: tp={TP}, {V // TP} rows per rank" in text and "alpha-beta model" in text
+    assert "all-gather of [rows, V]" in text and "H100 SXM" in text and "H200" in text
+    # fp32, capacity 32: shard 32 x 16 x 4 B = cache 32 x 16 x 4 B; (tp-1)/tp of [rows, 64] x 4 B; [fed, 16] x 4 B
+    assert "alpha + 128*rows/link + 2048/hbm" in text and "2*alpha + 64*fed/link + 2048/hbm" in text
