@@ -89,6 +89,7 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
     nodes = list(local.graph.nodes)
     fresh = {n for n in nodes if _name(n) in FRESH_BUFFERS}
     world = group = None
+    picks: list[fx.Node] = []
     for n in nodes[nodes.index(sel) + 1:]:
         inputs = [a for a in n.all_input_nodes if a in values]
         if not inputs or n.op == "output":  # what the output reads is checked below
@@ -126,6 +127,9 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
                 value = ("g", "val" if tag == "lval" else "id", ("stack",))
         elif tag == "g" and held[1] == "val" and _name(n) in ("topk", "argmax", "max"):
             value = _pick(n, held[2], keep, first_max, k)
+            picks.append(n)
+            if len(picks) > 1:  # values of one pick with ids of another could disagree on ties
+                value = f"{n.name} picks from the exchanged candidates a second time ({picks[0].name} did)"
         elif tag == "g" and held[1] == "id" and (n.target in GATHER_FUNCTIONS or _name(n) == "gather"):
             value = _lookup(n, values)
         elif tag == "g":

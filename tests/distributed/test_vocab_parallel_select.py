@@ -147,7 +147,19 @@ class TooFewCandidates(ExchangeDrafter):
         return ci.gather(-1, cv.topk(3, dim=-1)[1])
 
 
+class TwoPicks(ExchangeDrafter):
+    """Values from one pick, ids from another: on ties they could belong to different tokens."""
+
+    def forward(self, ids):
+        v, i = F.linear(self.embed(ids), self.head_weight).max(-1)
+        i = i + self.rank * self.head_weight.shape[0]
+        av = funcol.all_gather_tensor(v, 0, dist.group.WORLD).view((self.tp,) + tuple(v.shape))
+        ai = funcol.all_gather_tensor(i, 0, dist.group.WORLD).view((self.tp,) + tuple(i.shape))
+        return av.max(0)[0], ai.gather(0, av.argmax(0).unsqueeze(0)).squeeze(0)
+
+
 @pytest.mark.parametrize("drafter, reason", [
+    (TwoPicks, "picks from the exchanged candidates a second time"),
     (NoExchange, "no LM head found"), (NoOffset, "exchanges the local ids .* without this rank's first row"),
     (IdsSwapped, "cat.*uses the exchanged candidates"), (TopOneThenArgmax, "argmax.*does not promise"),
     (TooFewCandidates, "top 3 of each rank's top 2")])
