@@ -94,29 +94,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def cost_model(args: argparse.Namespace) -> None:
-    """An alpha-beta model (not a measurement) of one draft step on GPUs linked by NVLink 4, bf16.
+    """An alpha-beta model (not a measurement) of one draft step on GPUs linked by NVLink 4, bf16:
+    ``nanospec_fx.cost_model.CollectiveCost`` (the model ``explain`` prints for a vocabulary-parallel head)."""
+    from nanospec_fx.cost_model import NVLINK4, CollectiveCost
 
-    Dense TP head: each rank reads its shard (V/tp rows) from HBM, then a ring all-gather of [rows, V]:
-    (tp - 1) * alpha + (tp - 1) / tp * rows * V * 2 B / link. nanospec: each rank reads the compact cache (C rows),
-    plus the observer's ring all-reduce of the N ids the step feeds: 2 (tp - 1) * alpha + 2 (tp - 1) / tp * N * H * 2 B
-    / link (none when the ids are observed outside the draft step, ``observe_inputs=False``).
-    """
-    V, H, C, rows, fed = args.vocab, args.hidden, args.capacity, args.rows, args.rows
-    link, alpha = 450e9, args.alpha_us * 1e-6  # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s each way
-    print(f"alpha-beta model, not a measurement: V={V} H={H} bf16, rows={rows}, capacity={C}, N={fed} fed ids per "
-          f"step, NVLink 4 at 450 GB/s per direction, alpha={args.alpha_us} us per ring step (an assumption)")
-    print("| GPU (HBM) | tp | dense: shard read + all-gather | nanospec: cache read + fed-id all-reduce | "
-          "nanospec, ids observed outside the step |")
-    print("|---|---|---|---|---|")
-    for gpu, hbm in (("H100 SXM (3.35 TB/s)", 3.35e12), ("H200 (4.8 TB/s)", 4.8e12)):
-        for tp in (2, 4, 8):
-            dense_read, ours_read = V / tp * H * 2 / hbm, C * H * 2 / hbm
-            gather = (tp - 1) * alpha + (tp - 1) / tp * rows * V * 2 / link
-            reduce = 2 * (tp - 1) * alpha + 2 * (tp - 1) / tp * fed * H * 2 / link
-            us = 1e6
-            print(f"| {gpu} | {tp} | {dense_read * us:.1f} + {gather * us:.1f} = {(dense_read + gather) * us:.1f} us | "
-                  f"{ours_read * us:.1f} + {reduce * us:.1f} = {(ours_read + reduce) * us:.1f} us | "
-                  f"{ours_read * us:.1f} us |")
+    V, H, C, rows = args.vocab, args.hidden, args.capacity, args.rows
+    print(f"alpha-beta model, not a measurement: V={V} H={H} bf16, rows={rows}, capacity={C}, N={rows} fed ids per "
+          f"step, NVLink 4 at {NVLINK4 / 1e9:.0f} GB/s per direction, alpha={args.alpha_us} us per ring step "
+          "(an assumption)")
+    print("\n".join(CollectiveCost(V, H, C).table(rows, rows, alpha_s=args.alpha_us * 1e-6)))
 
 
 def main() -> None:

@@ -116,7 +116,9 @@ def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: Nano
             from nanospec_fx import tensor_parallel
 
             rewritten = any(r[0] is head for r in rewritable)
-            decision = (f"{head.name} rewritten with {opts.vocab_config}" if rewritten
+            observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
+            decision = (f"{head.name} rewritten with {opts.vocab_config}"
+                        + (f", {observers} input observer(s)" if observers is not None else "") if rewritten
                         else f"{head.name} dense ({'; '.join(said) or 'no reason given'})")
             tensor_parallel.agree(head.group_name, decision)
 
@@ -199,7 +201,8 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
     if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
         return ("its weight is a DTensor in a layout nanospec does not rewrite (it rewrites ColwiseParallel heads, "
-                "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate())")
+                "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate(), or stays Shard(-1) and is "
+                "read by a local max/top-k whose (value, id) candidates are all-gathered and picked from)")
     sources = [real.get(n) for n in getattr(head, "sources", ())]  # scales / parameters a weight computed per row reads
     if grad_enabled_at(gm.graph, head.nodes, torch.is_grad_enabled()) and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, bias, *sources)):
@@ -248,6 +251,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
+        if sharded:
+            head.observers = report.observers
         if sharded:
             zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
             builder.set_input_values(zero, state.graph_inputs())
@@ -385,7 +390,7 @@ def _compile_target_observer(
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
                            config_patches: dict) -> Callable:
-    heads = vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head) or find_heads(
+    heads = vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head, exchanges=False) or find_heads(
         gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")

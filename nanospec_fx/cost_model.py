@@ -142,3 +142,79 @@ class HeadCost:
         nanospec = self._nanospec_bytes(computed, a).subs(rows, n_rows)
         solution = sympy.solve(sympy.Eq(self.dense_bytes.subs(rows, n_rows), nanospec), a)
         return float(solution[0]) if solution else float("inf")
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+tp, fed = sympy.symbols("tp fed", positive=True, integer=True)  # ranks; token ids a draft step observes
+alpha, link, hbm = sympy.symbols("alpha link hbm", positive=True)  # s per ring step; bytes/s per direction; HBM B/s
+
+#: Published figures, used as a model (not a measurement): HBM bandwidth per GPU, and NVLink 4's 900 GB/s per
+#: GPU (450 GB/s each way). The latency per ring step ``alpha`` is an assumption (NCCL's tree and low-latency
+#: protocols do better on small messages).
+GPU_HBM: dict[str, float] = {"H100 SXM (3.35 TB/s)": 3.35e12, "H200 (4.8 TB/s)": 4.8e12}
+NVLINK4 = 450e9
+ALPHA = 5e-6
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """An alpha-beta model of one draft step of a vocabulary-parallel head over ``tp`` ranks, in seconds.
+
+    Dense tensor-parallel head: each rank reads its shard (``V / tp`` rows) from HBM, then a ring all-gather of the
+    ``[rows, V]`` logits: ``(tp - 1)`` steps of ``alpha`` plus ``(tp - 1) / tp`` of the payload over the link.
+    nanospec: each rank reads the compact cache (``C`` rows), plus the observers' ring all-reduce of the rows of
+    the ``fed`` ids the step embeds (``[fed, H]``: ``2 (tp - 1)`` steps); ``nanospec_outside``: the ids observed
+    outside the draft step (``observe_inputs=False``), no collective at all. Symbols: :data:`tp`, :data:`rows`,
+    :data:`fed`, :data:`alpha`, :data:`link`, :data:`hbm`."""
+
+    vocab_size: int
+    hidden_size: int
+    capacity: int
+    bytes_per_element: int = 2
+
+    @property
+    def shard_read(self) -> sympy.Expr:
+        return sympy.Integer(self.vocab_size) / tp * self.hidden_size * self.bytes_per_element / hbm
+
+    @property
+    def all_gather(self) -> sympy.Expr:
+        return (tp - 1) * alpha + (tp - 1) / tp * rows * self.vocab_size * self.bytes_per_element / link
+
+    @property
+    def cache_read(self) -> sympy.Expr:
+        return sympy.Integer(self.capacity * self.hidden_size * self.bytes_per_element) / hbm
+
+    @property
+    def all_reduce(self) -> sympy.Expr:
+        return 2 * (tp - 1) * alpha + 2 * (tp - 1) / tp * fed * self.hidden_size * self.bytes_per_element / link
+
+    @property
+    def dense(self) -> sympy.Expr:
+        return self.shard_read + self.all_gather
+
+    @property
+    def nanospec(self) -> sympy.Expr:
+        return self.cache_read + self.all_reduce
+
+    @property
+    def nanospec_outside(self) -> sympy.Expr:
+        return self.cache_read
+
+    def at(self, expr: sympy.Expr, **values: float) -> float:
+        """``expr`` in seconds at the given symbol values (``tp=2, rows=10, fed=10, hbm=..., link=..., alpha=...``)."""
+        names = {"tp": tp, "rows": rows, "fed": fed, "alpha": alpha, "link": link, "hbm": hbm}
+        return float(expr.subs({names[k]: v for k, v in values.items()}))
+
+    def table(self, n_rows: int, n_fed: int, tps=(2, 4, 8), gpus: dict | None = None, alpha_s: float = ALPHA,
+              link_bytes: float = NVLINK4) -> list[str]:
+        """A markdown table of the model in microseconds, per GPU and tp."""
+        lines = ["| GPU (HBM) | tp | dense: shard read + all-gather | nanospec: cache read + fed-id all-reduce | "
+                 "nanospec, ids observed outside the step |", "|---|---|---|---|---|"]
+        for gpu, bandwidth in (gpus or GPU_HBM).items():
+            for t in tps:
+                v = dict(tp=t, rows=n_rows, fed=n_fed, alpha=alpha_s, link=link_bytes, hbm=bandwidth)
+                read, gather = self.at(self.shard_read, **v) * 1e6, self.at(self.all_gather, **v) * 1e6
+                cache, reduce = self.at(self.cache_read, **v) * 1e6, self.at(self.all_reduce, **v) * 1e6
+                lines.append(f"| {gpu} | {t} | {read:.1f} + {gather:.1f} = {read + gather:.1f} us | "
+                             f"{cache:.1f} + {reduce:.1f} = {cache + reduce:.1f} us | {cache:.1f} us |")
+        return lines

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from nanospec_fx.calibration import MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
-from nanospec_fx.cost_model import MACHINE, HeadCost
+from nanospec_fx.cost_model import ALPHA, GPU_HBM, MACHINE, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
@@ -30,6 +30,23 @@ class HeadExplanation:
     names: list[str] = field(default_factory=list)  # every name active_vocab(m, head=...) accepts
     path: str = "reference"  # the kernels that run its ops (kernels.dispatch.path_for)
     constants: str = ""  # where the cost model's constants come from (calibration.MachineConstants.describe)
+    world_size: int = 1  # a vocabulary-parallel head: the ranks its rows are split over
+    collective: CollectiveCost | None = None  # and the alpha-beta model of its draft step
+
+    def collective_lines(self, n_rows: int = 10) -> list[str]:
+        """The alpha-beta model of a vocabulary-parallel head's draft step, at this head's tp."""
+        c, t = self.collective, self.world_size
+        lines = [f"    tensor parallel: tp={t}, {self.vocab_size // t} rows per rank; draft step, alpha-beta model "
+                 f"(not a measurement; alpha={ALPHA * 1e6:.0f} us per ring step assumed, link={NVLINK4 / 1e9:.0f} "
+                 "GB/s per direction, NVLink 4):",
+                 f"      dense TP (shard read + all-gather of [rows, V]): {c.dense.subs(tp, t)}",
+                 f"      nanospec (cache read + all-reduce of the fed ids' rows [fed, H]): {c.nanospec.subs(tp, t)}"]
+        for gpu, bandwidth in GPU_HBM.items():
+            v = dict(tp=t, rows=n_rows, fed=n_rows, alpha=ALPHA, link=NVLINK4, hbm=bandwidth)
+            lines.append(f"      {gpu}, rows=fed={n_rows}: dense {c.at(c.dense, **v) * 1e6:.1f} us, nanospec "
+                         f"{c.at(c.nanospec, **v) * 1e6:.1f} us ({c.at(c.nanospec_outside, **v) * 1e6:.1f} us "
+                         "with the ids observed outside the step)")
+        return lines
 
     @property
     def rewritten(self) -> bool:
@@ -84,6 +101,8 @@ class Explanation:
                 "    predicted head speedup at the current active size: "
                 + ", ".join(f"{v:.1f}x for {r} row(s)" for r, v in h.predictions().items()),
             ]
+            if h.collective is not None:
+                lines += h.collective_lines()
         return "\n".join(lines)
 
 
@@ -118,6 +137,9 @@ def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()
         machine = _constants(path, state.hidden_size, state.cache_w.dtype, calibrate)
         cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity, machine)
+        shard = getattr(state, "shard", None)  # a vocabulary-parallel head (tensor_parallel.ShardedActiveVocab)
+        world = shard.world_size if shard is not None else 1
+        collective = CollectiveCost(state.rows, state.hidden_size, state.capacity, size) if shard is not None else None
         heads.append(HeadExplanation(
             name=name,
             module_path=next((r.module_path for r in reports if r.module_path), None),
@@ -133,6 +155,8 @@ def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
             names=names,
             path=path,
             constants=machine.describe(),
+            world_size=world,
+            collective=collective,
         ))
     return Explanation(heads, wrapper)
 

@@ -9,6 +9,7 @@
 * ``grad_mode``      - whether autograd records where the head runs
 * ``effects``        - what a node writes and may alias (op schemas)
 * ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
+* ``vocab_parallel_select`` - a local max/top-k whose (value, id) candidates are exchanged: a top-k of the full logits
 
 The contract these passes implement (README, "The contract"):
 

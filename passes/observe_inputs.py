@@ -145,6 +145,58 @@ def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[Lookup]:
     return [lk for lk in table_lookups(graph) if lk.rows >= vocab_size and not _positions(lk.ids)]
 
 
+def sharded_token_lookups(graph: fx.Graph, vocab_size: int) -> list[Lookup]:
+    """The lookups of a vocabulary-parallel token embedding (Megatron's ``VocabParallelEmbedding``): a table of
+    ``V / tp`` rows read at ``ids - start`` (out-of-shard entries masked to a constant), its rows zeroed outside
+    the shard and summed over the ranks. Each rank reads only its own ids, but the tokens fed are the ORIGINAL
+    ``ids``, the same on every rank: the returned lookups carry those (observing them is exact whatever the mask
+    and the all-reduce do, since observing a token never makes a result wrong)."""
+    found = []
+    for lk in table_lookups(graph):
+        if not (0 < lk.rows < vocab_size and vocab_size % lk.rows == 0) or not isinstance(lk.ids, fx.Node):
+            continue
+        tokens = _offset_ids(lk.ids)
+        if tokens is not None and not _positions(tokens):
+            found.append(Lookup(lk.node, tokens, lk.table, vocab_size))
+    return found
+
+
+def _offset_ids(ids: fx.Node) -> fx.Node | None:
+    """X when ``ids`` is ``X - start`` (an int or a one-element integer tensor), maybe with some entries replaced
+    by a constant first or after (``torch.where(mask, 0, x)``, ``masked_fill``, ``clamp``, ``x[mask] = 0``)."""
+    cur = ids
+    for _ in range(8):
+        if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+            return None
+        name = cur.target if cur.op == "call_method" else getattr(cur.target, "__name__", None)
+        args = cur.args
+        if name == "where" and len(args) == 3:
+            tensors = [a for a in args[1:] if isinstance(a, fx.Node) and _is_int_tensor(a) and not _scalar(a)]
+            if len(tensors) != 1:
+                return None
+            cur = tensors[0]
+        elif name in ("masked_fill", "masked_fill_", "clamp", "clamp_", "clip") and args:
+            cur = args[0]
+        elif name in ("sub", "__sub__") or cur.target is operator.sub:
+            x, offset = args[0], args[1] if len(args) > 1 else None
+            return x if _is_int_tensor(x) and (_scalar(offset) or isinstance(offset, int)) else None
+        elif name in ("add", "__add__") or cur.target is operator.add:
+            x, offset = args[0], args[1] if len(args) > 1 else None
+            if not _is_int_tensor(x) or _scalar(x):
+                x, offset = offset, x
+            return x if _is_int_tensor(x) and (_scalar(offset) or isinstance(offset, int)) else None
+        else:
+            return None
+    return None
+
+
+def _scalar(node: object) -> bool:
+    """A one-element integer tensor (a ``start`` buffer)."""
+    value = patterns.example_value(node)
+    return isinstance(node, fx.Node) and isinstance(value, torch.Tensor) and value.numel() == 1 \
+        and value.dtype in INT_DTYPES
+
+
 def _positions(ids) -> bool:
     """Ids computed only from ``torch.arange`` and sizes (no tensor data, no id written in the code):
     positions, not tokens (a position table may happen to have V rows)."""
@@ -307,6 +359,8 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     """
     lookups = [lk for lk in token_id_lookups(graph, into.vocab_size)  # not the rewrite's own gathers at active ids
                if not lk.node.meta.get("nanospec_active_rows")]
+    lookups += [lk for lk in sharded_token_lookups(graph, into.vocab_size)  # a vocabulary-parallel embedding's
+                if not lk.node.meta.get("nanospec_active_rows")]
     reads = _state_reads(graph, into.state)
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned

@@ -66,6 +66,7 @@ class GatheredHead(HeadMatch):
     world_size: int = 1
     group_name: str = ""
     shard_rows: int = 0
+    exchanges: dict = field(default_factory=dict)  # projection -> its Exchange (a selection, not a gather)
 
     __hash__ = object.__hash__
 
@@ -99,12 +100,30 @@ def match_dtensor(proj: fx.Node) -> Gather | str | None:
         return "its input is not a replicated DTensor made with DTensor.from_local"
     users = list(proj.users)
     redistribute = users[0] if len(users) == 1 and _name(users[0]) == "redistribute" else None
-    if redistribute is None or not all(isinstance(p, Replicate) for p in _arg(redistribute, 1, "placements", ())):
-        return "its output is not redistributed to Replicate() (a Shard(-1) output leaves each rank its own slice)"
-    after = list(redistribute.users)
+    layout = _arg(redistribute, 1, "placements", ()) if redistribute is not None else ()
+    after = list(redistribute.users) if redistribute is not None else []
     if len(after) != 1 or _name(after[0]) != "to_local":
-        return "its replicated output is not read through to_local()"
-    return Gather(proj, [], world, mesh.get_group().group_name, after[0], [redistribute, after[0]], dtensor_input=x)
+        return "its output is not redistributed and read through to_local()"
+    group = mesh.get_group().group_name
+    ndim = len(patterns.tensor_shape(proj) or ())
+    if len(layout) == 1 and isinstance(layout[0], Shard) and layout[0].dim % ndim == ndim - 1:
+        return ShardedOutput(proj, after[0], [redistribute, after[0]], x, world, group)
+    if not all(isinstance(p, Replicate) for p in layout):
+        return f"its output is redistributed to {layout}, not Replicate() or Shard(-1)"
+    return Gather(proj, [], world, group, after[0], [redistribute, after[0]], dtensor_input=x)
+
+
+@dataclass
+class ShardedOutput:
+    """A DTensor head whose output stays sharded (``ColwiseParallel()``'s default ``Shard(-1)``): ``local`` is this
+    rank's ``[..., V / tp]`` slice (``to_local()``), to be read by a local selection and an exchange."""
+
+    proj: fx.Node
+    local: fx.Node
+    nodes: list[fx.Node]  # redistribute, to_local
+    dtensor_input: fx.Node
+    world_size: int
+    group_name: str
 
 
 def match_gather(local: fx.Node) -> Gather | str | None:
@@ -309,10 +328,12 @@ def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
 
 
 def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
-                   notes: list[str] | None = None) -> list[GatheredHead]:
+                   notes: list[str] | None = None, exchanges: bool = True) -> list[GatheredHead]:
     """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
     output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
-    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names."""
+    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names.
+    With ``exchanges``, a slice read by a local selection whose candidates are exchanged
+    (:mod:`vocab_parallel_select`) is such a head too."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example_of = dict(zip(placeholders, example_inputs))
     found: dict[fx.Node, GatheredHead] = {}
@@ -325,14 +346,29 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
         if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
             continue
         gather = match_dtensor(node) or match_gather(node)
+        sharded = gather if isinstance(gather, ShardedOutput) else None
+        if (gather is None or sharded) and exchanges:
+            from .vocab_parallel_select import match_exchange
+
+            gather = match_exchange(sharded.local if sharded else node, example_of, sharded)
+            if isinstance(gather, str):
+                gather = f"its slice is selected from and the candidates exchanged, but {gather}"
+            elif gather is None and sharded:
+                gather = ("its DTensor output stays sharded (Shard(-1)) and is read by no local top-k/max whose "
+                          "candidates are exchanged (all-gathered) and picked from")
+        elif sharded:
+            gather = "its DTensor output stays sharded (Shard(-1)): each rank keeps its own slice"
         if gather is None:
             continue
         if isinstance(gather, str):
             if notes is not None:
-                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}")
+                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}"
+                             if not gather.startswith("its slice") else
+                             f"the vocabulary-parallel head {parameter_name(w)}: {gather}")
             continue
+        selected = not isinstance(gather, Gather)  # an exchange of candidates: its selection reaches the output
         vocab = gather.world_size * shape[0] if gather.dtensor_input is None else shape[0]
-        if not reaches_output(gather.full, vocab):
+        if not selected and not reaches_output(gather.full, vocab):
             continue
         match = found.get(w)
         if match is None:
@@ -346,7 +382,9 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
             continue
         match.nodes.append(node)
         match.biases.append(b)
-        match.reach = "logits"
+        match.reach = "selection" if selected else "logits"
+        if selected:
+            match.exchanges[node] = gather
     heads = list(found.values())
     if head is not None:
         from .find_head import _name_matches
@@ -366,17 +404,8 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     x, w, b = patterns.match_projection(local)
     anchor = gather.prefix[-1] if gather.prefix else local
     if gather.dtensor_input is not None:
-        x = gather.dtensor_input.args[0]
-        first = next(n for n in graph.nodes if n.op != "placeholder")  # observers read the shard before the head
-        with graph.inserting_before(first):
-            w, b = (graph.call_method("to_local", (t,)) if t is not None else None for t in (w, b))
-        plain = patterns.example_value(gather.full)  # a FakeTensor of the fake mode every local value lives in
-        for t, orig in ((w, patterns.match_projection(local)[1]), (b, patterns.match_projection(local)[2])):
-            if t is not None:
-                dtensor = patterns.example_value(orig)
-                with plain.fake_mode:
-                    shape = (dtensor.shape[0] // gather.world_size,) + tuple(dtensor.shape[1:])
-                    t.meta["example_value"] = t.meta["val"] = plain.new_empty(shape, dtype=dtensor.dtype)
+        x, w, b = gather.dtensor_input.args[0], *local_shards(graph, local, gather.world_size,
+                                                               patterns.example_value(gather.full))
     with graph.inserting_before(anchor.next):  # in order, after the slice's last op
         proj = graph.call_function(torch._C._nn.linear, (x, w, b))
         value = proj
@@ -406,6 +435,22 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     return proj
 
 
+def local_shards(graph: fx.Graph, proj: fx.Node, world: int, plain: torch.Tensor) -> tuple:
+    """``W.to_local()`` (and the bias's) of a DTensor head's projection, read at the top of the graph (observers
+    read the shard before the head); ``plain``: a FakeTensor of the fake mode every local value lives in."""
+    _, w, b = patterns.match_projection(proj)
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        shards = [graph.call_method("to_local", (t,)) if t is not None else None for t in (w, b)]
+    for t, orig in zip(shards, (w, b)):
+        if t is not None:
+            dtensor = patterns.example_value(orig)
+            with plain.fake_mode:
+                shape = (dtensor.shape[0] // world,) + tuple(dtensor.shape[1:])
+                t.meta["example_value"] = t.meta["val"] = plain.new_empty(shape, dtype=dtensor.dtype)
+    return tuple(shards)
+
+
 def full_logits(local: fx.Node) -> fx.Node:
     """The ``[..., V]`` logits a vocabulary-parallel projection is gathered into (a target observer's top-k reads
     them: the target keeps its gather, which verification needs)."""
@@ -418,7 +463,10 @@ def full_logits(local: fx.Node) -> fx.Node:
 def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
     """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
     HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
-    nodes = [collapse_gather(graph, node_map[n]) for n in head.nodes]
+    from .vocab_parallel_select import collapse_exchange, remapped
+
+    nodes = [collapse_exchange(graph, remapped(head.exchanges[n], node_map)) if n in head.exchanges
+             else collapse_gather(graph, node_map[n]) for n in head.nodes]
     weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
     return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
                      head.module_path)

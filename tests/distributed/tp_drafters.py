@@ -101,3 +101,146 @@ def dense_masked(model: nn.Module, ids: torch.Tensor, active: torch.Tensor) -> t
     with torch.no_grad():
         out = model(ids)
     return out.masked_fill(~active, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- local selection + exchange
+def exchange_max_view(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
+    """max(-1) on the slice, ids + rank * V/tp, funcol gathers of values and ids along dim 0, argmax over ranks."""
+    v, i = local.max(-1)
+    i = i + rank * local.shape[-1]
+    av = funcol.all_gather_tensor(v, 0, dist.group.WORLD).view((tp,) + tuple(v.shape))
+    ai = funcol.all_gather_tensor(i, 0, dist.group.WORLD).view((tp,) + tuple(i.shape))
+    best = av.argmax(0)
+    return ai.gather(0, best.unsqueeze(0)).squeeze(0)
+
+
+def exchange_topk_list(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 3) -> tuple:
+    """topk(k), ids + a start buffer, in-place all_gather into lists, cat, topk(k) of the tp * k candidates."""
+    v, i = local.topk(k, dim=-1)
+    i = i + start
+    vs, ids = [torch.empty_like(v) for _ in range(tp)], [torch.empty_like(i) for _ in range(tp)]
+    dist.all_gather(vs, v)
+    dist.all_gather(ids, i)
+    best, pos = torch.cat(vs, -1).topk(k, dim=-1)
+    return best, torch.cat(ids, -1).gather(-1, pos)
+
+
+def exchange_topk_arange(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 2) -> tuple:
+    """topk(k), ids looked up in arange(first, first + V/tp), funcol along the candidate axis, take_along_dim."""
+    v, i = torch.topk(local, k)
+    rows = local.shape[-1]
+    i = torch.arange(rank * rows, (rank + 1) * rows)[i]
+    cv = funcol.all_gather_tensor(v, gather_dim=v.dim() - 1, group=dist.group.WORLD)
+    ci = funcol.all_gather_tensor(i, gather_dim=i.dim() - 1, group=dist.group.WORLD)
+    best, pos = cv.topk(1, dim=-1)
+    return best.squeeze(-1), torch.take_along_dim(ci, pos, dim=-1).squeeze(-1)
+
+
+def exchange_max_stack(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
+    """max(-1, keepdim=True), all_gather_into_tensor, a rank axis from view, max over it, gather of the ids."""
+    v, i = local.max(dim=-1, keepdim=True)
+    i = rank * local.shape[-1] + i
+    out_v = v.new_empty((tp * v.shape[0],) + tuple(v.shape[1:]))
+    out_i = i.new_empty((tp * i.shape[0],) + tuple(i.shape[1:]))
+    dist.all_gather_into_tensor(out_v, v)
+    dist.all_gather_into_tensor(out_i, i)
+    best, pos = out_v.view((tp,) + tuple(v.shape)).max(0, keepdim=True)
+    return best.squeeze(0), out_i.view((tp,) + tuple(i.shape)).gather(0, pos).squeeze(0)
+
+
+EXCHANGES = {"max_view": exchange_max_view, "topk_list": exchange_topk_list, "topk_arange": exchange_topk_arange,
+             "max_stack": exchange_max_stack}
+
+
+class ExchangeDrafter(VocabParallelDrafter):
+    """A vocabulary-parallel drafter that selects on its own slice and exchanges (value, id) candidates instead of
+    gathering its logits. ``mask`` ([V] bool, eager only) sets inactive logits of the slice to -inf: the oracle."""
+
+    def __init__(self, vocab: int, hidden: int, tp: int, rank: int, exchange: str = "max_view", **kwargs):
+        super().__init__(vocab, hidden, tp, rank, **kwargs)
+        self.rank, self.exchange, self.mask = rank, EXCHANGES[exchange], None
+        rows = self.head_weight.shape[0]
+        self.register_buffer("start", torch.tensor(rank * rows))
+
+    def forward(self, ids: torch.Tensor):
+        h = torch.tanh(self.proj(self.embed(ids)))
+        local = F.linear(h, self.head_weight, self.head_bias)
+        if self.scale is not None:
+            local = (local * self.scale).double()
+        if self.mask is not None:
+            rows = local.shape[-1]
+            local = local.masked_fill(~self.mask[self.rank * rows:(self.rank + 1) * rows], float("-inf"))
+        return self.exchange(local, self.tp, self.rank, self.start)
+
+    def full_logits(self, ids: torch.Tensor, full_weight: torch.Tensor, full_bias) -> torch.Tensor:
+        """The logits of every shard's rows, on one device (plain torch: the oracle's)."""
+        z = F.linear(torch.tanh(self.proj(self.embed(ids))), full_weight, full_bias)
+        return (z * self.scale).double() if self.scale is not None else z
+
+
+class DTensorExchangeDrafter(DTensorDrafter):
+    """``ColwiseParallel()`` with its default ``Shard(-1)`` output: each rank gets its slice, takes its max and
+    exchanges (value, id) with the others (``exchange_max_view``)."""
+
+    def parallelize(self, mesh) -> "DTensorExchangeDrafter":
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        self.full_weight = self.lm_head.weight.detach().clone()  # the same on every rank (seeded): the oracle's
+        self.mask, self.rank, self.tp = None, mesh.get_local_rank(), mesh.size()
+        parallelize_module(self, mesh, {"lm_head": ColwiseParallel()})
+        return self
+
+    def forward(self, ids: torch.Tensor):
+        local = self.lm_head(torch.tanh(self.embed(ids)))
+        if self.mask is not None:
+            rows = local.shape[-1]
+            local = local.masked_fill(~self.mask[self.rank * rows:(self.rank + 1) * rows], float("-inf"))
+        return exchange_max_view(local, self.tp, self.rank, None)
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.embed(ids)), self.full_weight)
+
+
+def full_selection(logits: torch.Tensor, active: torch.Tensor, k: int) -> tuple:
+    """Plain torch, one device: the full logits with -inf at inactive tokens, their top-k values and ids (k = 1:
+    ``max``, the first maximum)."""
+    z = logits.masked_fill(~active, float("-inf"))
+    return z.max(-1) if k == 1 else z.topk(k, dim=-1)
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel token embedding
+class VocabParallelEmbedding(nn.Module):
+    """Megatron's ``VocabParallelEmbedding``: this rank's rows ``[start, end)`` of the table; ids outside are looked
+    up at row 0 and their rows zeroed; the sum over ranks is the full lookup. ``style``: ``"megatron"`` (in-place
+    masking, ``dist.all_reduce``) or ``"where"`` (``torch.where``, ``masked_fill``, ``funcol.all_reduce``, a
+    ``start`` buffer)."""
+
+    def __init__(self, full: torch.Tensor, tp: int, rank: int, style: str = "megatron"):
+        super().__init__()
+        rows = full.shape[0] // tp
+        self.start, self.end, self.style = rank * rows, (rank + 1) * rows, style
+        self.weight = nn.Parameter(full[self.start:self.end].clone())
+        self.register_buffer("first", torch.tensor(self.start))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids < self.start) | (ids >= self.end)
+        if self.style == "megatron":
+            local = ids - self.start
+            local[mask] = 0
+            out = F.embedding(local, self.weight)
+            out[mask, :] = 0.0
+            dist.all_reduce(out)
+            return out
+        local = torch.where(mask, 0, ids - self.first)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0.0)
+        return funcol.all_reduce(out, "sum", dist.group.WORLD)
+
+
+class ParallelEmbeddingDrafter(VocabParallelDrafter):
+    """A vocabulary-parallel drafter whose token embedding is vocabulary-parallel too (its ``embed`` holds the same
+    full table as the base class's, sharded); ``full_embed`` keeps the full table for the oracle."""
+
+    def __init__(self, vocab: int, hidden: int, tp: int, rank: int, style: str = "megatron", **kwargs):
+        super().__init__(vocab, hidden, tp, rank, **kwargs)
+        self.full_embed = self.embed
+        self.embed = VocabParallelEmbedding(self.full_embed.weight.detach(), tp, rank, style)

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tp_drafters import DTensorDrafter, VocabParallelDrafter, dense_masked  # noqa: E402
+from tp_drafters import (  # noqa: E402
+    DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter, VocabParallelDrafter, dense_masked,
+    full_selection)
 
 import nanospec_fx  # noqa: E402
 
@@ -117,7 +119,103 @@ def disagree(rank: int, world: int) -> dict:
     raise AssertionError("no error on this rank")
 
 
-SCENARIOS = {"exact": exact, "disagree": disagree}
+def _full(shard: torch.Tensor | None) -> torch.Tensor | None:
+    """Every rank's shard, concatenated in rank order (plain torch.distributed)."""
+    if shard is None:
+        return None
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, shard.detach().contiguous())
+    return torch.cat(parts)
+
+
+def exchange(rank: int, world: int) -> dict:
+    """Local max / top-k, then an exchange of (value, id) candidates: the compiled drafter runs no collective in
+    its draft step and returns what a selection over the full logits with -inf at inactive tokens returns (plain
+    torch oracle), which is also what the dense tensor-parallel drafter with its slice masked returns. ``ties``:
+    the two shards hold the same rows, so every maximum is tied across ranks: the smaller id wins."""
+    report = {}
+    warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # a dense fallback would also be exact: refuse it
+    cases = [("max_view", False, False, None, False), ("topk_list", True, False, None, False),
+             ("topk_arange", False, True, 0.5, False), ("max_stack", False, False, None, False),
+             ("max_view", False, True, None, True), ("max_stack", True, False, None, True),
+             ("dtensor_shard", False, False, None, False)]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name, bias, inductor, scale, ties in cases:
+        torch._dynamo.reset()
+        if name == "dtensor_shard":
+            model = DTensorExchangeDrafter(V, H).parallelize(mesh)
+            logits_of = model.full_logits
+        else:
+            model = ExchangeDrafter(V, H, world, rank, exchange=name, bias=bias, scale=scale)
+            if ties:
+                with torch.no_grad():
+                    model.head_weight.copy_(ExchangeDrafter(V, H, world, 0).head_weight)  # rank 0's rows everywhere
+                    if bias:
+                        model.head_bias.zero_()
+            full_w, full_b = _full(model.head_weight), _full(model.head_bias)
+            logits_of = lambda ids, m=model, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
+        k = {"topk_list": 3, "topk_arange": 1}.get(name, 1)
+        g = torch.Generator().manual_seed(1)
+        for step, shape in enumerate([(2, 5), (2, 1), (1, 3)]):
+            ids = torch.randint(0, V, shape, generator=g)
+            if ties:  # token t and its twin t + V/2 both fed: the twin must lose every tie
+                ids = torch.cat([ids, (ids + V // 2) % V], -1)
+            if step == 1:
+                nanospec_fx.active_vocab(model).observe(torch.randint(0, V, (4,), generator=g))
+            with torch.no_grad():
+                out = compiled(ids)
+            state = nanospec_fx.active_vocab(model)
+            active = state.contains(torch.arange(V))
+            assert set(torch.nonzero(active).flatten().tolist()) >= set(ids.flatten().tolist())
+            with torch.no_grad():
+                values, picked = full_selection(logits_of(ids), active, k)
+            out_values, out_ids = out if isinstance(out, tuple) else (None, out)
+            out_ids = out_ids.reshape(picked.shape)
+            assert torch.equal(out_ids, picked), (name, out_ids, picked)
+            if out_values is not None:
+                torch.testing.assert_close(out_values.reshape(values.shape), values, rtol=1e-5, atol=1e-5)
+            model.mask = active  # the dense tensor-parallel drafter, its slice masked to the active set (eager)
+            with torch.no_grad():
+                dense = model(ids)
+            model.mask = None
+            dense_ids = dense[1] if isinstance(dense, tuple) else dense
+            assert torch.equal(out_ids, dense_ids.reshape(picked.shape)), (name, out_ids, dense_ids)
+            assert _all_equal(state.token_ids().tolist())
+        report[f"{name}{'_ties' if ties else ''}{'_inductor' if inductor else ''}"] = len(state)
+    return report
+
+
+def embedding(rank: int, world: int) -> dict:
+    """A vocabulary-parallel token embedding (Megatron style, and torch.where + funcol): the original ids are
+    observed, so every fed id is active on every rank, and the output equals the dense tensor-parallel drafter
+    masked to the active set; the sets are identical across ranks."""
+    report = {}
+    warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # "nothing joins the set" would be one
+    for style in ("megatron", "where"):
+        torch._dynamo.reset()
+        model = ParallelEmbeddingDrafter(V, H, world, rank, style=style)
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+        g = torch.Generator().manual_seed(3)
+        fed: list[int] = []
+        for shape in [(2, 5), (2, 1), (1, 3)]:
+            ids = torch.randint(0, V, shape, generator=g)
+            with torch.no_grad():
+                torch.testing.assert_close(model.embed(ids), model.full_embed(ids))  # the drafter is what it says
+                out = compiled(ids)
+            fed += ids.flatten().tolist()
+            state = nanospec_fx.active_vocab(model)
+            active = state.contains(torch.arange(V))
+            assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
+            torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
+            assert _all_equal(state.token_ids().tolist())
+        report[style] = len(state)
+    return report
+
+
+SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding}
 
 
 def main() -> None:
