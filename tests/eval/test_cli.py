@@ -205,6 +205,10 @@ def test_explain_on_a_local_model_directory(tiny_model_dir):
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
     assert f"active vocabulary: {ids.unique().numel()} / 64 slots" in out
     assert "predicted model.embed_tokens.weight speedup with 64 active tokens" in out
+    assert "fitted on the project's 2-core test machine" in out
+    calibrated = run("explain", "--model", tiny_model_dir, "--capacity", "64", "--prompt-tokens", "5",
+                     "--calibrate").output
+    assert "cost model: constants measured on this machine" in calibrated
 
 
 def test_explain_missing_model_is_a_clear_error():

@@ -15,7 +15,9 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY
 @click.option("--rows", default="1,10", show_default=True, help="Rows for the predicted head speedup.")
 @click.option("--inductor/--no-inductor", default=False, show_default=True,
               help="Compile the rest with inductor (slow on CPU).")
-def explain(model, capacity, prompt_tokens, rows, inductor):
+@click.option("--calibrate/--no-calibrate", default=False, show_default=True,
+              help="Measure the cost model's constants on this CPU first (about a second).")
+def explain(model, capacity, prompt_tokens, rows, inductor, calibrate):
     """Compile a model with nanospec, run it once, print what the pass did and the cost model."""
     import torch
 
@@ -34,7 +36,7 @@ def explain(model, capacity, prompt_tokens, rows, inductor):
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         compiled(ids)
-    report = nanospec_fx.explain(lm)
+    report = nanospec_fx.explain(lm, calibrate=calibrate)
     console.print(str(report), markup=False, highlight=False)
     for head in report.heads:
         for n_active in dict.fromkeys([max(len(head.state), 1), head.state.capacity]):
