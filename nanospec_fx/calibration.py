@@ -82,8 +82,8 @@ def calibrate(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int
         # the dense head: one row streams, four rows show where it turns compute-bound
         n_dense = max(1, _DENSE_BYTES // (hidden_size * b))
         dense_w = torch.randn(n_dense, hidden_size, generator=g).to(dtype)
-        t1 = _cold_median(lambda: F.linear(x1, dense_w), flush, max(3, repeats // 3))
-        t4 = _cold_median(lambda: F.linear(x4, dense_w), flush, max(3, repeats // 3))
+        t1 = _cold_median(lambda: F.linear(x1, dense_w), flush, max(5, repeats // 2))
+        t4 = _cold_median(lambda: F.linear(x4, dense_w), flush, max(5, repeats // 2))
         dense_bytes = n_dense * hidden_size * b
         efficiency = dense_bytes / t1 / bandwidth
         flops_per_byte = 2 * 4 * hidden_size * n_dense / (t4 * bandwidth)
