@@ -60,7 +60,8 @@ def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -
 
 
 def check_token_range(token_ids: torch.Tensor, vocab_size: int) -> None:
-    """``ValueError`` naming the first bad id when a token id is outside ``[0, vocab_size)`` (reads them on the host)."""
+    """``ValueError`` naming the first bad id when a token id is outside ``[0, vocab_size)`` (reads them on the
+    host)."""
     if token_ids.numel():
         lo, hi = int(token_ids.min()), int(token_ids.max())
         if lo < 0 or hi >= vocab_size:

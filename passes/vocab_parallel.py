@@ -425,11 +425,7 @@ def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     gather.full.replace_all_uses_with(value)
     for node in reversed(gather.nodes):
         graph.erase_node(node)
-    sliced = [local, *gather.prefix]
-    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
-        graph.erase_node(buffer)
-    for node in reversed(sliced):
-        graph.erase_node(node)
+    erase_local_slice(graph, local, gather.prefix)
     if gather.dtensor_input is not None and not gather.dtensor_input.users:
         graph.erase_node(gather.dtensor_input)
     return proj
@@ -470,3 +466,13 @@ def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node])
     weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
     return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
                      head.module_path)
+
+
+def erase_local_slice(graph: fx.Graph, local: fx.Node, prefix: list[fx.Node]) -> None:
+    """Erase this rank's slice and its elementwise prefix once nothing reads them, with the fresh buffers an
+    in-place collective copied them into (dead-code elimination keeps nodes next to side-effecting ones)."""
+    sliced = [local, *prefix]
+    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
+        graph.erase_node(buffer)
+    for node in reversed(sliced):
+        graph.erase_node(node)

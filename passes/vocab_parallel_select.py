@@ -35,7 +35,9 @@ import torch.fx as fx
 
 from . import patterns
 from .patterns import _arg
-from .vocab_parallel import FRESH_BUFFERS, _elementwise_prefix, _in_graph_order, _is_c10d, _name, _same, _step
+from .vocab_parallel import (
+    FRESH_BUFFERS, _elementwise_prefix, erase_local_slice, _in_graph_order, _is_c10d, _name, _same, _step,
+)
 
 ADD = {operator.add, torch.add}
 GATHER_FUNCTIONS = {torch.gather, torch.take_along_dim}
@@ -335,11 +337,7 @@ def collapse_exchange(graph: fx.Graph, exchange: Exchange) -> fx.Node:
         final.replace_all_uses_with(picked[which] if ndim == len(fake.shape) else squeezed[which])
     for node in reversed(exchange.nodes):
         graph.erase_node(node)
-    sliced = [local, *exchange.prefix]
-    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
-        graph.erase_node(buffer)
-    for node in reversed(sliced):
-        graph.erase_node(node)
+    erase_local_slice(graph, local, exchange.prefix)
     for node in reversed([head] + exchange.head_nodes[:-1] if exchange.proj is not None else []):
         graph.erase_node(node)  # a DTensor head: redistribute, its projection (to_local is ``local``)
     if exchange.dtensor_input is not None and not exchange.dtensor_input.users:

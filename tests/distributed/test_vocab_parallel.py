@@ -23,49 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-import nanospec_fx.backend as backend
 from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
+from graph_helpers import call_targets, compile_and_run  # noqa: E402
 from tp_drafters import GATHERS, DTensorDrafter, VocabParallelDrafter, gather_funcol  # noqa: E402
 
 V, H, TP = 64, 16, 2
 C10D = torch.ops._c10d_functional
-
-
-@pytest.fixture(scope="module")
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def compiled_graphs(monkeypatch):
-    """The graphs the backend hands to its compiler (after the rewrite)."""
-    graphs = []
-    compile_graph = backend._compile
-
-    def spy(gm, example_inputs, opts, config_patches):
-        graphs.append(gm.graph)
-        return compile_graph(gm, example_inputs, opts, config_patches)
-
-    monkeypatch.setattr(backend, "_compile", spy)
-    return graphs
-
-
-def _targets(graph) -> list:
-    return [getattr(n.target, "overloadpacket", n.target) for n in graph.nodes if n.op == "call_function"]
-
-
-def _compile_and_run(model, ids, **options):
-    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32, **options})
-    with torch.no_grad():
-        return compiled(ids)
 
 
 @pytest.mark.parametrize("gather, bias", [("funcol", False), ("list", True), ("into_tensor", False), ("movedim", True),
@@ -73,10 +38,10 @@ def _compile_and_run(model, ids, **options):
 def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
     scale = 0.5 if bias else None  # a temperature and a cast between the slice and its gather
     model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias, scale=scale)
-    out = _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    out = compile_and_run(model, torch.randint(0, V, (2, 3)))
     assert out.shape == (2, 3, V) and out.dtype == (torch.float64 if scale else torch.float32)
     (graph,) = compiled_graphs
-    targets = _targets(graph)
+    targets = call_targets(graph)
     assert C10D.all_gather_into_tensor not in targets and C10D.wait_tensor in targets  # the observer's only
     assert targets.count(C10D.all_reduce) == 1 + bias  # the rows (and bias entries) of the fed ids, from their owners
     state = nanospec_fx.active_vocab(model)
@@ -87,8 +52,8 @@ def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, 
 def test_a_one_row_gather_written_as_a_view(fake_group, compiled_graphs):
     """For one row funcol writes the gather as ``stacked.view(1, 1, V)``: the slices are already side by side."""
     model = VocabParallelDrafter(V, H, TP, rank=0)
-    assert _compile_and_run(model, torch.randint(0, V, (1, 1))).shape == (1, 1, V)
-    assert C10D.all_gather_into_tensor not in _targets(compiled_graphs[-1])
+    assert compile_and_run(model, torch.randint(0, V, (1, 1))).shape == (1, 1, V)
+    assert C10D.all_gather_into_tensor not in call_targets(compiled_graphs[-1])
 
 
 @pytest.mark.parametrize("gather", ["funcol", "list"])
@@ -98,7 +63,7 @@ def test_dynamic_shapes_keep_the_rewrite(fake_group, compiled_graphs, gather):
     with torch.no_grad():
         for shape in [(2, 3), (3, 5)]:
             assert compiled(torch.randint(0, V, shape)).shape == shape + (V,)
-    assert all(C10D.all_gather_into_tensor not in _targets(g) for g in compiled_graphs)
+    assert all(C10D.all_gather_into_tensor not in call_targets(g) for g in compiled_graphs)
 
 
 @pytest.mark.parametrize("output", ["replicate", "shard"])
@@ -112,12 +77,12 @@ def test_dtensor_colwise_head(fake_group, compiled_graphs, output):
     layout = Replicate() if output == "replicate" else Shard(-1)
     parallelize_module(model, init_device_mesh("cpu", (TP,)), {"lm_head": ColwiseParallel(output_layouts=layout)})
     if output == "replicate":
-        assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
+        assert compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
         assert nanospec_fx.active_vocab(model).shard.shard_rows == V // TP
         assert "redistribute" not in str(compiled_graphs[-1])
     else:
         with pytest.warns(NanoSpecWarning, match="DTensor in a layout"):
-            assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V // TP)
+            assert compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V // TP)
 
 
 @pytest.mark.parametrize("ids", [[5, 2, 5, -1, 70, 9], [-3, 99], [2]])
@@ -154,8 +119,8 @@ class DraftLoop(VocabParallelDrafter):
 
 def test_a_draft_loop_loses_every_gather(fake_group, compiled_graphs):
     model = DraftLoop(V, H, TP, rank=0)
-    assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3)
-    targets = _targets(compiled_graphs[-1])
+    assert compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3)
+    targets = call_targets(compiled_graphs[-1])
     assert C10D.all_gather_into_tensor not in targets and targets.count(C10D.all_reduce) == 3  # one per step's ids
     assert len(nanospec_fx.active_vocab(model).rewrites[-1].consumers) == 3  # argmax on the compact logits
 
@@ -183,8 +148,8 @@ class RanksSwapped(VocabParallelDrafter):
 def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter):
     model = drafter(V, H, TP, rank=0)
     with pytest.warns(NanoSpecWarning, match="runs unchanged"):
-        _compile_and_run(model, torch.randint(0, V, (2, 3)))
-    assert C10D.all_gather_into_tensor in _targets(compiled_graphs[-1])
+        compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert C10D.all_gather_into_tensor in call_targets(compiled_graphs[-1])
 
 
 @pytest.mark.parametrize("target_kind", ["vocab_parallel", "replicated"])
@@ -192,13 +157,13 @@ def test_a_target_observer_feeds_a_sharded_state(fake_group, compiled_graphs, ta
     """The target keeps its own gather (verification needs its logits); its top-k of the gathered logits is observed
     with the rows fetched from their owner shards."""
     model = VocabParallelDrafter(V, H, TP, rank=0)
-    _compile_and_run(model, torch.randint(0, V, (1, 2)))
+    compile_and_run(model, torch.randint(0, V, (1, 2)))
     target = VocabParallelDrafter(V, H, TP, rank=0, seed=5) if target_kind == "vocab_parallel" else \
         nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V))
     compiled = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": model, "inductor": False})
     with torch.no_grad():
         assert compiled(torch.randint(0, V, (1, 2))).shape == (1, 2, V)
-    targets = _targets(compiled_graphs[-1])
+    targets = call_targets(compiled_graphs[-1])
     assert torch.topk in targets and C10D.all_reduce in targets
     assert (C10D.all_gather_into_tensor in targets) == (target_kind == "vocab_parallel")
 

@@ -19,50 +19,17 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import nanospec_fx
-import nanospec_fx.backend as backend
 from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
+from graph_helpers import call_targets, compile_and_run  # noqa: E402
 from test_vocab_parallel import _run_ranks  # noqa: E402
 from tp_drafters import EXCHANGES, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter  # noqa: E402
 
 V, H, TP, RANK = 64, 16, 2, 1
+FAKE_RANK = RANK  # the fake group makes this process rank 1: the offset rank * V/tp is not zero
 C10D = torch.ops._c10d_functional
 NANOSPEC = torch.ops.nanospec
-
-
-@pytest.fixture(scope="module")
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=TP)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def compiled_graphs(monkeypatch):
-    graphs = []
-    compile_graph = backend._compile
-
-    def spy(gm, example_inputs, opts, config_patches):
-        graphs.append(gm.graph)
-        return compile_graph(gm, example_inputs, opts, config_patches)
-
-    monkeypatch.setattr(backend, "_compile", spy)
-    return graphs
-
-
-def _targets(graph) -> list:
-    return [getattr(n.target, "overloadpacket", n.target) for n in graph.nodes if n.op == "call_function"]
-
-
-def _compile_and_run(model, ids, **options):
-    compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 32, **options})
-    with torch.no_grad():
-        return compiled(ids)
 
 
 def _shapes(out) -> list:
@@ -76,8 +43,8 @@ def test_exchange_forms_lose_both_collectives(fake_group, compiled_graphs, excha
     ids = torch.randint(0, V, (2, 3))
     with torch.no_grad():
         expected = _shapes(model(ids))  # eager on the fake group: right shapes, meaningless values
-    assert _shapes(_compile_and_run(model, ids)) == expected
-    targets = _targets(compiled_graphs[-1])
+    assert _shapes(compile_and_run(model, ids)) == expected
+    targets = call_targets(compiled_graphs[-1])
     assert C10D.all_gather_into_tensor not in targets and targets.count(C10D.all_reduce) == 1  # the observer's
     assert NANOSPEC.compact_topk in targets
     assert nanospec_fx.active_vocab(model).shard.rank == RANK
@@ -88,7 +55,7 @@ def test_dtensor_colwise_head_with_a_sharded_output_and_an_exchange(fake_group, 
     from torch.distributed.device_mesh import init_device_mesh
 
     model = DTensorExchangeDrafter(V, H).parallelize(init_device_mesh("cpu", (TP,)))
-    assert _shapes(_compile_and_run(model, torch.randint(0, V, (2, 3)))) == [(2, 3)]
+    assert _shapes(compile_and_run(model, torch.randint(0, V, (2, 3)))) == [(2, 3)]
     text = str(compiled_graphs[-1])
     assert "all_gather_into_tensor" not in text and "redistribute" not in text and "compact_topk" in text
     assert nanospec_fx.active_vocab(model).shard.shard_rows == V // TP
@@ -167,9 +134,9 @@ class TwoPicks(ExchangeDrafter):
 def test_exchanges_it_cannot_prove_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter, reason):
     model = drafter(V, H, TP, RANK)
     with pytest.warns(NanoSpecWarning, match=reason) as record:
-        _compile_and_run(model, torch.randint(0, V, (2, 3)))
+        compile_and_run(model, torch.randint(0, V, (2, 3)))
     assert len([w for w in record if issubclass(w.category, NanoSpecWarning)]) == 1
-    assert (C10D.all_gather_into_tensor in _targets(compiled_graphs[-1])) == (drafter is not NoExchange)
+    assert (C10D.all_gather_into_tensor in call_targets(compiled_graphs[-1])) == (drafter is not NoExchange)
 
 
 @pytest.mark.slow
@@ -184,9 +151,9 @@ def test_a_vocab_parallel_embedding_observes_the_original_ids(fake_group, compil
     """Each rank looks up only its rows at ``ids - start``; the tokens fed are ``ids``: they are what is observed
     (no warning that nothing joins the set), before the head reads the set."""
     model = ParallelEmbeddingDrafter(V, H, TP, RANK, style=style)
-    assert _compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
+    assert compile_and_run(model, torch.randint(0, V, (2, 3))).shape == (2, 3, V)
     graph = compiled_graphs[-1]
-    targets = _targets(graph)
+    targets = call_targets(graph)
     assert C10D.all_gather_into_tensor not in targets
     assert targets.count(C10D.all_reduce) == 2  # the embedding's own, and the observer's rows of the fed ids
     observed = [n for n in graph.nodes if "observe" in str(n.target)]
@@ -198,7 +165,8 @@ def test_a_vocab_parallel_embedding_observes_the_original_ids(fake_group, compil
             feeds.add(node)
             stack.extend(node.all_input_nodes)
     assert any(n.op == "placeholder" and "ids" in n.name for n in feeds)
-    assert not any(n.op in ("call_function", "call_method") and "sub" in str(n.target) for n in feeds)  # not ids - start
+    # the original ids, not ids - start
+    assert not any(n.op in ("call_function", "call_method") and "sub" in str(n.target) for n in feeds)
 
 
 @pytest.mark.slow
@@ -212,7 +180,7 @@ def test_explain_prints_the_collective_cost_model(fake_group, compiled_graphs):
     from tp_drafters import VocabParallelDrafter
 
     model = VocabParallelDrafter(V, H, TP, RANK)
-    _compile_and_run(model, torch.randint(0, V, (2, 3)))
+    compile_and_run(model, torch.randint(0, V, (2, 3)))
     text = str(nanospec_fx.explain(model))
     assert f"tensor parallel: tp={TP}, {V // TP} rows per rank" in text and "alpha-beta model" in text
     assert "all-gather of [rows, V]" in text and "H100 SXM" in text and "H200" in text

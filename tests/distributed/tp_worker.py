@@ -13,12 +13,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tp_drafters import (  # noqa: E402
-    DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter, VocabParallelDrafter, dense_masked,
-    full_selection)
+    DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter, VocabParallelDrafter,
+    dense_masked, full_selection)
 
 import nanospec_fx  # noqa: E402
 
 V, H, CAPACITY = 96, 16, 48
+
+
+def _check_step(model, ids, out, fed: list[int]):
+    """After a compiled call: every fed id is active and nothing else, the output is the dense drafter's masked to
+    the active set, and every rank holds the same set in the same slot order. Returns the state."""
+    state = nanospec_fx.active_vocab(model)
+    active = state.contains(torch.arange(V))
+    assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
+    torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
+    assert _all_equal(state.token_ids().tolist()), "identical active sets and slot order on every rank"
+    return state
 
 
 def _all_equal(value) -> bool:
@@ -56,11 +67,7 @@ def exact(rank: int, world: int) -> dict:
             with torch.no_grad():
                 out = compiled(ids)
             fed += ids.flatten().tolist()
-            state = nanospec_fx.active_vocab(model)
-            active = state.contains(torch.arange(V))
-            assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
-            torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
-            assert _all_equal(state.token_ids().tolist()), "identical active sets and slot order on every rank"
+            state = _check_step(model, ids, out, fed)
         report[gather] = len(state)
     # A draft vocabulary (EAGLE-3 d2t): R = 48 head rows, sharded, over the 96-token vocabulary.
     torch._dynamo.reset()
@@ -206,11 +213,7 @@ def embedding(rank: int, world: int) -> dict:
                 torch.testing.assert_close(model.embed(ids), model.full_embed(ids))  # the drafter is what it says
                 out = compiled(ids)
             fed += ids.flatten().tolist()
-            state = nanospec_fx.active_vocab(model)
-            active = state.contains(torch.arange(V))
-            assert set(torch.nonzero(active).flatten().tolist()) == set(fed), "every fed id is active, nothing else"
-            torch.testing.assert_close(out, dense_masked(model, ids, active), rtol=1e-5, atol=1e-5)
-            assert _all_equal(state.token_ids().tolist())
+            state = _check_step(model, ids, out, fed)
         report[style] = len(state)
     return report
 

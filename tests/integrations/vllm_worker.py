@@ -186,7 +186,8 @@ def eagle_export(dirs):
     calls[0] = False
     forward = next(c for kind, c in calls[1:] if kind == "forward")
     logits = next(c for kind, c in calls[1:] if kind == "logits")
-    save_file({**forward, **{f"compute_logits.{k}": v for k, v in logits.items()}}, str(root / "first_step.safetensors"))
+    tensors = {**forward, **{f"compute_logits.{k}": v for k, v in logits.items()}}
+    save_file(tensors, str(root / "first_step.safetensors"))
 
     import nanospec_fx.vllm_plugin as plugin
 
