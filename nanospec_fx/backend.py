@@ -236,6 +236,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
             state = state_for(weight, bias, config, name=head.name, transposed=head.transposed)
             mapped = builder.remap(head)
         into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
+        into.sharded = sharded
         if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
             into.transposed = True
         try:
@@ -404,6 +405,7 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
         nodes = builder.add_inputs(names)
         builder.set_input_values(nodes, [local_shard(t) for t in (state.weight, state.bias) if t is not None])
         into = builder.add_state(state, nodes[0], nodes[1] if len(nodes) > 1 else None)
+        into.sharded = True
     else:
         into = builder.add_state(state, None, None)
     observed = 0

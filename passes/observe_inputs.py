@@ -33,6 +33,9 @@ class ObserveInto:
     vocab_size: int  # size of the token-id space observed
     token_to_row: fx.Node | None = None  # token id -> head row map (EAGLE-3 draft vocabularies)
     transposed: bool = False  # ``weight`` is stored [H, V] (``h @ W``): observers copy its columns
+    #: the state is a vocabulary-parallel head's (tensor_parallel): a lookup into a ``V / tp``-row table at
+    #: ``ids - start`` is its token embedding's shard, and ``ids`` are tokens (:func:`sharded_token_lookups`)
+    sharded: bool = False
 
 
 @dataclass
@@ -359,8 +362,9 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     """
     lookups = [lk for lk in token_id_lookups(graph, into.vocab_size)  # not the rewrite's own gathers at active ids
                if not lk.node.meta.get("nanospec_active_rows")]
-    lookups += [lk for lk in sharded_token_lookups(graph, into.vocab_size)  # a vocabulary-parallel embedding's
-                if not lk.node.meta.get("nanospec_active_rows")]
+    if into.sharded:  # a vocabulary-parallel embedding's shard: on one device such a table is no token lookup
+        lookups += [lk for lk in sharded_token_lookups(graph, into.vocab_size)
+                    if not lk.node.meta.get("nanospec_active_rows")]
     reads = _state_reads(graph, into.state)
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned

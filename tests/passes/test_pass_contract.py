@@ -285,6 +285,29 @@ def test_a_head_scored_before_the_embedding_in_one_graph_sees_the_ids_of_its_cal
     _close(out, oracle)
 
 
+class SideTable(Drafter):
+    """A table of V/2 rows read at ``extra - 3`` (the shape of a vocabulary-parallel embedding's shard): on one device
+    it is no token lookup, so ``extra`` never joins the set."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Embedding(V // 2, H)
+
+    def forward(self, ids, extra, mask=None):
+        h = torch.tanh(self.body(self.embed(ids) + self.side((extra - 3).clamp(0, V // 2 - 1))))
+        z = self.lm_head(h)
+        return z if mask is None else z.masked_fill(~mask, float("-inf"))
+
+
+def test_a_shard_shaped_side_table_on_one_device_observes_nothing():
+    model = SideTable().eval()
+    extra = torch.tensor([[40, 41, 42, 43]])
+    out, oracle, warned = _run(model, IDS, extra)
+    assert not warned
+    assert torch.equal(torch.nonzero(_active(model)).flatten(), IDS.unique())  # the fed ids, not extra's
+    _close(out, oracle)
+
+
 # ----------------------------------------------------------------------------- grad mode at the head (classes 12, 15)
 class EnablesGrad(Drafter):
     def forward(self, ids, mask=None):
