@@ -29,7 +29,7 @@ from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns, vocab_parallel
+from nanospec_fx.passes import effects, patterns, vocab_parallel, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
@@ -63,7 +63,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     width = opts.vocab_size
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
-    heads = [h for h in vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
+    heads = [h for h in vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
              if width is None or h.vocab_size == width] or find_heads(gm, example_inputs, vocab_size=width,
                                                                        head=opts.head, notes=notes)
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
@@ -231,7 +231,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
 
             shard = tensor_parallel.VocabShard.of(head.group_name, head.world_size, head.shard_rows)
             state = tensor_parallel.sharded_state_for(weight, bias, config, shard, name=head.name)
-            mapped = vocab_parallel.remap(builder.graph, head, builder.node_map)
+            mapped = vocab_parallel_heads.remap(builder.graph, head, builder.node_map)
         else:
             state = state_for(weight, bias, config, name=head.name, transposed=head.transposed)
             mapped = builder.remap(head)
@@ -391,7 +391,7 @@ def _compile_target_observer(
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
                            config_patches: dict) -> Callable:
-    heads = vocab_parallel.gathered_heads(gm, example_inputs, head=opts.head, exchanges=False) or find_heads(
+    heads = vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, exchanges=False) or find_heads(
         gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
         warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")

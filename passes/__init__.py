@@ -10,6 +10,7 @@
 * ``effects``        - what a node writes and may alias (op schemas)
 * ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
 * ``vocab_parallel_select`` - a local max/top-k whose (value, id) candidates are exchanged: a top-k of the full logits
+* ``vocab_parallel_heads`` - the vocabulary-parallel heads of a graph (either form), collapsed for ``rewrite_head``
 
 The contract these passes implement (README, "The contract"):
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import effects, patterns
-from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
+from .find_head import HeadMatch
 
 FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", "zeros"}
 CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
@@ -327,72 +327,6 @@ def _in_graph_order(nodes: list[fx.Node]) -> list[fx.Node]:
     return sorted(set(nodes), key=order.__getitem__)
 
 
-def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
-                   notes: list[str] | None = None, exchanges: bool = True) -> list[GatheredHead]:
-    """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
-    output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
-    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names.
-    With ``exchanges``, a slice read by a local selection whose candidates are exchanged
-    (:mod:`vocab_parallel_select`) is such a head too."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    example_of = dict(zip(placeholders, example_inputs))
-    found: dict[fx.Node, GatheredHead] = {}
-    for node in gm.graph.nodes:
-        m = patterns.match_projection(node)
-        if m is None:
-            continue
-        x, w, b = m
-        shape = patterns.tensor_shape(w)
-        if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
-            continue
-        gather = match_dtensor(node) or match_gather(node)
-        sharded = gather if isinstance(gather, ShardedOutput) else None
-        if (gather is None or sharded) and exchanges:
-            from .vocab_parallel_select import match_exchange
-
-            gather = match_exchange(sharded.local if sharded else node, example_of, sharded)
-            if isinstance(gather, str):
-                gather = f"its slice is selected from and the candidates exchanged, but {gather}"
-            elif gather is None and sharded:
-                gather = ("its DTensor output stays sharded (Shard(-1)) and is read by no local top-k/max whose "
-                          "candidates are exchanged (all-gathered) and picked from")
-        elif sharded:
-            gather = "its DTensor output stays sharded (Shard(-1)): each rank keeps its own slice"
-        if gather is None:
-            continue
-        if isinstance(gather, str):
-            if notes is not None:
-                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}"
-                             if not gather.startswith("its slice") else
-                             f"the vocabulary-parallel head {parameter_name(w)}: {gather}")
-            continue
-        selected = not isinstance(gather, Gather)  # an exchange of candidates: its selection reaches the output
-        vocab = gather.world_size * shape[0] if gather.dtensor_input is None else shape[0]
-        if not selected and not reaches_output(gather.full, vocab):
-            continue
-        match = found.get(w)
-        if match is None:
-            match = found[w] = GatheredHead(w, [], parameter_name(w), vocab, shape[1], module_path=module_path(node),
-                                            world_size=gather.world_size, group_name=gather.group_name,
-                                            shard_rows=vocab // gather.world_size)
-        elif (match.world_size, match.group_name) != (gather.world_size, gather.group_name):
-            if notes is not None:
-                notes.append(f"the vocabulary-parallel head {match.name} is gathered over two different groups")
-            found.pop(w)
-            continue
-        match.nodes.append(node)
-        match.biases.append(b)
-        match.reach = "selection" if selected else "logits"
-        if selected:
-            match.exchanges[node] = gather
-    heads = list(found.values())
-    if head is not None:
-        from .find_head import _name_matches
-
-        heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
-    return heads
-
-
 def collapse_gather(graph: fx.Graph, local: fx.Node) -> fx.Node:
     """Replace ``local``'s gather into ``[..., V]`` by one projection ``linear(x, W_shard, b)`` whose value is the
     full logits (its FakeTensor is the ``cat``'s); erase the collective and everything between. The new node is
@@ -454,18 +388,6 @@ def full_logits(local: fx.Node) -> fx.Node:
     if not isinstance(gather, Gather):
         raise ValueError(f"nanospec: {local.name} is not a gathered vocabulary-parallel projection: {gather}")
     return gather.full
-
-
-def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
-    """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
-    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
-    from .vocab_parallel_select import collapse_exchange, remapped
-
-    nodes = [collapse_exchange(graph, remapped(head.exchanges[n], node_map)) if n in head.exchanges
-             else collapse_gather(graph, node_map[n]) for n in head.nodes]
-    weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
-    return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
-                     head.module_path)
 
 
 def erase_local_slice(graph: fx.Graph, local: fx.Node, prefix: list[fx.Node]) -> None:

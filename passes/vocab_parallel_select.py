@@ -156,9 +156,9 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
             pattern.append(n.args[0])
     if world is None:
         return None
-    from nanospec_fx.tensor_parallel import resolve_group
+    from torch.distributed.distributed_c10d import _resolve_process_group  # the group a functional collective names
 
-    rank = torch.distributed.get_rank(resolve_group(group))
+    rank = torch.distributed.get_rank(_resolve_process_group(group))
     for n, offset in offsets:
         if offset != rank * rows:
             return f"{n.name} offsets the local ids by {offset}, not this rank's first row {rank} * {rows}"

@@ -1,0 +1,86 @@
+"""The vocabulary-parallel heads of a graph: projections whose slices are gathered into ``[..., V]``
+(:mod:`vocab_parallel`) or selected from and exchanged as (value, id) candidates (:mod:`vocab_parallel_select`),
+found in Dynamo's graph and collapsed in the backend's copy into plain ``[..., V]`` projections for
+``rewrite_head``."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from . import patterns
+from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
+from .vocab_parallel import Gather, GatheredHead, ShardedOutput, collapse_gather, match_dtensor, match_gather
+from .vocab_parallel_select import collapse_exchange, match_exchange, remapped
+
+
+def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
+                   notes: list[str] | None = None, exchanges: bool = True) -> list[GatheredHead]:
+    """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
+    output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
+    cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names.
+    With ``exchanges``, a slice read by a local selection whose candidates are exchanged
+    (:mod:`vocab_parallel_select`) is such a head too."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example_of = dict(zip(placeholders, example_inputs))
+    found: dict[fx.Node, GatheredHead] = {}
+    for node in gm.graph.nodes:
+        m = patterns.match_projection(node)
+        if m is None:
+            continue
+        x, w, b = m
+        shape = patterns.tensor_shape(w)
+        if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
+            continue
+        gather = match_dtensor(node) or match_gather(node)
+        sharded = gather if isinstance(gather, ShardedOutput) else None
+        if (gather is None or sharded) and exchanges:
+            gather = match_exchange(sharded.local if sharded else node, example_of, sharded)
+            if isinstance(gather, str):
+                gather = f"its slice is selected from and the candidates exchanged, but {gather}"
+            elif gather is None and sharded:
+                gather = ("its DTensor output stays sharded (Shard(-1)) and is read by no local top-k/max whose "
+                          "candidates are exchanged (all-gathered) and picked from")
+        elif sharded:
+            gather = "its DTensor output stays sharded (Shard(-1)): each rank keeps its own slice"
+        if gather is None:
+            continue
+        if isinstance(gather, str):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}"
+                             if not gather.startswith("its slice") else
+                             f"the vocabulary-parallel head {parameter_name(w)}: {gather}")
+            continue
+        selected = not isinstance(gather, Gather)  # an exchange of candidates: its selection reaches the output
+        vocab = gather.world_size * shape[0] if gather.dtensor_input is None else shape[0]
+        if not selected and not reaches_output(gather.full, vocab):
+            continue
+        match = found.get(w)
+        if match is None:
+            match = found[w] = GatheredHead(w, [], parameter_name(w), vocab, shape[1], module_path=module_path(node),
+                                            world_size=gather.world_size, group_name=gather.group_name,
+                                            shard_rows=vocab // gather.world_size)
+        elif (match.world_size, match.group_name) != (gather.world_size, gather.group_name):
+            if notes is not None:
+                notes.append(f"the vocabulary-parallel head {match.name} is gathered over two different groups")
+            found.pop(w)
+            continue
+        match.nodes.append(node)
+        match.biases.append(b)
+        match.reach = "selection" if selected else "logits"
+        if selected:
+            match.exchanges[node] = gather
+    heads = list(found.values())
+    if head is not None:
+        from .find_head import _name_matches
+
+        heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
+    return heads
+
+
+def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
+    """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
+    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
+    nodes = [collapse_exchange(graph, remapped(head.exchanges[n], node_map)) if n in head.exchanges
+             else collapse_gather(graph, node_map[n]) for n in head.nodes]
+    weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
+    return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
+                     head.module_path)
