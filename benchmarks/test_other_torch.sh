@@ -7,7 +7,8 @@
 #
 # The venv is kept in ${SCRATCH_VENV:-/tmp/nanospec-torch-VERSION} and reused, so the (multi-GB) wheels are
 # fetched once. Plain PyPI gives the CUDA build of torch; it runs on a CPU too. Where pip is capped by a
-# constraints file, run with PIP_CONSTRAINT= (empty) to reach a newer release. The exit status is pytest's.
+# constraints file, run with PIP_CONSTRAINT=/dev/null to reach a newer release (an empty value does not
+# override a constraint set in pip's config file). The exit status is pytest's.
 set -euo pipefail
 if [ $# -lt 1 ]; then
     echo "usage: $0 TORCH_VERSION [pytest arguments...]" >&2
