@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_FLUSH_BYTES = 128 << 20  # more than the last-level cache of the machines this was checked on (32 MiB)
+FLUSH_BYTES = 128 << 20  # more than the last-level cache of the machines this was checked on (32 MiB)
 _DENSE_BYTES = 256 << 20  # the dense probe's matrix: streams from memory, as a vocabulary-sized head does
 
 
@@ -38,6 +38,16 @@ class MachineConstants:
     bandwidth: float | None = None  # bytes/s the compact head streams with (None: not measured)
     source: str = "fitted on the project's 2-core test machine; explain(..., calibrate=True) measures this one"
 
+    @classmethod
+    def fitted(cls, path: str) -> "MachineConstants":
+        """``cost_model.MACHINE[path]``: fitted on the project's test machine (host, reference), assumed (triton)."""
+        from nanospec_fx.cost_model import MACHINE
+
+        fixed, efficiency, flops_per_byte = MACHINE[path]
+        if path == "triton":
+            return cls(fixed, efficiency, flops_per_byte, source="assumed (no GPU timing yet)")
+        return cls(fixed, efficiency, flops_per_byte)
+
     def describe(self) -> str:
         if self.bandwidth is None:
             return f"constants {self.source}"
@@ -47,16 +57,25 @@ class MachineConstants:
                 f"{self.dense_flops_per_byte:.2f} FLOP/byte")
 
 
-def _cold_median(fn, flush: torch.Tensor, repeats: int) -> float:
-    """Median seconds of ``fn()`` with the caches flushed (``flush`` rewritten, untimed) before each call."""
+def cold_timings(fn, repeats: int, flush: torch.Tensor) -> list[float]:
+    """Seconds of ``fn()`` with the caches flushed before each call (``flush`` is rewritten, untimed): in a draft
+    round the drafter's body runs between two head calls and evicts the head's data, so a warm loop would time
+    the compact head from the cache instead of from memory. Device work included (synchronised on a GPU)."""
+    sync = torch.cuda.synchronize if flush.is_cuda else (lambda: None)
     fn()
     times = []
     for _ in range(repeats):
         flush.add_(1)
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _cold_median(fn, flush: torch.Tensor, repeats: int) -> float:
+    return statistics.median(cold_timings(fn, repeats, flush))
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +89,7 @@ def calibrate(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int
         raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
     b = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator().manual_seed(0)
-    flush = torch.zeros(_FLUSH_BYTES // 4)
+    flush = torch.zeros(FLUSH_BYTES // 4)
     with torch.inference_mode():
         x1 = torch.randn(1, hidden_size, generator=g).to(dtype)
         x4 = torch.randn(4, hidden_size, generator=g).to(dtype)

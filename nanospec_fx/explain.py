@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from nanospec_fx.calibration import MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
-from nanospec_fx.cost_model import ALPHA, GPU_HBM, MACHINE, NVLINK4, CollectiveCost, HeadCost, tp
+from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
@@ -164,10 +164,7 @@ def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
 def _constants(path: str, hidden_size: int, dtype: torch.dtype, calibrate: bool) -> MachineConstants:
     if calibrate and path in ("host", "reference"):
         return measure_constants(hidden_size, dtype)
-    fixed, efficiency, flops_per_byte = MACHINE[path]
-    if path == "triton":
-        return MachineConstants(fixed, efficiency, flops_per_byte, source="assumed (no GPU timing yet)")
-    return MachineConstants(fixed, efficiency, flops_per_byte)
+    return MachineConstants.fitted(path)
 
 
 def _unique(items) -> list[str]:

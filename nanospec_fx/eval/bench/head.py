@@ -28,9 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.calibration import MachineConstants, calibrate
-from nanospec_fx.cost_model import MACHINE, HeadCost
-from nanospec_fx.eval.bench.timing import time_call, timings
+from nanospec_fx.calibration import FLUSH_BYTES, MachineConstants, calibrate, cold_timings
+from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.eval.bench.timing import timings
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
@@ -153,21 +153,6 @@ def bench_head_sweep(shape: str, hidden: int, vocab: int, sizes, rows=(1, 10), r
     return out
 
 
-_FLUSH_BYTES = 128 << 20  # more than any CPU's last-level cache here (32 MiB on the test machine)
-
-
-def cold_timings(fn: Callable[[], object], repeats: int, flush: torch.Tensor) -> list[float]:
-    """Seconds of ``fn()`` with the caches flushed before each call (``flush`` is rewritten, untimed):
-    in a draft round the drafter's body runs between two head calls and evicts the head's data, so a
-    warm loop would time the compact head from the cache instead of from memory."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        flush.add_(1)
-        out.append(time_call(fn))
-    return out
-
-
 @dataclass
 class ActiveTiming:
     rows: int
@@ -199,7 +184,7 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
     weight = torch.randn(vocab, hidden, dtype=dtype, device=device).div_(math.sqrt(hidden))
     path, size = path_for(device), weight.element_size()
     states = {n: filled_state(weight, n, capacity) for n in actives}
-    flush = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+    flush = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device=device)
     out = []
     with torch.inference_mode():
         for r in rows:
@@ -244,7 +229,7 @@ def _main() -> None:
     print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
           f"{torch.get_num_threads()}, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
           f"median of {a.repeats}")
-    print("cost model: " + (machine or MachineConstants(*MACHINE[res[0].path])).describe())
+    print("cost model: " + (machine or MachineConstants.fitted(res[0].path)).describe())
     print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
           "| predicted / measured (min) |")
     print("|---|---|---|---|---|---|---|---|")
