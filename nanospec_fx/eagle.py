@@ -34,6 +34,12 @@ from nanospec_fx.sampling import SpeculativeSampler
 
 # ----------------------------------------------------------------------------- the drafter
 LAYOUTS = ("nanospec", "vllm")
+#: our decoder layer's modules -> their names in a transformers Llama decoder layer (and under vLLM's ``layers.0``)
+LLAMA_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}
 
 
 @dataclass
@@ -177,6 +183,13 @@ class EagleDrafter(nn.Module):
         w = self.fc.weight
         return KVCache(self.config, max_len, batch, dtype=w.dtype, device=w.device)
 
+    def llama_layer_pairs(self, theirs: Callable[[str], object]) -> list[tuple[nn.Module, object]]:
+        """(our layer's module, ``theirs(name)``) for every module with a weight, ``name`` being its name in a
+        transformers Llama decoder layer (:data:`LLAMA_LAYER_NAMES`; the ``vllm`` layout has no input norm)."""
+        mine = self.layer
+        return [(getattr(mine, ours), theirs(name)) for ours, name in LLAMA_LAYER_NAMES.items()
+                if hasattr(getattr(mine, ours), "weight")]
+
     @torch.no_grad()
     def copy_target_layer(self, layer: nn.Module, noise: float = 0.0) -> "EagleDrafter":
         """Stand-in for training: pass the token embedding through ``fc`` and copy a transformers
@@ -186,16 +199,7 @@ class EagleDrafter(nn.Module):
         self.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
         if self.fc.bias is not None:
             self.fc.bias.zero_()
-        mine, theirs = self.layer, layer
-        pairs = [(mine.attn_norm, theirs.input_layernorm)] if hasattr(mine.attn_norm, "weight") else []
-        pairs += [
-            (mine.mlp_norm, theirs.post_attention_layernorm),
-            (mine.q_proj, theirs.self_attn.q_proj), (mine.k_proj, theirs.self_attn.k_proj),
-            (mine.v_proj, theirs.self_attn.v_proj), (mine.o_proj, theirs.self_attn.o_proj),
-            (mine.gate_proj, theirs.mlp.gate_proj), (mine.up_proj, theirs.mlp.up_proj),
-            (mine.down_proj, theirs.mlp.down_proj),
-        ]
-        for dst, src in pairs:
+        for dst, src in self.llama_layer_pairs(layer.get_submodule):
             dst.weight.copy_(src.weight + noise * src.weight.std() * torch.randn_like(src.weight))
         return self
 

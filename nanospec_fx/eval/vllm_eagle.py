@@ -22,12 +22,6 @@ from nanospec_fx.eagle import EagleDrafter
 ARCHITECTURE = "EagleLlamaForCausalLM"  # vLLM maps LlamaForCausalLM to it for `eagle`; named outright here
 WEIGHTS = "model.safetensors"
 STATIC_LIST = "static-tokens.txt"  # the training text's token ids, most frequent first (the plugin's static policy)
-#: our layer's module -> vLLM's (HF Llama's) name under ``layers.0``
-LAYER_NAMES = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm", "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-}
 
 
 def check_target(target: torch.nn.Module) -> None:
@@ -49,8 +43,8 @@ def vllm_tensors(drafter: EagleDrafter) -> dict[str, torch.Tensor]:
             "(vLLM feeds the target's final-norm output, has no fc bias, no input norm in the layer and no norm "
             "before the head); train one in vLLM's layout: `nanospec-fx train-eagle ... --vllm-out DIR`")
     out = {"fc.weight": drafter.fc.weight}
-    for ours, theirs in LAYER_NAMES.items():
-        out[f"layers.0.{theirs}.weight"] = getattr(drafter.layer, ours).weight
+    for module, name in drafter.llama_layer_pairs(lambda name: name):
+        out[f"layers.0.{name}.weight"] = module.weight
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 
