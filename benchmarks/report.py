@@ -116,6 +116,12 @@ def render(path: Path) -> str:
                                   f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
                                   f"{(prov.get('load_average_start') or ['?'])[0]} -> "
                                   f"{(prov.get('load_average_end') or ['?'])[0]}")
+    shards = data["meta"].get("shards")  # `nanospec-fx e2e-merge`: the provenance above is the merge's
+    if shards:
+        commits = sorted({(p.get("provenance") or {}).get("git_commit") or "?" for p in data["meta"]["pieces"]})
+        origin += (f"\n\nmerged from shards {', '.join(map(str, shards['merged']))} of {shards['count']}"
+                   + (f" (**missing: {', '.join(map(str, shards['missing']))}**)" if shards["missing"] else "")
+                   + f"; the pieces' commits: {', '.join(c[:10] for c in commits)}")
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
 
 
