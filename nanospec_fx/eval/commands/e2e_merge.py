@@ -126,11 +126,11 @@ def merge(paths: list[Path], out: Path, name: str) -> None:
     count = first["shard"]["count"]
     for w in warnings:
         console.print(f"warning: {w}", markup=False, highlight=False)
+    covered = sum(len({r["request"] for r in p["requests"]}) for p in pieces)
+    left = (f"warning: shards still missing: {', '.join(f'{k}/{count}' for k in missing)}; this merge covers "
+            f"{covered} of {len(first['request_ids'])} requests (run the missing shards, then merge all {count})")
     if missing:
-        console.print(f"warning: shards still missing: {', '.join(f'{k}/{count}' for k in missing)}; this merge "
-                      f"covers {sum(len({r['request'] for r in p['requests']}) for p in pieces)} of "
-                      f"{len(first['request_ids'])} requests (run the missing shards, then merge all {count})",
-                      markup=False, highlight=False)
+        console.print(left, markup=False, highlight=False)
     runs_by_model = {spec: runs_from_rows([{k: v for k, v in r.items() if k != "model"}
                                            for p in pieces for r in p["requests"] if r["model"] == spec])
                      for spec in first["models"]}
@@ -141,6 +141,8 @@ def merge(paths: list[Path], out: Path, name: str) -> None:
             "merge_warnings": warnings,
             "pieces": [{"path": str(path), **{k: p["meta"].get(k) for k in kept}} for path, p in zip(paths, pieces)]}
     report(out, name, meta, runs_by_model, first["provenance"]["threads"])
+    if missing:  # again under the tables
+        console.print(left, markup=False, highlight=False)
 
 
 @click.command("e2e-merge")
