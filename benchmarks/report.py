@@ -110,13 +110,23 @@ def render(path: Path) -> str:
     kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
             "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
     body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
-    prov = data["meta"].get("provenance")
-    origin = "" if not prov else (f"\n\ncommit {(prov.get('git_commit') or '?')[:10]}"
-                                  f"{' (dirty)' * bool(prov.get('git_dirty'))}, "
-                                  f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
-                                  f"{(prov.get('load_average_start') or ['?'])[0]} -> "
-                                  f"{(prov.get('load_average_end') or ['?'])[0]}")
+    meta = data["meta"]
+    shards = meta.get("shards")  # `nanospec-fx e2e-merge`: each piece's provenance, not the merge's own
+    if shards:
+        origin = (f"\n\nmerged from shards {', '.join(map(str, shards['merged']))} of {shards['count']}"
+                  + (f" (**missing: {', '.join(map(str, shards['missing']))}**)" if shards["missing"] else "") + ":"
+                  + "".join(f"\n- shard {p['shard']['index']}: {_origin(p.get('provenance'))}" for p in meta["pieces"]))
+    else:
+        origin = f"\n\n{_origin(meta['provenance'])}" if meta.get("provenance") else ""
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
+
+
+def _origin(prov: dict | None) -> str:
+    """Commit, torch, threads and load of one run (a results JSON's provenance)."""
+    prov = prov or {}
+    return (f"commit {(prov.get('git_commit') or '?')[:10]}{' (dirty)' * bool(prov.get('git_dirty'))}, "
+            f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
+            f"{(prov.get('load_average_start') or ['?'])[0]} -> {(prov.get('load_average_end') or ['?'])[0]}")
 
 
 def _with_full_rate(pooled: list[dict]) -> list[tuple[dict, float | None]]:

@@ -5,6 +5,7 @@
     nanospec-fx bench draft   # one EAGLE-2 draft round with each head
     nanospec-fx e2e           # generate(assistant_model=...) with each drafter head, output checked
                               # (--drafter eagle: a trained EAGLE drafter on the target's KV cache)
+    nanospec-fx e2e-merge     # the JSONs of `e2e --drafter eagle --shard K/N` pieces joined into the whole run
     nanospec-fx explain       # what the pass rewrote in a model, and the predicted head speedup
     nanospec-fx train-eagle   # train an EAGLE drafter for a target (features cached, resumable)
 
@@ -69,6 +70,7 @@ COMMANDS = "nanospec_fx.eval.commands"
     "coverage": f"{COMMANDS}.coverage:coverage",
     "bench": f"{COMMANDS}.bench:bench",
     "e2e": f"{COMMANDS}.e2e:e2e",
+    "e2e-merge": f"{COMMANDS}.e2e_merge:e2e_merge",
     "explain": f"{COMMANDS}.explain:explain",
     "train-eagle": f"{COMMANDS}.train_eagle:train_eagle",
 })

@@ -71,3 +71,19 @@ def test_paired_runs_show_intervals_comparisons_and_provenance(tmp_path):
     assert "| full head | 1 | 2.00 | 12.00 | 1.21x [1.10, 1.30] |" in text
     assert "| full head | 1 | target only |  | tokens per s | 1.21x [1.10, 1.30] | 5 |" in text
     assert "commit abcdef0123, torch 2.13.0, 2 threads, load 0.5 -> 0.7" in text
+
+
+def test_a_merged_run_says_which_shards_it_joins_and_which_are_missing(tmp_path):
+    rows = [_row("target only", 0, "all", 1.0, 10.0, 1.0), _row("full head", 1, "all", 2.0, 12.0, 1.2)]
+    pieces = [{"shard": {"index": k, "count": 3}, "provenance": {"git_commit": c * 40, "torch": "2.13.0", "threads": 2,
+                                                                "load_average_start": [x, 0, 0],
+                                                                "load_average_end": [x + 1, 0, 0]}}
+              for k, c, x in ((0, "a", 0.5), (2, "b", 3.0))]
+    meta = {"command": "nanospec-fx e2e-merge", "shards": {"count": 3, "merged": [0, 2], "missing": [1]},
+            "pieces": pieces}
+    path = tmp_path / "e2e-eagle-merged.json"
+    path.write_text(json.dumps({"rows": rows, "meta": meta}))
+    text = _report().render(path)
+    assert ("merged from shards 0, 2 of 3 (**missing: 1**):\n"
+            "- shard 0: commit aaaaaaaaaa, torch 2.13.0, 2 threads, load 0.5 -> 1.5\n"
+            "- shard 2: commit bbbbbbbbbb, torch 2.13.0, 2 threads, load 3.0 -> 4.0\n") in text

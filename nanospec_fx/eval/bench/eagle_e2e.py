@@ -129,13 +129,18 @@ def setting_name(observe: str, prompt_topk: bool) -> str:
 def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: list[tuple[str, list[int]]],
                   depths: list[int], max_new: int, observe: str = "verified", target_topk: int = 3,
                   warmup: int = 1, progress: Callable[[str], None] | None = None, prompt_topk: bool = False,
-                  repeats: int = 1, settings: list[tuple[str, bool]] | None = None) -> list[Run]:
+                  repeats: int = 1, settings: list[tuple[str, bool]] | None = None,
+                  shard: tuple[int, int] = (0, 1)) -> list[Run]:
     """Decode each ``(category, prompt ids)`` with the target alone and each drafter at each depth, ``repeats``
     times. ``settings`` (default ``[(observe, prompt_topk)]``): the ways the target feeds a nanospec drafter's
     active set (``prompt_topk``: its top-k at every prompt position too); with more than one, each nanospec
     drafter runs under each, as its own variant, so settings are compared on the same requests in one run.
     The order of the variants is rotated per request and repeat, so neither load drift nor a warm cache
-    favours one of them. Every output is checked against the target alone's, token for token."""
+    favours one of them. Every output is checked against the target alone's, token for token.
+
+    ``shard=(k, n)`` decodes only the requests whose index in ``requests`` is ``k`` mod ``n``; everything else
+    (the rotation, the warm-up, the cache length) is keyed on the whole list, so the ``n`` shards' runs together
+    are the unsharded run's, request for request (:func:`in_shard`)."""
     runner = HFTarget(target)
     runs: list[Run] = []
     settings = list(settings or [(observe, prompt_topk)])
@@ -167,6 +172,8 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
     reference: dict[int, torch.Tensor] = {}
     for r in range(repeats):
         for i, (category, ids) in enumerate(requests):
+            if not in_shard(i, shard):
+                continue
             shift = (r * len(requests) + i) % len(plan)
             done = {}
             for pos, (label, head, d, k, s) in enumerate(plan[shift:] + plan[:shift]):
@@ -180,6 +187,13 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
                 runs.append(Run(label, k, category, stats, bool(torch.equal(out, reference[i])), i, r, pos, head,
                                 setting_name(*s), *seconds))
     return runs
+
+
+def in_shard(index: int, shard: tuple[int, int]) -> bool:
+    """Whether the request at ``index`` of the whole list is in shard ``(k, n)``: every n-th request from the k-th,
+    so each shard mixes the categories (the list is grouped by category)."""
+    k, n = shard
+    return index % n == k
 
 
 def _per_request(runs: list[Run], metric: str) -> dict[int, float]:
@@ -261,9 +275,22 @@ def summarise(runs: list[Run]) -> list[Summary]:
 
 
 def request_rows(runs: list[Run]) -> list[dict]:
-    """One row per decoded request (variant, depth, repeat): what the JSON keeps besides the summaries."""
+    """One row per decoded request (variant, depth, repeat): what the JSON keeps besides the summaries, and all
+    that :func:`runs_from_rows` needs to rebuild the runs (``request``: the index in the whole request list)."""
     return [{"variant": r.variant, "depth": r.depth, "category": r.category, "request": r.request, "repeat": r.repeat,
-             "order": r.order, "identical": r.identical, "new_tokens": r.stats.new_tokens, "rounds": r.stats.rounds,
-             "accepted": list(r.stats.accepted), "drafted": r.stats.drafted, "total_s": round(r.total_s, 6),
-             "draft_s": round(r.draft_s, 6), "verify_s": round(r.verify_s, 6),
-             "active_size": r.stats.active_size} for r in runs]
+             "order": r.order, "head": r.head, "setting": r.setting, "identical": r.identical,
+             "new_tokens": r.stats.new_tokens, "rounds": r.stats.rounds, "accepted": list(r.stats.accepted),
+             "drafted": r.stats.drafted, "total_s": round(r.total_s, 6), "draft_s": round(r.draft_s, 6),
+             "verify_s": round(r.verify_s, 6), "active_size": r.stats.active_size} for r in runs]
+
+
+def runs_from_rows(rows: list[dict]) -> list[Run]:
+    """The runs behind :func:`request_rows` (from one JSON or several shards' together), in the order an unsharded
+    run makes them: repeat, then request, then the variants' plan order (kept from the rows). The summaries and
+    comparisons of merged shards are then computed by the same code, on the same sequence, as a whole run's."""
+    runs = [Run(r["variant"], r["depth"], r["category"],
+                DecodeStats(rounds=r["rounds"], accepted=list(r["accepted"]), drafted=r["drafted"],
+                            new_tokens=r["new_tokens"], active_size=r["active_size"]),
+                r["identical"], r["request"], r["repeat"], r["order"], r["head"], r["setting"], r["total_s"],
+                r["draft_s"], r["verify_s"]) for r in rows]
+    return sorted(runs, key=lambda r: (r.repeat, r.request))  # stable: each block keeps its plan order

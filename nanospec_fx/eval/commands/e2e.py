@@ -11,6 +11,16 @@ from nanospec_fx.eval.commands.sources import STATIC_CORPUS, disjoint_static_sam
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 
+def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
+    """``--shard K/N`` -> ``(K, N)`` with ``0 <= K < N``."""
+    if text is None:
+        return None
+    k, _, n = text.partition("/")
+    if not (k.strip().isdigit() and n.strip().isdigit()) or not 0 <= int(k) < int(n):
+        raise click.BadParameter(f"takes K/N with 0 <= K < N (e.g. 0/4 ... 3/4), got {text!r}")
+    return int(k), int(n)
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, default=("gemma3-270m", "smollm2-135m"), show_default=True,
               help="Target model (repeatable): gemma3-270m, smollm2-135m, a HF directory or a .gguf file.")
@@ -38,6 +48,10 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 @click.option("--repeats", default=1, show_default=True, type=int,
               help="--drafter eagle: decode every request this many times (the order of the variants rotated per "
                    "request and repeat); ratios are medians over requests with a 95% bootstrap interval.")
+@click.option("--shard", default=None, callback=_shard,
+              help="--drafter eagle: K/N decodes only the requests whose index in the whole list is K mod N "
+                   "(0 <= K < N), rotated and keyed as in the whole run; `nanospec-fx e2e-merge` joins the N JSONs "
+                   "into the whole run's (a long run done in pieces).")
 @click.option("--prompt-topk/--no-prompt-topk", default=False, show_default=True,
               help="--drafter eagle: also seed the active set with the target's top-k at every prompt position (the "
                    "paper's seed; costs the target's head over the whole prompt at prefill, ~0.5 s per 256 tokens "
@@ -64,7 +78,7 @@ from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 @out_option("e2e")
 @threads_option
 def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, paired_prompt_topk, repeats,
-        prompt_topk, eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens,
+        shard, prompt_topk, eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens,
         observer, inductor, out, name, threads):
     """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
 
@@ -80,7 +94,10 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
                    observe=observe, prompt_topk=prompt_topk,
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
                    observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
-                   name=name, threads=threads, repeats=repeats, paired_prompt_topk=paired_prompt_topk)
+                   name=name, threads=threads, repeats=repeats, paired_prompt_topk=paired_prompt_topk,
+                   shard=shard or (0, 1))
+    if shard:
+        raise click.UsageError("--shard needs --drafter eagle")
     corpora, max_new = corpora or ("sharegpt[:3]", "humaneval[:3]"), max_new or 64
     import torch
     from rich.table import Table

@@ -10,11 +10,12 @@ EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-ma
 
 
 def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n,
-        capacity, observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False):
+        capacity, observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False,
+        shard=(0, 1)):
+    import hashlib
     import itertools
 
     import torch
-    from rich.table import Table
 
     from nanospec_fx import FrequencyTable
     from nanospec_fx.eval import loaders
@@ -23,16 +24,7 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     from nanospec_fx.eval.commands.sources import load_option
     from nanospec_fx.eval.commands.train_eagle import eagle_dir as default_dir
     from nanospec_fx.eval.commands.sources import disjoint_static_samples
-    from nanospec_fx.eval.report import (
-        command_line,
-        console,
-        fail,
-        file_digest,
-        machine,
-        progress,
-        set_threads,
-        write_outputs,
-    )
+    from nanospec_fx.eval.report import command_line, console, fail, file_digest, machine, progress, set_threads
 
     set_threads(threads)
     name = "e2e-eagle" if name == "e2e" else name
@@ -46,8 +38,10 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     observes = [o.strip() for o in observe.split(",") if o.strip()]
     if not observes or not set(observes) <= {"verified", "accepted", "none"}:
         fail(f"--observe takes verified, accepted, none or a comma list of them; got {observe!r}")
+    if not 0 <= shard[0] < shard[1]:
+        fail(f"--shard K/N takes 0 <= K < N, got {shard[0]}/{shard[1]}")
     settings = list(itertools.product(dict.fromkeys(observes), (False, True) if paired_prompt_topk else (prompt_topk,)))
-    rows, summaries_all, metas, requests_all, compared, checks, statics = [], [], {}, [], [], {}, {}
+    runs_by_model, metas, checks, statics, digests, request_ids = {}, {}, {}, {}, {}, []
     for spec in models[:1] if models == ("gemma3-270m", "smollm2-135m") else models:  # the default: Gemma only
         folder = eagle_dir or default_dir(spec)
         try:
@@ -73,43 +67,64 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
         static_samples, statics[spec] = disjoint_static_samples(static_samples, samples, static_corpus)
         vocab = target.get_output_embeddings().weight.shape[0]
         requests = [(s.category, tok.encode(s.prompt, bos=True)[-max_prompt:]) for s in samples]
+        if shard[1] > len(requests):
+            fail(f"--shard {shard[0]}/{shard[1]}: more shards than the {len(requests)} requests")
+        request_ids = [s.record or T.prompt_digest(s.prompt) for s in samples]
+        digests[spec] = hashlib.sha256(json.dumps(requests).encode()).hexdigest()  # what the shards must share
         table = FrequencyTable.from_token_ids(
             (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)
         torch._dynamo.reset()
         drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor,
                                       which=kinds)
         nano = sum(isinstance(d, torch._dynamo.eval_frame.OptimizedModule) for d in drafters.values())
-        plan = repeats * len(requests) * (1 + (len(drafters) + nano * (len(settings) - 1)) * len(depths))
+        mine = sum(B.in_shard(i, shard) for i in range(len(requests)))
+        plan = repeats * mine * (1 + (len(drafters) + nano * (len(settings) - 1)) * len(depths))
         with progress() as prog:
             task = prog.add_task(spec, total=plan)
             def step(text, task=task, spec=spec):
                 prog.update(task, advance=1, description=f"{spec}: {text}")
                 if not console.is_terminal:  # a log file: one line per decoded request
                     console.print(f"{spec}: {text}")
-            runs = B.run_eagle_e2e(target, drafters, requests, list(depths), max_new, observes[0], observe_topk,
-                                   prompt_topk=prompt_topk, progress=step, repeats=repeats, settings=settings)
-        summaries = B.summarise(runs)
-        requests_all += [{"model": spec, **r} for r in B.request_rows(runs)]
-        compared += [{"model": spec, **c} for c in B.comparisons(runs)]
-        _print(console, Table, spec, summaries, len(requests), max_new, observe, torch.get_num_threads())
+            runs_by_model[spec] = B.run_eagle_e2e(
+                target, drafters, requests, list(depths), max_new, observes[0], observe_topk, prompt_topk=prompt_topk,
+                progress=step, repeats=repeats, settings=settings, shard=shard)
         meta_path = folder / T.META
         metas[spec] = {k: v for k, v in json.loads(meta_path.read_text()).items() if k not in ("history", "config")}
         metas[spec]["checkpoint_sha256"] = file_digest(folder / T.WEIGHTS)
-        for s in summaries:
-            rows.append({"model": spec, **dataclasses.asdict(s)})
-        summaries_all += summaries
         del target, drafters, drafter
-    out.mkdir(parents=True, exist_ok=True)
-    _plot(rows, out / f"{name}.png")
-    meta = {"command": command_line(), "max_new": max_new, "max_prompt": max_prompt, "depths": list(depths),
+    meta = {"command": command_line(), "models": list(runs_by_model), "variants": list(kinds), "max_new": max_new,
+            "max_prompt": max_prompt, "depths": list(depths),
             "observe": observe, "observe_topk": observe_topk, "prompt_topk": prompt_topk, "capacity": capacity,
             "repeats": repeats, "settings": [B.setting_name(*s) for s in settings],
             "order": "variants rotated per request and repeat; ratios: median over requests, 95% bootstrap interval",
+            "shard": {"index": shard[0], "count": shard[1]}, "request_ids": request_ids, "requests_sha256": digests,
             "training_text_check": checks, "static_table": statics,
             "static_n": static_n,
             "static_corpus": static_corpus, "inductor": inductor, "drafter_training": metas,
             "draft": "chain (EAGLE drafter, greedy), target verifies [last token] + drafts on its KV cache",
             "machine": machine()}
+    report(out, name, meta, runs_by_model, torch.get_num_threads())
+
+
+def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int) -> None:
+    """Summaries, paired comparisons, tables, plot and outputs from the decoded runs of each model: the one path
+    for a whole run and for merged shards (``nanospec-fx e2e-merge``). Fails (after writing) on any output that
+    differs from the target's greedy output."""
+    from rich.table import Table
+
+    from nanospec_fx.eval.bench import eagle_e2e as B
+    from nanospec_fx.eval.report import console, fail, write_outputs
+
+    rows, requests_all, compared = [], [], []
+    for spec, runs in runs_by_model.items():
+        summaries = B.summarise(runs)
+        requests_all += [{"model": spec, **r} for r in B.request_rows(runs)]
+        compared += [{"model": spec, **c} for c in B.comparisons(runs)]
+        _print(console, Table, spec, summaries, len({r.request for r in runs}), meta["max_new"], meta["observe"],
+               threads)
+        rows += [{"model": spec, **dataclasses.asdict(s)} for s in summaries]
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(rows, out / f"{name}.png")
     write_outputs(out, name, rows, meta, requests=requests_all, comparisons=compared)
     _print_comparisons(console, Table, compared)
     bad = [r for r in requests_all if not r["identical"]]
