@@ -181,9 +181,30 @@ def exchange_topk_packed_unbind(local: torch.Tensor, tp: int, rank: int, start: 
     return best, ids.movedim(0, -2).reshape(flat).gather(-1, pos).to(torch.int64)
 
 
+def exchange_topk_packed_split(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 2) -> tuple:
+    """topk(k), ids first and values concatenated, all_gather into a list, values by narrow, ids by split."""
+    v, i = local.topk(k, dim=-1)
+    packed = torch.cat([(i + start).float(), v], -1)  # [..., 2k]
+    out = [torch.empty_like(packed) for _ in range(tp)]
+    dist.all_gather(out, packed)
+    best, pos = torch.cat([o.narrow(-1, k, k) for o in out], -1).topk(k, dim=-1)
+    return best, torch.cat([o.split(k, -1)[0] for o in out], -1).gather(-1, pos).long()
+
+
+def exchange_max_packed_select(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
+    """max(-1, keepdim=True), values and ids stacked on a new first axis, gathered along the candidate axis
+    (funcol, a non-negative dim), taken out with select, max over the candidates."""
+    v, i = local.max(-1, keepdim=True)
+    packed = torch.stack([v, (i + start).to(v.dtype)])  # [2, ..., 1]
+    g = funcol.all_gather_tensor(packed, gather_dim=packed.dim() - 1, group=dist.group.WORLD)  # [2, ..., tp]
+    best, pos = g.select(0, 0).max(-1, keepdim=True)
+    return best, g.select(0, 1).long().gather(-1, pos)
+
+
 EXCHANGES = {"max_view": exchange_max_view, "topk_list": exchange_topk_list, "topk_arange": exchange_topk_arange,
              "max_stack": exchange_max_stack, "max_packed": exchange_max_packed,
-             "topk_packed_list": exchange_topk_packed_list, "topk_packed_unbind": exchange_topk_packed_unbind}
+             "topk_packed_list": exchange_topk_packed_list, "topk_packed_unbind": exchange_topk_packed_unbind,
+             "topk_packed_split": exchange_topk_packed_split, "max_packed_select": exchange_max_packed_select}
 
 
 class ExchangeDrafter(VocabParallelDrafter):

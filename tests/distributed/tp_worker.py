@@ -147,7 +147,8 @@ def exchange(rank: int, world: int) -> dict:
              ("topk_arange", False, True, 0.5, False), ("max_stack", False, False, None, False),
              ("max_view", False, True, None, True), ("max_stack", True, False, None, True),
              ("dtensor_shard", False, False, None, False), ("max_packed", False, False, None, True),
-             ("topk_packed_list", True, True, None, False), ("topk_packed_unbind", False, False, 0.5, False)]
+             ("topk_packed_list", True, True, None, False), ("topk_packed_unbind", False, False, 0.5, False),
+             ("topk_packed_split", False, False, None, False), ("max_packed_select", False, False, None, True)]
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -166,7 +167,8 @@ def exchange(rank: int, world: int) -> dict:
             full_w, full_b = _full(model.head_weight), _full(model.head_bias)
             logits_of = lambda ids, m=model, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
         compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
-        k = {"topk_list": 3, "topk_arange": 1, "topk_packed_list": 2, "topk_packed_unbind": 2}.get(name, 1)
+        k = {"topk_list": 3, "topk_arange": 1, "topk_packed_list": 2, "topk_packed_unbind": 2,
+             "topk_packed_split": 2}.get(name, 1)
         g = torch.Generator().manual_seed(1)
         for step, shape in enumerate([(2, 5), (2, 1), (1, 3)]):
             ids = torch.randint(0, V, shape, generator=g)
