@@ -192,10 +192,10 @@ def exchange_topk_packed_split(local: torch.Tensor, tp: int, rank: int, start: t
 
 
 def exchange_max_packed_select(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
-    """max(-1, keepdim=True), values and ids stacked on a new first axis, gathered along the candidate axis
-    (funcol, a non-negative dim), taken out with select, max over the candidates."""
+    """max(-1, keepdim=True), values widened to float64 and stacked with the ids on a new first axis, gathered along
+    the candidate axis (funcol, a non-negative dim), taken out with select, max over the candidates."""
     v, i = local.max(-1, keepdim=True)
-    packed = torch.stack([v, (i + start).to(v.dtype)])  # [2, ..., 1]
+    packed = torch.stack([v.double(), (i + start).double()])  # [2, ..., 1]
     g = funcol.all_gather_tensor(packed, gather_dim=packed.dim() - 1, group=dist.group.WORLD)  # [2, ..., tp]
     best, pos = g.select(0, 0).max(-1, keepdim=True)
     return best, g.select(0, 1).long().gather(-1, pos)

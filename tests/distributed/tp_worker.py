@@ -187,7 +187,8 @@ def exchange(rank: int, world: int) -> dict:
             out_ids = out_ids.reshape(picked.shape)
             assert torch.equal(out_ids, picked), (name, out_ids, picked)
             if out_values is not None:
-                torch.testing.assert_close(out_values.reshape(values.shape), values, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(out_values.reshape(values.shape), values.to(out_values.dtype), rtol=1e-5,
+                                           atol=1e-5)  # a stacked exchange may widen the values (same numbers)
             model.mask = active  # the dense tensor-parallel drafter, its slice masked to the active set (eager)
             with torch.no_grad():
                 dense = model(ids)
