@@ -133,10 +133,10 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
                 value = f"{n.name} exchanges the candidates over a group unlike the other's, or not static"
             elif not _same(patterns.tensor_shape(inputs[0]), expected):
                 value = f"{n.name} gathers candidates of an unexpected shape"
-            elif tag == "packed" and not _ids_round_trip(n.args[1] * rows, patterns.example_value(n).dtype):
+            elif tag == "packed" and not ids_round_trip(n.args[1] * rows, patterns.example_value(n).dtype):
                 dtype = patterns.example_value(n).dtype
                 value = (f"{n.name} exchanges ids up to {n.args[1] * rows - 1} cast to {dtype}, which holds every "
-                         f"integer exactly only up to {_exact_integers(dtype)}: they would not round-trip")
+                         f"integer exactly only up to {exact_integers(dtype)}: they would not round-trip")
             else:
                 world, group = n.args[1], n.args[2]
                 value = ("gp", held[1:], ("stack",)) if tag == "packed" else \
@@ -241,14 +241,14 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src, dst) in WIDENING
 
 
-def _exact_integers(dtype: torch.dtype) -> int:
+def exact_integers(dtype: torch.dtype) -> int:
     """Every integer of magnitude up to this is exact in the floating ``dtype`` (2**24 for float32)."""
     return 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
 
 
-def _ids_round_trip(vocab: int, dtype: torch.dtype) -> bool:
+def ids_round_trip(vocab: int, dtype: torch.dtype) -> bool:
     """Ids ``0 .. vocab - 1`` cast to the floating ``dtype`` and back are unchanged."""
-    return dtype.is_floating_point and vocab - 1 <= _exact_integers(dtype)
+    return dtype.is_floating_point and vocab - 1 <= exact_integers(dtype)
 
 
 def _holds_ids(dtype: torch.dtype, vocab: int) -> bool:

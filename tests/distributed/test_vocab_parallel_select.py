@@ -152,14 +152,14 @@ def test_ids_packed_into_a_dtype_that_cannot_hold_them_stay_dense(fake_group, co
 
 def test_exact_integers_of_each_dtype():
     """The largest id range a float dtype carries exactly (every integer up to 2 ** (mantissa bits + 1))."""
-    from nanospec_fx.passes.vocab_parallel_select import _exact_integers, _ids_round_trip
+    from nanospec_fx.passes.vocab_parallel_select import exact_integers, ids_round_trip
 
-    assert [_exact_integers(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)] == \
+    assert [exact_integers(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)] == \
         [2 ** 53, 2 ** 24, 2 ** 11, 2 ** 8]
     for dtype, limit in ((torch.float32, 2 ** 24), (torch.float16, 2 ** 11), (torch.bfloat16, 2 ** 8)):
         ids = torch.tensor([0, 1, limit // 2 + 1, limit - 1, limit])  # exact up to limit; limit + 1 is not
-        assert torch.equal(ids.to(dtype).long(), ids) and _ids_round_trip(limit + 1, dtype)
-        assert int(torch.tensor(limit + 1).to(dtype)) != limit + 1 and not _ids_round_trip(limit + 2, dtype)
+        assert torch.equal(ids.to(dtype).long(), ids) and ids_round_trip(limit + 1, dtype)
+        assert int(torch.tensor(limit + 1).to(dtype)) != limit + 1 and not ids_round_trip(limit + 2, dtype)
 
 
 @pytest.mark.slow

@@ -274,7 +274,7 @@ def sharded_target(rank: int, world: int) -> dict:
             expected, out = target(ids), observer(ids)
             full = logits_of(ids)
             local = full[..., rank * rows:(rank + 1) * rows]
-            eager = sharded_topk_ids(local, k, rows, rank * rows, world, dist.group.WORLD.group_name)
+            eager = sharded_topk_ids(local, k, rows, rank * rows, world, dist.group.WORLD.group_name, local.dtype)
         for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple)
                         else (expected,)):  # the target's outputs are unchanged
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
