@@ -12,6 +12,10 @@ output)::
     best, pos = cv.topk(k2, dim=-1)                     # k2 <= k (or argmax/max over the rank axis when k = 1)
     ids = ci.gather(-1, pos)
 
+Values and ids may also travel in one tensor (``torch.stack([v, i.to(v.dtype)])`` or a ``cat``, one collective,
+taken apart after it): followed only where every id ``0 .. V - 1`` is an exact integer of that dtype
+(:func:`ids_round_trip`), so the ids cast back are the ids sent.
+
 Every token of the global top-k2 is in its shard's top-k, so ``best`` and ``ids`` are ``topk(z, k2)`` of the
 full logits ``z = cat(slices)``. :func:`match_exchange` proves the form by following what every value holds
 (local values, local ids, global ids, their gathered layouts, the selected positions) and refuses anything
