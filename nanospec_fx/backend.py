@@ -29,7 +29,7 @@ from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns, vocab_parallel, vocab_parallel_heads
+from nanospec_fx.passes import effects, patterns, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
@@ -391,10 +391,13 @@ def _compile_target_observer(
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
                            config_patches: dict) -> Callable:
-    heads = vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, exchanges=False) or find_heads(
+    notes: list[str] = []
+    heads = vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, notes=notes,
+                                                sharded_outputs=True) or find_heads(
         gm, example_inputs, vocab_size=opts.vocab_size, head=opts.head)
     if not heads:
-        warn_once("nanospec: no LM head found in the target graph; its top-k cannot be observed (it runs unchanged)")
+        warn_once("nanospec: no LM head found in the target graph" + (f" ({'; '.join(notes)})" if notes else "")
+                  + "; its top-k cannot be observed (it runs unchanged)")
         return _compile(gm, example_inputs, opts, config_patches)
     builder = _GraphBuilder(gm)
     shard = getattr(state, "shard", None)  # a vocabulary-parallel drafter: rows come from their owner shards
@@ -419,8 +422,12 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
         if opts.observe_topk > head.vocab_size:
             raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
         if state.observes and isinstance(head, vocab_parallel.GatheredHead):  # its top-k read on the gathered logits
-            full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes]
+            full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes if n not in head.exchanges]
             observed += insert_topk_observers(builder.graph, full, opts.observe_topk, into)
+            # logits that stay sharded: a local top-k, an exchange of k candidates per rank, a global top-k
+            slices = [builder.node_map[vocab_parallel_heads.sliced_logits(s)] for s in head.exchanges.values()]
+            observed += vocab_parallel_topk.insert_sharded_topk_observers(
+                builder.graph, slices, opts.observe_topk, into, head.world_size, head.group_name, head.shard_rows)
         elif state.observes:
             observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
                                               observe_prompt=opts.observe_prompt)

@@ -9,16 +9,20 @@ import torch.fx as fx
 from . import patterns
 from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
 from .vocab_parallel import Gather, GatheredHead, ShardedOutput, collapse_gather, match_dtensor, match_gather
-from .vocab_parallel_select import collapse_exchange, match_exchange, remapped
+from .vocab_parallel_select import Exchange, collapse_exchange, match_exchange, remapped
 
 
 def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
-                   notes: list[str] | None = None, exchanges: bool = True) -> list[GatheredHead]:
+                   notes: list[str] | None = None, exchanges: bool = True,
+                   sharded_outputs: bool = False) -> list[GatheredHead]:
     """The vocabulary-parallel heads of ``gm``: projections with a parameter/buffer weight ``[V / tp, H]`` whose
     output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
     cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names.
     With ``exchanges``, a slice read by a local selection whose candidates are exchanged
-    (:mod:`vocab_parallel_select`) is such a head too."""
+    (:mod:`vocab_parallel_select`) is such a head too. With ``sharded_outputs`` (a target observer, which only
+    reads the slice), a DTensor head whose output stays ``Shard(-1)`` is one whatever reads its slice: the DTensor
+    layout says which tokens its columns are. ``exchanges`` maps each such projection to its
+    :class:`~vocab_parallel_select.Exchange` or :class:`~vocab_parallel.ShardedOutput`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example_of = dict(zip(placeholders, example_inputs))
     found: dict[fx.Node, GatheredHead] = {}
@@ -34,7 +38,9 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
         sharded = gather if isinstance(gather, ShardedOutput) else None
         if (gather is None or sharded) and exchanges:
             gather = match_exchange(sharded.local if sharded else node, example_of, sharded)
-            if isinstance(gather, str):
+            if sharded_outputs and sharded is not None and not isinstance(gather, Exchange):
+                gather = sharded
+            elif isinstance(gather, str):
                 gather = f"its slice is selected from and the candidates exchanged, but {gather}"
             elif gather is None and sharded:
                 gather = ("its DTensor output stays sharded (Shard(-1)) and is read by no local top-k/max whose "
@@ -74,6 +80,13 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
 
         heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
     return heads
+
+
+def sliced_logits(selection: Exchange | ShardedOutput) -> fx.Node:
+    """This rank's ``[..., V / tp]`` slice of the logits a selection reads (after its casts and scalings)."""
+    if isinstance(selection, ShardedOutput):
+        return selection.local
+    return selection.prefix[-1] if selection.prefix else selection.local
 
 
 def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:

@@ -12,6 +12,10 @@ output)::
     best, pos = cv.topk(k2, dim=-1)                     # k2 <= k (or argmax/max over the rank axis when k = 1)
     ids = ci.gather(-1, pos)
 
+Values and ids may also travel in one tensor (``torch.stack([v, i.to(v.dtype)])`` or a ``cat``, one collective,
+taken apart after it): followed only where every id ``0 .. V - 1`` is an exact integer of that dtype
+(:func:`ids_round_trip`), so the ids cast back are the ids sent.
+
 Every token of the global top-k2 is in its shard's top-k, so ``best`` and ``ids`` are ``topk(z, k2)`` of the
 full logits ``z = cat(slices)``. :func:`match_exchange` proves the form by following what every value holds
 (local values, local ids, global ids, their gathered layouts, the selected positions) and refuses anything
@@ -27,6 +31,7 @@ torch leaves unspecified (the compact head orders them by id).
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -36,7 +41,7 @@ import torch.fx as fx
 from . import patterns
 from .patterns import _arg
 from .vocab_parallel import (
-    FRESH_BUFFERS, _elementwise_prefix, erase_local_slice, _in_graph_order, _is_c10d, _name, _same, _step,
+    CAT_FUNCTIONS, FRESH_BUFFERS, _elementwise_prefix, erase_local_slice, _in_graph_order, _is_c10d, _name, _same, _step,
 )
 
 ADD = {operator.add, torch.add}
@@ -107,7 +112,14 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
         held = values[tensors[0]]
         tag = held[0]
         value: tuple | str | None = None
-        if tag == "lidx":
+        if n.op == "call_function" and n.target in PACKS and tag in ("lval", "fid"):
+            value = _pack(n, values, cand)
+        elif tag == "lval" and _cast_to(n) is not None:
+            value = held if _widens(patterns.example_value(tensors[0]).dtype, _cast_to(n)) else \
+                f"{n.name} casts the local values to {_cast_to(n)}, which does not hold every value exactly"
+        elif tag == "gidx" and _cast_to(n) is not None and _cast_to(n).is_floating_point:
+            value = ("fid",)  # the global ids as floats, to travel with the values (checked at the exchange)
+        elif tag == "lidx":
             offset = _offset(n, values, rows, example_of or {})
             if isinstance(offset, tuple):
                 offsets.append((n, offset[0]))
@@ -117,16 +129,33 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
                 value = f"{n.name} exchanges the local ids (0..{rows - 1}) without this rank's first row added"
             else:
                 value = offset or f"{n.name} ({_name(n)}) reads the local ids other than to offset them"
-        elif tag in ("lval", "gidx"):
+        elif tag in ("lval", "gidx", "packed"):
+            expected = held[4] if tag == "packed" else cand
             if not _is_c10d(n, "all_gather_into_tensor") or n.args[0] is not inputs[0]:
                 value = f"{n.name} ({_name(n)}) reads the local candidates other than by exchanging them"
             elif not isinstance(n.args[1], int) or world not in (None, n.args[1]) or group not in (None, n.args[2]):
                 value = f"{n.name} exchanges the candidates over a group unlike the other's, or not static"
-            elif not _same(patterns.tensor_shape(inputs[0]), cand):
+            elif not _same(patterns.tensor_shape(inputs[0]), expected):
                 value = f"{n.name} gathers candidates of an unexpected shape"
+            elif tag == "packed" and not ids_round_trip(n.args[1] * rows, patterns.example_value(n).dtype):
+                dtype = patterns.example_value(n).dtype
+                value = (f"{n.name} exchanges ids up to {n.args[1] * rows - 1} cast to {dtype}, which holds every "
+                         f"integer exactly only up to {exact_integers(dtype)}: they would not round-trip")
             else:
                 world, group = n.args[1], n.args[2]
-                value = ("g", "val" if tag == "lval" else "id", ("stack",))
+                value = ("gp", held[1:], ("stack",)) if tag == "packed" else \
+                    ("g", "val" if tag == "lval" else "id", ("stack",))
+        elif tag == "gp":  # values and ids in one gathered tensor: their layout, or one of them taken out
+            value = _unpack(n, held, cand)
+            if value is None:
+                layouts = {a: v[2] for a, v in values.items() if v[0] == "gp"}
+                pshape = held[1][3]
+                value = _step(n, layouts, fresh, world, pshape[0], pshape)
+                value = None if isinstance(value, str) else ("gp", held[1], value)
+        elif tag == "parts" and n.target is operator.getitem and isinstance(n.args[1], int):
+            value = ("g", _part(held[1], n.args[1]), held[2])
+        elif tag == "g" and held[1] == "id" and _cast_to(n) is not None:
+            value = held if _holds_ids(_cast_to(n), world * rows) else None
         elif tag == "g" and held[1] == "val" and _name(n) in ("topk", "argmax", "max"):
             value = _pick(n, held[2], keep, first_max, k)
             picks.append(n)
@@ -145,6 +174,8 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
             value = held[:-1] + (True,)
         elif tag == "sel" and _name(n) in SELECTED_VIEWS:
             value = held  # the selection's row-major order is kept (its other axes are 1 or the lead's)
+        elif tag == "sel" and held[1] == 1 and _cast_to(n) is not None and _holds_ids(_cast_to(n), world * rows):
+            value = held  # ids exchanged as floats, cast back (exact: they round-trip)
         if value is None:
             value = f"{n.name} ({_name(n)}) uses the exchanged candidates in a way nanospec does not follow"
         if isinstance(value, str):  # before any exchange: a plain local selection, no vocabulary-parallel head
@@ -190,6 +221,130 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
     if sharded is not None:
         exchange.proj, exchange.head_nodes, exchange.dtensor_input = sharded.proj, sharded.nodes, sharded.dtensor_input
     return exchange
+
+
+PACKS = {torch.stack, *CAT_FUNCTIONS}
+CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short"}
+WIDENING = {(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64), (torch.float16, torch.float32),
+            (torch.float16, torch.float64), (torch.float32, torch.float64)}
+
+
+def _cast_to(n: fx.Node) -> torch.dtype | None:
+    """The dtype ``n`` casts its input to (``.to(dtype)``, ``.float()``, ``.type_as(x)``...), same shape and device."""
+    if _name(n) not in CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    src, out = patterns.example_value(n.args[0]), patterns.example_value(n)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.shape != out.shape \
+            or src.device != out.device:
+        return None
+    return out.dtype
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every ``src`` value is a ``dst`` value (so order and ties are kept)."""
+    return src == dst or (src, dst) in WIDENING
+
+
+def exact_integers(dtype: torch.dtype) -> int:
+    """Every integer of magnitude up to this is exact in the floating ``dtype`` (2**24 for float32)."""
+    return 2 ** (round(-math.log2(torch.finfo(dtype).eps)) + 1)
+
+
+def ids_round_trip(vocab: int, dtype: torch.dtype) -> bool:
+    """Ids ``0 .. vocab - 1`` cast to the floating ``dtype`` and back are unchanged."""
+    return dtype.is_floating_point and vocab - 1 <= exact_integers(dtype)
+
+
+def _holds_ids(dtype: torch.dtype, vocab: int) -> bool:
+    """An integer dtype that holds ids ``0 .. vocab - 1``."""
+    return not dtype.is_floating_point and dtype != torch.bool and torch.iinfo(dtype).max >= vocab - 1
+
+
+def _pack(n: fx.Node, values: dict, cand: tuple) -> tuple | str:
+    """``("packed", kind, axis, first, shape)`` when ``n`` puts one rank's values and its global ids (cast to the
+    values' dtype) into one tensor: ``stack`` along ``axis`` (size 2), or ``cat`` along it (values, then ids, or
+    the other way round); ``first``: 0 when the values come first."""
+    parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 0, "dim", 0)
+    tags = [values.get(p, ("",))[0] for p in parts] if isinstance(parts, (list, tuple)) else []
+    if sorted(tags) != ["fid", "lval"] or not isinstance(dim, int):
+        return f"{n.name} ({_name(n)}) packs the candidates with something else than their values and global ids"
+    dtypes = {patterns.example_value(p).dtype for p in (*parts, n)}
+    if len(dtypes) != 1:
+        return f"{n.name} packs values and ids of different dtypes ({sorted(map(str, dtypes))})"
+    shape = patterns.tensor_shape(n)
+    axis = dim % len(shape)
+    if n.target is torch.stack and not _same(shape, cand[:axis] + (2,) + cand[axis:]):
+        return f"{n.name} stacks candidates of an unexpected shape"
+    if n.target is not torch.stack and not (axis < len(cand) and _same(
+            shape, cand[:axis] + (2 * cand[axis],) + cand[axis + 1:]) and isinstance(cand[axis], int)):
+        return f"{n.name} concatenates candidates of an unexpected shape"
+    return ("packed", "stack" if n.target is torch.stack else "cat", axis, tags.index("lval"), shape)
+
+
+def _part(first: int, which: int) -> str:
+    return "val" if which == first else "id"
+
+
+def _unpack(n: fx.Node, held: tuple, cand: tuple) -> tuple | None:
+    """``("g", "val"|"id", layout)`` when ``n`` takes the values or the ids out of the gathered packed tensor
+    (``g[:, 0]``, ``select``, ``g[..., :k]``, ``narrow``), ``("parts", first, layout)`` when it splits it in two
+    (``unbind``, ``chunk(2)``, ``split(k)``); None when it does neither."""
+    (kind, axis, first, shape), layout = held[1], held[2]
+    ndim = len(shape)
+    if layout == ("stack",) and axis != 0 or layout[0] == "block" or layout == ("full",) and axis != ndim - 1:
+        where, out = axis, layout  # the pack axis is where it was in one rank's tensor
+    elif layout[0] == "ranked":
+        where = axis if axis < layout[1] else axis + 1
+        out = ("ranked", layout[1] - 1 if kind == "stack" and where < layout[1] else layout[1])
+        ndim += 1
+    else:
+        return None
+    size = cand[axis] if kind == "cat" else 1
+    name, args = _name(n), list(n.args[1:])
+    if n.target is operator.getitem:
+        at = _index_at(n.args[1], ndim)
+        if at is None or at[0] != where:
+            return None
+        which = _which(kind, at[1], size)
+    elif name == "select" and len(args) == 2 and kind == "stack" and _dim(args[0], ndim) == where:
+        which = _which(kind, args[1], size)
+    elif name == "narrow" and len(args) == 3 and kind == "cat" and _dim(args[0], ndim) == where \
+            and args[2] == size:
+        which = _which(kind, slice(args[1], args[1] + size), size)
+    elif name == "unbind" and kind == "stack" and _dim(_arg(n, 0, "dim", 0), ndim) == where:
+        return ("parts", first, out)
+    elif name in ("chunk", "split") and kind == "cat" and _dim(_arg(n, 1, "dim", 0), ndim) == where \
+            and (name == "chunk" and args[0] == 2 or name == "split" and args[0] in (size, [size, size], (size, size))):
+        return ("parts", first, out)
+    else:
+        return None
+    return None if which is None else ("g", _part(first, which), out)
+
+
+def _dim(dim, ndim: int) -> int | None:
+    return dim % ndim if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+
+def _index_at(index, ndim: int) -> tuple | None:
+    """(axis, entry) for an index that is ``:`` everywhere but one axis (``...`` expanded)."""
+    index = list(index) if isinstance(index, tuple) else [index]
+    if index.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in index:
+        e = index.index(Ellipsis)
+        index = index[:e] + [slice(None)] * (ndim - len(index) + 1) + index[e + 1:]
+    picked = [(a, i) for a, i in enumerate(index) if i != slice(None)]
+    return picked[0] if len(picked) == 1 and len(index) <= ndim else None
+
+
+def _which(kind: str, entry, size: int) -> int | None:
+    """0 or 1: which part an int (stack) or a slice (cat, ``size`` each) takes along the pack axis."""
+    if kind == "stack":
+        return entry % 2 if isinstance(entry, int) and not isinstance(entry, bool) else None
+    if not isinstance(entry, slice) or entry.step not in (None, 1):
+        return None
+    bounds = (entry.start or 0, entry.stop)
+    return {(0, size): 0, (size, 2 * size): 1, (size, None): 1}.get(bounds)
 
 
 def _local_selection(sliced: fx.Node, ndim: int) -> tuple | str | None:
@@ -334,7 +489,13 @@ def collapse_exchange(graph: fx.Graph, exchange: Exchange) -> fx.Node:
         node = node.next
     for final, which in exchange.finals.items():
         ndim = len(patterns.tensor_shape(final))
-        final.replace_all_uses_with(picked[which] if ndim == len(fake.shape) else squeezed[which])
+        new = picked[which] if ndim == len(fake.shape) else squeezed[which]
+        dtype = patterns.example_value(final).dtype
+        if (patterns.example_value(anchor).dtype, torch.int64)[which] != dtype:  # ids sent as floats, widened values
+            with graph.inserting_after(new):
+                new = graph.call_method("to", (new, dtype))
+            patterns.set_example_value(new)
+        final.replace_all_uses_with(new)
     for node in reversed(exchange.nodes):
         graph.erase_node(node)
     erase_local_slice(graph, local, exchange.prefix)

@@ -139,10 +139,34 @@ def test_exchanges_it_cannot_prove_stay_dense_with_a_warning(fake_group, compile
     assert (C10D.all_gather_into_tensor in call_targets(compiled_graphs[-1])) == (drafter is not NoExchange)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_ids_packed_into_a_dtype_that_cannot_hold_them_stay_dense(fake_group, compiled_graphs):
+    """Values and ids stacked into one bfloat16 tensor: ids above 256 are not exact in bfloat16 (V = 512)."""
+    model = ExchangeDrafter(512, H, TP, RANK, exchange="max_packed").to(torch.bfloat16)
+    with pytest.warns(NanoSpecWarning, match=r"ids up to 511 cast to torch.bfloat16.* up to 256: .*round-trip") \
+            as record:
+        compile_and_run(model, torch.randint(0, 512, (2, 3)))
+    assert len([w for w in record if issubclass(w.category, NanoSpecWarning)]) == 1
+    assert C10D.all_gather_into_tensor in call_targets(compiled_graphs[-1])
+
+
+def test_exact_integers_of_each_dtype():
+    """The largest id range a float dtype carries exactly (every integer up to 2 ** (mantissa bits + 1))."""
+    from nanospec_fx.passes.vocab_parallel_select import exact_integers, ids_round_trip
+
+    assert [exact_integers(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)] == \
+        [2 ** 53, 2 ** 24, 2 ** 11, 2 ** 8]
+    for dtype, limit in ((torch.float32, 2 ** 24), (torch.float16, 2 ** 11), (torch.bfloat16, 2 ** 8)):
+        ids = torch.tensor([0, 1, limit // 2 + 1, limit - 1, limit])  # exact up to limit; limit + 1 is not
+        assert torch.equal(ids.to(dtype).long(), ids) and ids_round_trip(limit + 1, dtype)
+        assert int(torch.tensor(limit + 1).to(dtype)) != limit + 1 and not ids_round_trip(limit + 2, dtype)
+
+
 @pytest.mark.slow
 def test_two_ranks_exchanges_are_exact():
     first, second = _run_ranks("exchange")  # each rank asserts exactness against plain torch and the dense drafter
-    assert first == second and {"max_view", "topk_list", "max_stack_ties", "dtensor_shard"} <= set(first)
+    assert first == second and {"max_view", "topk_list", "max_stack_ties", "dtensor_shard", "max_packed_ties",
+                                "topk_packed_list_inductor", "topk_packed_unbind"} <= set(first)
 
 
 @pytest.mark.parametrize("style", ["megatron", "where"])

@@ -148,8 +148,63 @@ def exchange_max_stack(local: torch.Tensor, tp: int, rank: int, start: torch.Ten
     return best.squeeze(0), out_i.view((tp,) + tuple(i.shape)).gather(0, pos).squeeze(0)
 
 
+def exchange_max_packed(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
+    """max(-1), values and ids stacked into one tensor (ids cast to the values' dtype): one funcol gather, a rank
+    axis from view, the values and ids taken out by indexing, ids cast back, argmax over ranks."""
+    v, i = local.max(-1)
+    i = i + rank * local.shape[-1]
+    packed = torch.stack([v, i.to(v.dtype)])  # [2, *v.shape]
+    g = funcol.all_gather_tensor(packed, 0, dist.group.WORLD).view((tp, 2) + tuple(v.shape))
+    av, ai = g[:, 0], g[:, 1].long()
+    return ai.gather(0, av.argmax(0).unsqueeze(0)).squeeze(0)
+
+
+def exchange_topk_packed_list(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 2) -> tuple:
+    """topk(k), values and ids (+ a start buffer, as floats) concatenated along the candidate axis, all_gather into
+    a list, each rank's values and ids sliced out, topk(k) of the tp * k candidates, ids cast back at the end."""
+    v, i = local.topk(k, dim=-1)
+    packed = torch.cat([v, (i + start).float()], -1)  # [..., 2k]
+    out = [torch.empty_like(packed) for _ in range(tp)]
+    dist.all_gather(out, packed)
+    best, pos = torch.cat([o[..., :k] for o in out], -1).topk(k, dim=-1)
+    return best, torch.cat([o[..., k:] for o in out], -1).gather(-1, pos).long()
+
+
+def exchange_topk_packed_unbind(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 2) -> tuple:
+    """topk(k), ids first and values stacked on a last axis, a rank axis moved next to the candidates, unbind."""
+    v, i = torch.topk(local, k)
+    packed = torch.stack([(i + rank * local.shape[-1]).to(v.dtype), v], -1)  # [..., k, 2]
+    g = funcol.all_gather_tensor(packed, 0, dist.group.WORLD).view((tp,) + tuple(packed.shape))
+    ids, vals = g.unbind(-1)  # [tp, ..., k] each
+    flat = tuple(v.shape[:-1]) + (tp * k,)
+    best, pos = vals.movedim(0, -2).reshape(flat).topk(k, dim=-1)
+    return best, ids.movedim(0, -2).reshape(flat).gather(-1, pos).to(torch.int64)
+
+
+def exchange_topk_packed_split(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor, k: int = 2) -> tuple:
+    """topk(k), ids first and values concatenated, all_gather into a list, values by narrow, ids by split."""
+    v, i = local.topk(k, dim=-1)
+    packed = torch.cat([(i + start).float(), v], -1)  # [..., 2k]
+    out = [torch.empty_like(packed) for _ in range(tp)]
+    dist.all_gather(out, packed)
+    best, pos = torch.cat([o.narrow(-1, k, k) for o in out], -1).topk(k, dim=-1)
+    return best, torch.cat([o.split(k, -1)[0] for o in out], -1).gather(-1, pos).long()
+
+
+def exchange_max_packed_select(local: torch.Tensor, tp: int, rank: int, start: torch.Tensor) -> tuple:
+    """max(-1, keepdim=True), values widened to float64 and stacked with the ids on a new first axis, gathered along
+    the candidate axis (funcol, a non-negative dim), taken out with select, max over the candidates."""
+    v, i = local.max(-1, keepdim=True)
+    packed = torch.stack([v.double(), (i + start).double()])  # [2, ..., 1]
+    g = funcol.all_gather_tensor(packed, gather_dim=packed.dim() - 1, group=dist.group.WORLD)  # [2, ..., tp]
+    best, pos = g.select(0, 0).max(-1, keepdim=True)
+    return best, g.select(0, 1).long().gather(-1, pos)
+
+
 EXCHANGES = {"max_view": exchange_max_view, "topk_list": exchange_topk_list, "topk_arange": exchange_topk_arange,
-             "max_stack": exchange_max_stack}
+             "max_stack": exchange_max_stack, "max_packed": exchange_max_packed,
+             "topk_packed_list": exchange_topk_packed_list, "topk_packed_unbind": exchange_topk_packed_unbind,
+             "topk_packed_split": exchange_topk_packed_split, "max_packed_select": exchange_max_packed_select}
 
 
 class ExchangeDrafter(VocabParallelDrafter):

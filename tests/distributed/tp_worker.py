@@ -10,6 +10,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tp_drafters import (  # noqa: E402
@@ -145,7 +146,9 @@ def exchange(rank: int, world: int) -> dict:
     cases = [("max_view", False, False, None, False), ("topk_list", True, False, None, False),
              ("topk_arange", False, True, 0.5, False), ("max_stack", False, False, None, False),
              ("max_view", False, True, None, True), ("max_stack", True, False, None, True),
-             ("dtensor_shard", False, False, None, False)]
+             ("dtensor_shard", False, False, None, False), ("max_packed", False, False, None, True),
+             ("topk_packed_list", True, True, None, False), ("topk_packed_unbind", False, False, 0.5, False),
+             ("topk_packed_split", False, False, None, False), ("max_packed_select", False, False, None, True)]
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -164,7 +167,8 @@ def exchange(rank: int, world: int) -> dict:
             full_w, full_b = _full(model.head_weight), _full(model.head_bias)
             logits_of = lambda ids, m=model, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
         compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
-        k = {"topk_list": 3, "topk_arange": 1}.get(name, 1)
+        k = {"topk_list": 3, "topk_arange": 1, "topk_packed_list": 2, "topk_packed_unbind": 2,
+             "topk_packed_split": 2}.get(name, 1)
         g = torch.Generator().manual_seed(1)
         for step, shape in enumerate([(2, 5), (2, 1), (1, 3)]):
             ids = torch.randint(0, V, shape, generator=g)
@@ -183,7 +187,8 @@ def exchange(rank: int, world: int) -> dict:
             out_ids = out_ids.reshape(picked.shape)
             assert torch.equal(out_ids, picked), (name, out_ids, picked)
             if out_values is not None:
-                torch.testing.assert_close(out_values.reshape(values.shape), values, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(out_values.reshape(values.shape), values.to(out_values.dtype), rtol=1e-5,
+                                           atol=1e-5)  # a stacked exchange may widen the values (same numbers)
             model.mask = active  # the dense tensor-parallel drafter, its slice masked to the active set (eager)
             with torch.no_grad():
                 dense = model(ids)
@@ -218,7 +223,89 @@ def embedding(rank: int, world: int) -> dict:
     return report
 
 
-SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding}
+def sharded_target(rank: int, world: int) -> dict:
+    """A target whose logits stay sharded (a local selection and an exchange of candidates, DTensor ``Shard(-1)``)
+    observed into a vocabulary-parallel drafter's set: the observed ids are plain torch's top-k of the concatenated
+    logits at every scored position (checked per position on the eager helper, and as the set the compiled observer
+    leaves), the same on every rank; the target's outputs are unchanged. ``ties``: both shards hold the same rows, so
+    every logit is tied with its twin in the other shard: the ids above the k-th value are all observed, and as many
+    of the tied ones as the top-k holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from nanospec_fx.passes.vocab_parallel_topk import sharded_topk_ids
+
+    report = {}
+    warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # an unobserved target would warn
+    mesh = init_device_mesh("cpu", (world,))
+    k, rows = 3, V // world
+    for name, bias, inductor, scale, ties in [("max_view", False, False, None, False),
+                                              ("topk_list", True, True, 0.5, False), ("ties", False, False, None, True),
+                                              ("dtensor_exchange", False, False, None, False),
+                                              ("dtensor_shard", True, False, None, False)]:
+        torch._dynamo.reset()
+        if name == "dtensor_exchange":
+            target = DTensorExchangeDrafter(V, H, seed=5).parallelize(mesh)
+            logits_of = target.full_logits
+        elif name == "dtensor_shard":
+            target = DTensorDrafter(V, H, bias=bias, seed=5)
+            w, b = target.lm_head.weight.detach().clone(), target.lm_head.bias.detach().clone()
+            parallelize_module(target, mesh, {"lm_head": ColwiseParallel()})  # each rank returns its slice
+            logits_of = lambda ids, m=target, w=w, b=b: F.linear(torch.tanh(m.embed(ids)), w, b)  # noqa: E731
+        else:
+            target = ExchangeDrafter(V, H, world, rank, exchange="topk_list" if ties else name, bias=bias,
+                                     scale=scale, seed=5)
+            if ties:
+                with torch.no_grad():
+                    target.head_weight.copy_(ExchangeDrafter(V, H, world, 0, seed=5).head_weight)
+            full_w, full_b = _full(target.head_weight), _full(target.head_bias)
+            logits_of = lambda ids, m=target, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
+        drafter = VocabParallelDrafter(V, H, world, rank)
+        compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+        observer = torch.compile(target, backend="nanospec", options={
+            "observe_topk": k, "vocab": drafter, "inductor": inductor, "observe_inputs": False})
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            compiled(torch.randint(0, V, (1, 2), generator=g))  # creates the drafter's state
+        state = nanospec_fx.active_vocab(drafter)
+        state.reset()
+        ids = torch.randint(0, V, (2, 3), generator=g)
+        with torch.no_grad():
+            expected, out = target(ids), observer(ids)
+            full = logits_of(ids)
+            local = full[..., rank * rows:(rank + 1) * rows]
+            eager = sharded_topk_ids(local, k, rows, rank * rows, world, dist.group.WORLD.group_name, local.dtype)
+        for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple)
+                        else (expected,)):  # the target's outputs are unchanged
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert a.dtype.is_floating_point or torch.equal(a, b)
+        top = full.topk(k, dim=-1)
+        kth = top.values[..., -1:]
+        picked = full.gather(-1, eager)
+        torch.testing.assert_close(picked.sort(-1, descending=True).values, top.values)  # the k largest values
+        assert all(len(set(r)) == k for r in eager.reshape(-1, k).tolist()), "k distinct ids at every position"
+        above = full > kth  # ids above the k-th value: all observed
+        assert all(set(torch.nonzero(a).flatten().tolist()) <= set(e) for a, e in
+                   zip(above.reshape(-1, V), eager.reshape(-1, k).tolist()))
+        if not ties:  # no ties at the k-th value: exactly plain torch's top-k ids
+            assert torch.equal(eager.sort(-1).values, top.indices.sort(-1).values)
+        observed = set(state.token_ids().tolist())
+        if ties:  # the compiled observer: every id above the k-th value, and only ids at or above it
+            assert set(torch.nonzero(above)[:, -1].tolist()) <= observed
+            assert observed <= set(torch.nonzero(full >= kth)[:, -1].tolist())
+        else:
+            assert observed == set(top.indices.flatten().tolist()), (name, observed)
+        assert _all_equal(state.token_ids().tolist()) and _all_equal(eager.tolist())
+        with torch.no_grad():  # the drafter runs over the rows the observer fetched from their owner shards
+            drafted = compiled(ids)  # (and observes ids)
+            active = state.contains(torch.arange(V))
+            torch.testing.assert_close(drafted, dense_masked(drafter, ids, active), rtol=1e-5, atol=1e-5)
+        report[name] = len(observed)
+    return report
+
+
+SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
+             "sharded_target": sharded_target}
 
 
 def main() -> None:
