@@ -431,8 +431,14 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
         elif state.observes:
             observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
                                               observe_prompt=opts.observe_prompt)
-    if opts.observe_inputs and state.observes:
-        insert_input_observers(builder.graph, into)
+    inputs = insert_input_observers(builder.graph, into) if opts.observe_inputs and state.observes else 0
+    groups = {h.group_name for h in heads if isinstance(h, vocab_parallel.GatheredHead)}
+    groups |= {shard.group_name} if shard is not None else set()
+    for group in sorted(groups):  # each observer runs a collective: every rank the same count, or all raise
+        from nanospec_fx import tensor_parallel
+
+        tensor_parallel.agree(group, f"target observer: {observed} top-k and {inputs} input observer(s)",
+                              what="target")
     if not observed:
         return _compile(gm, example_inputs, opts, config_patches)
     if shard is not None:

@@ -242,8 +242,9 @@ def shard_observers(graph: fx.Graph, into, zero: list[fx.Node], shard: VocabShar
     return len(observers)
 
 
-def agree(group_name: str, decision: str) -> None:
-    """Every rank of the group compiled the same decision for its vocabulary-parallel head, or all raise.
+def agree(group_name: str, decision: str, what: str = "drafter") -> None:
+    """Every rank of the group compiled the same decision for its vocabulary-parallel head (``what``: the drafter,
+    or the target whose observers run collectives), or all raise.
 
     A rank that rewrites the head stops gathering logits; a rank that runs it dense still gathers: mixed
     decisions would hang at the next draft step. This exchanges each rank's decision (an object all-gather at
@@ -257,6 +258,6 @@ def agree(group_name: str, decision: str) -> None:
     if len(set(decisions)) > 1:
         listed = "; ".join(f"rank {r}: {d}" for r, d in enumerate(decisions))
         raise RuntimeError(
-            "nanospec: the ranks of a tensor-parallel drafter took different decisions for its vocabulary-parallel "
-            f"head ({listed}). Every rank must compile the drafter the same way (same options, same grad mode, the "
+            f"nanospec: the ranks of a tensor-parallel {what} took different decisions for its vocabulary-parallel "
+            f"head ({listed}). Every rank must compile the {what} the same way (same options, same grad mode, the "
             "same code path), or the ranks would wait forever on different collectives.")

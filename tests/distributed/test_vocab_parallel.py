@@ -205,3 +205,5 @@ def test_ranks_that_disagree_all_raise_the_same_error():
     first, second = _run_ranks("disagree", timeout=240)
     assert first == second and "rank 0: head_weight rewritten" in first["error"] and "rank 1: head_weight dense" \
         in first["error"]
+    assert "tensor-parallel target" in first["target_error"] and "rank 0: target observer: 1 top-k and 0 input" \
+        in first["target_error"] and "rank 1: target observer: 1 top-k and 1 input" in first["target_error"]

@@ -113,17 +113,33 @@ def exact(rank: int, world: int) -> dict:
 
 def disagree(rank: int, world: int) -> dict:
     """Rank 1 runs its trainable head in grad mode (dense there), rank 0 under no_grad (rewritten there): every
-    rank raises the same error at compile time instead of hanging at the first draft step."""
+    rank raises the same error at compile time instead of hanging at the first draft step. Then a target observer
+    (a target whose logits stay sharded) that also observes its input ids on rank 1 only: one collective more per
+    call there, so every rank raises the same error too."""
     model = VocabParallelDrafter(V, H, world, rank)
     compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    report = {"error": _compile_error(lambda: compiled(torch.randint(0, V, (2, 3))), grad=rank == 1)}
+    torch._dynamo.reset()
+    drafter = VocabParallelDrafter(V, H, world, rank)
+    compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    with torch.no_grad():
+        compiled(torch.randint(0, V, (1, 2)))  # the drafter's state, the same on both ranks
+    observer = torch.compile(ExchangeDrafter(V, H, world, rank, seed=5), backend="nanospec", options={
+        "observe_topk": 3, "vocab": drafter, "inductor": False, "observe_inputs": rank == 1})
+    report["target_error"] = _compile_error(lambda: observer(torch.randint(0, V, (2, 3))), grad=False)
+    return report
+
+
+def _compile_error(call, grad: bool) -> str:
+    """The first line of the nanospec error ``call`` raised (it must raise the ranks' disagreement)."""
     try:
-        with torch.set_grad_enabled(rank == 1), warnings.catch_warnings():
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            compiled(torch.randint(0, V, (2, 3)))
+            call()
     except Exception as error:  # noqa: BLE001 - Dynamo wraps it in BackendCompilerFailed
         text = str(error)
         assert "took different decisions" in text, text
-        return {"error": text[text.index("nanospec:"):].splitlines()[0]}
+        return text[text.index("nanospec:"):].splitlines()[0]
     raise AssertionError("no error on this rank")
 
 
