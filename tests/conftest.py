@@ -12,7 +12,14 @@ if shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`-n auto`) the cores are shared by the workers: one worker per core, one thread each, so the
+# workers' OpenMP threads do not oversubscribe the cores (spinning threads on a shared core slow down every test).
+# Processes a test starts (examples, gloo ranks) inherit one thread per worker too.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, os.cpu_count() or 1) // _WORKERS)
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 def pytest_configure(config):
