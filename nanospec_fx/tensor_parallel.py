@@ -251,10 +251,12 @@ class ShardedRequestVocabs(RequestVocabs):
             write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
 
     def refresh(self) -> None:
-        """Re-copy every cached row from the owner shards (one ``[R * C, H]`` all-reduce: on every rank)."""
+        """Re-copy every cached row from the owner shards (one ``[C, H]`` all-reduce per request row: on every
+        rank)."""
         with torch.no_grad(), torch.inference_mode(False):
-            rows = torch.clamp(self.ids, min=0).reshape(-1)
-            self.cache_w.copy_(fetch_rows(rows, self.weight.detach(), self.shard).view_as(self.cache_w))
+            for row in range(self.max_requests):
+                ids = torch.clamp(self.ids[row], min=0)
+                self.cache_w[row].copy_(fetch_rows(ids, self.weight.detach(), self.shard))
         self._seen_versions = self._weight_versions()
 
     def __repr__(self) -> str:

@@ -222,7 +222,7 @@ def requests(rank: int, world: int) -> dict:
     """ShardedRequestVocabs (the vLLM plugin's head under tensor parallelism) on vLLM's layout, the last shard padded
     past the vocabulary (NaN rows there: never read): after the same assigns, observes (evicting), releases and
     re-assigns, its state is RequestVocabs' over the full head bit for bit, identical on every rank, and so are
-    its logits; also through an EAGLE-3 token -> head-row map. ``all_ranks`` gives every rank the same answer."""
+    its logits, also after an in-place write of the head (refresh); also through an EAGLE-3 token -> head-row map. ``all_ranks`` gives every rank the same answer."""
     from nanospec_fx.request_vocab import RequestVocabs, token_to_row_from_d2t
     from nanospec_fx.tensor_parallel import ShardedRequestVocabs, VocabShard, all_ranks
 
@@ -262,6 +262,11 @@ def requests(rank: int, world: int) -> dict:
         assert torch.equal(logits, ref.logits(x, rows_of)) and logits.shape == (4, rows)
         assert _all_equal([ours.token_ids(r).tolist() for r in ("b", "c")]), "identical sets on every rank"
         assert _all_equal(logits.tolist()), "identical logits on every rank"
+        with torch.no_grad():
+            full[:rows].mul_(2)  # an in-place write of the head: both refresh their cached rows at the next call
+        doubled = ours.logits(x, rows_of)
+        assert torch.equal(doubled, ref.logits(x, rows_of)) and torch.equal(ours.cache_w, ref.cache_w)
+        torch.testing.assert_close(doubled, 2 * logits)
         report[name] = [ours.active_count(r) for r in ("b", "c")]
     report["all_ranks"] = [all_ranks(group, rank == 0), all_ranks(group, True)]
     assert report["all_ranks"] == [False, True]
