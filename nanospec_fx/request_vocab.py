@@ -64,7 +64,7 @@ class RequestVocabs(FollowsWeightWrites):
     ):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-        head_rows, hidden = weight.shape
+        head_rows, hidden = self._head_rows(weight), weight.shape[1]
         if bias is not None and tuple(bias.shape) != (head_rows,):
             raise ValueError(f"head bias must have shape ({head_rows},), got {tuple(bias.shape)}")
         for name, value in (("max_requests", max_requests), ("capacity", capacity)):
@@ -261,6 +261,10 @@ class RequestVocabs(FollowsWeightWrites):
                 f"num_pinned={self.num_pinned}, device={self.device})")
 
     # ----------------------------------------------------------------- internals
+    def _head_rows(self, weight: torch.Tensor) -> int:
+        """How many head rows the set covers (a vocabulary-parallel subclass holds one shard of them)."""
+        return weight.shape[0]
+
     def _before_head(self) -> None:
         self.refresh_if_stale()
         self.head_calls += 1

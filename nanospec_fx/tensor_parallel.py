@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from nanospec_fx.kernels import ops  # noqa: F401 - registers torch.ops.nanospec
+from nanospec_fx.kernels import ops_per_request
+from nanospec_fx.request_vocab import RequestVocabs
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, registered_state, state_for
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig
 
@@ -90,16 +92,24 @@ def fetch_bias(token_ids: torch.Tensor, shard_bias: torch.Tensor, shard: VocabSh
 
 def write_rows(token_ids: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tensor, cache: torch.Tensor,
                vocab_size: int, matrix: bool = True) -> None:
-    """``cache[slot_of[id]] = row`` for every active id of ``token_ids``, with fixed shapes and no host sync.
-
-    Ids that are not active (out of range, or dropped by a call bringing more new ids than the ring holds)
-    write to the slot of the first active id, with that id's row, so every duplicate write of a slot carries the
-    same value (``index_copy_`` with repeated indices is then deterministic). With no active id at all, slot 0
-    is written with its own value. ``matrix``: rows are ``[N, H]`` (weights), else ``[N]`` (a bias).
+    """``cache[slot_of[id]] = row`` for every active id of ``token_ids``, with fixed shapes and no host sync
+    (see :func:`write_slots`). ``matrix``: rows are ``[N, H]`` (weights), else ``[N]`` (a bias).
     Plain arguments only (no ``.dim()``, ``.dtype``), so that it traces into an FX graph.
     """
     ok = (token_ids >= 0) & (token_ids < vocab_size)
     slot = slot_of[torch.clamp(token_ids, 0, vocab_size - 1)].to(torch.int64)
+    write_slots(slot, ok, rows, cache, matrix)
+
+
+def write_slots(slot: torch.Tensor, ok: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor,
+                matrix: bool = True) -> None:
+    """``cache[slot[i]] = rows[i]`` where ``ok[i]`` and ``slot[i] >= 0``, with fixed shapes and no host sync.
+
+    Entries that are not active (out of range, or dropped by a call bringing more new ids than the ring holds)
+    write to the slot of the first active entry, with that entry's row, so every duplicate write of a slot carries
+    the same value (``index_copy_`` with repeated indices is then deterministic). With no active entry at all,
+    slot 0 is written with its own value.
+    """
     active = ok & (slot >= 0)
     first = torch.argmax(active.to(torch.int32)).reshape(1)  # index_select, not rows[first]: no .item() when traced
     some = torch.any(active)
@@ -196,6 +206,77 @@ class ShardedActiveVocab(ActiveVocab):
         return super().__repr__()[:-1] + f", shard={self.shard.rank}/{self.shard.world_size})"
 
 
+class ShardedRequestVocabs(RequestVocabs):
+    """Per-request active vocabularies (:class:`~nanospec_fx.request_vocab.RequestVocabs`) of one rank's shard of
+    a vocabulary-parallel head: every request row covers the whole vocabulary and holds *all* its active rows, the
+    same on every rank (the replicated compact row cache, one row per request), so ``logits`` computes the full
+    ``[..., V]`` locally with no logits collective.
+
+    ``weight`` is this rank's ``[shard_rows, H]`` shard (rows ``[rank * shard_rows, ...)`` of the head, the last
+    shards possibly padded past the vocabulary); ``vocab_size`` (default: every shard row) is the head's real number
+    of rows, the last dim of the logits. Each observe fetches the rows of its ids from their owner shards (one
+    ``[N, H]`` all-reduce, :func:`fetch_rows`). ``assign`` (it seeds), ``observe*`` and ``refresh`` run a
+    collective: call them on every rank of the group with the same ids, in the same order (SPMD). No head bias.
+    Memory per rank: ``max_requests * capacity * H`` (the cache is replicated, not split) plus the slot maps.
+    """
+
+    def __init__(self, weight: torch.Tensor, max_requests: int = 8, capacity: int = DEFAULT_CAPACITY,
+                 num_pinned: int = 0, *, shard: VocabShard, vocab_size: int | None = None, seed_ids=None,
+                 observes: bool = True, policy: str = DEFAULT_POLICY, token_to_row: torch.Tensor | None = None):
+        if weight.dim() != 2 or weight.shape[0] != shard.shard_rows:
+            raise ValueError(f"nanospec: this rank's head shard should have {shard.shard_rows} rows, got "
+                             f"{tuple(weight.shape)}")
+        vocab_size = shard.vocab_size if vocab_size is None else vocab_size
+        if not 0 < vocab_size <= shard.vocab_size:
+            raise ValueError(f"nanospec: {vocab_size} head rows do not fit {shard.world_size} shards of "
+                             f"{shard.shard_rows} (the last ones padded)")
+        self.shard, self.sharded_rows = shard, vocab_size
+        with torch.no_grad(), torch.inference_mode(False):  # stride 0: no [V, H] memory
+            self.zero_rows = weight.new_zeros(1, weight.shape[1]).expand(vocab_size, -1)
+        super().__init__(weight, None, max_requests, capacity, num_pinned, seed_ids=seed_ids, observes=observes,
+                         policy=policy, token_to_row=token_to_row)
+
+    def _head_rows(self, weight: torch.Tensor) -> int:
+        return self.sharded_rows
+
+    def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
+        if not (self.observes or seeding):
+            return
+        self.refresh_if_stale()
+        with torch.no_grad():
+            head_rows = self._rows_of_tokens(tokens).reshape(rows.numel(), -1)
+            ops_per_request.observe_per_request(head_rows, rows, self.zero_rows, None, *self.tensors(),
+                                                self.num_pinned)
+            fetched = fetch_rows(head_rows.reshape(-1), self.weight.detach(), self.shard)
+            write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
+
+    def refresh(self) -> None:
+        """Re-copy every cached row from the owner shards (one ``[C, H]`` all-reduce per request row: on every
+        rank)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for row in range(self.max_requests):
+                ids = torch.clamp(self.ids[row], min=0)
+                self.cache_w[row].copy_(fetch_rows(ids, self.weight.detach(), self.shard))
+        self._seen_versions = self._weight_versions()
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", shard={self.shard.rank}/{self.shard.world_size})"
+
+
+def write_request_rows(rows: torch.Tensor, head_rows: torch.Tensor, fetched: torch.Tensor, slot_of: torch.Tensor,
+                       cache_w: torch.Tensor) -> None:
+    """``cache_w[r, slot_of[r, t]] = row`` for each head row ``t`` of ``head_rows[b]`` (``[B, n]``, -1: padding)
+    that request row ``r = rows[b]`` holds after its observe; ``fetched`` holds their rows ``[B * n, H]``."""
+    requests, capacity = cache_w.shape[:2]
+    vocab_size = slot_of.shape[1]
+    t = head_rows.reshape(-1)
+    r = rows.reshape(-1, 1).expand(-1, head_rows.shape[1]).reshape(-1)
+    ok = (t >= 0) & (t < vocab_size)
+    slot = slot_of[r, torch.clamp(t, 0, vocab_size - 1)].to(torch.int64)
+    flat = torch.where(slot >= 0, r * capacity + slot, slot)
+    write_slots(flat, ok, fetched, cache_w.view(requests * capacity, -1))
+
+
 def sharded_state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig, shard: VocabShard, *,
                       name: str | None = None) -> ShardedActiveVocab:
     """The replicated active vocabulary of this rank's head shard (one per shard weight, as ``state_for``)."""
@@ -261,3 +342,16 @@ def agree(group_name: str, decision: str, what: str = "drafter") -> None:
             f"nanospec: the ranks of a tensor-parallel {what} took different decisions for its vocabulary-parallel "
             f"head ({listed}). Every rank must compile the {what} the same way (same options, same grad mode, the "
             "same code path), or the ranks would wait forever on different collectives.")
+
+
+def all_ranks(group_name: str, holds: bool, device: torch.device | str = "cpu") -> bool:
+    """Whether ``holds`` is true on every rank of the group (one all-reduce of one int, MIN; a host read). Every
+    rank gets the same answer, so a decision taken on it is the same everywhere (a rank that checked something
+    locally and found it false turns it off on every rank, instead of leaving the ranks on different collectives).
+    """
+    if dist.get_backend(resolve_group(group_name)) == "fake":
+        return holds
+    flag = torch.tensor([int(bool(holds))], dtype=torch.int32, device=device)
+    flag = torch.ops._c10d_functional.wait_tensor.default(
+        torch.ops._c10d_functional.all_reduce.default(flag, "min", group_name))
+    return bool(flag.item())

@@ -23,10 +23,17 @@ Where it hooks (vLLM's v1 model runner, CPU and GPU; private API, hence the vers
 * ``GPUModelRunner.propose_draft_token_ids``: the tokens just sampled (accepted + bonus) join the set, and the batch
   row -> request map is set for the drafter's ``compute_logits`` calls of this step.
 
+Under vLLM tensor parallelism (``tensor_parallel_size > 1``) every rank keeps the same per-request sets and all
+their rows (nanospec_fx.tensor_parallel.ShardedRequestVocabs: rows fetched from their owner shards as they become
+active), so the drafter's ``compute_logits`` runs no logits collective; why every rank observes the same ids:
+docs/vllm.md, "Under vLLM tensor parallelism".
+
 Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 import threading
@@ -37,6 +44,7 @@ ENV_SWITCH = "NANOSPEC_VLLM"
 ENV_CAPACITY = "NANOSPEC_VLLM_CAPACITY"
 ENV_TOPK = "NANOSPEC_VLLM_TOPK"
 ENV_RECORD = "NANOSPEC_VLLM_RECORD"
+ENV_RECORD_DIR = "NANOSPEC_VLLM_RECORD_DIR"
 ENV_MAX_REQUESTS = "NANOSPEC_VLLM_MAX_REQUESTS"
 ENV_POLICY = "NANOSPEC_VLLM_POLICY"
 ENV_STATIC = "NANOSPEC_VLLM_STATIC"
@@ -131,7 +139,14 @@ class NanoSpecHead:
     ``dense_calls`` (calls outside a draft step, e.g. vLLM's warm-up, or with an unexpected row count: the full
     head, exact), ``assigned`` and ``released`` (request rows). With ``NANOSPEC_VLLM_RECORD=1`` (tests, metrics:
     it reads the sets on the host), ``released_sets`` and ``active_sizes`` keep each released request's active
-    token ids and their number.
+    token ids and their number; with ``NANOSPEC_VLLM_RECORD_DIR=DIR`` too, each process writes :meth:`snapshot`
+    to ``DIR/nanospec-head-rank{rank}-{pid}.json`` after every step's bookkeeping (vLLM's workers are other
+    processes under tensor parallelism: this is how tests read them).
+
+    Under vLLM tensor parallelism (a vocabulary-parallel ``ParallelLMHead``, ``tp_size > 1``) the sets are
+    :class:`~nanospec_fx.tensor_parallel.ShardedRequestVocabs`: the same on every rank, each holding all its active
+    rows (fetched from their owner shards when they become active), so the logits ``[rows, V]`` are computed
+    locally on every rank with no logits collective.
     """
 
     def __init__(self, model, dense_compute_logits, max_requests: int, capacity: int, topk: int,
@@ -142,8 +157,15 @@ class NanoSpecHead:
 
         processor, lm_head = model.logits_processor, model.lm_head
         rows = processor.org_vocab_size  # the head's weight may be padded past the vocabulary
-        weight = lm_head.weight[:rows]
-        bias = None  # vLLM's LogitsProcessor adds only the bias a model passes; the first call checks (below)
+        # vLLM's LogitsProcessor adds only the bias a model passes (none here); the first call checks (below)
+        make_vocabs = functools.partial(RequestVocabs, lm_head.weight[:rows], None)
+        self.group_name, self.rank = None, 0
+        if getattr(lm_head, "tp_size", 1) > 1:  # vocabulary-parallel: this rank's shard, padded rows included
+            from nanospec_fx.tensor_parallel import ShardedRequestVocabs, VocabShard
+
+            self.group_name, self.rank = _tp_group_name(lm_head), lm_head.tp_rank
+            shard = VocabShard(self.group_name, lm_head.tp_size, lm_head.tp_rank, lm_head.num_embeddings_per_partition)
+            make_vocabs = functools.partial(ShardedRequestVocabs, lm_head.weight, shard=shard, vocab_size=rows)
         d2t = getattr(model, "draft_id_to_target_id", None)
         self.target_vocab_size = int(model.config.vocab_size)
         self.draft_to_target = None
@@ -153,13 +175,12 @@ class NanoSpecHead:
             token_to_row = token_to_row_from_d2t(d2t.detach(), self.target_vocab_size)
         self.static = static is not None  # one shared, frozen row: every request's set is the list
         if self.static:
-            self.vocabs = RequestVocabs(weight, bias, max_requests=1, capacity=max(1, len(static)), seed_ids=static,
-                                        observes=False, policy="static", token_to_row=token_to_row)
+            self.vocabs = make_vocabs(max_requests=1, capacity=max(1, len(static)), seed_ids=static, observes=False,
+                                      policy="static", token_to_row=token_to_row)
             self.vocabs.assign(STATIC_ROW)
             topk = 0
         else:
-            self.vocabs = RequestVocabs(weight, bias, max_requests=max_requests, capacity=capacity,
-                                        token_to_row=token_to_row)
+            self.vocabs = make_vocabs(max_requests=max_requests, capacity=capacity, token_to_row=token_to_row)
         self.scale, self.soft_cap = processor.scale, processor.soft_cap
         self.head_dtype = getattr(processor, "head_dtype", None)  # vLLM's logits dtype when it differs from the model's
         self.dense_compute_logits = dense_compute_logits
@@ -169,7 +190,8 @@ class NanoSpecHead:
         self.compact_calls = self.dense_calls = self.assigned = self.released = 0
         self.checked = False  # the first compact call is compared with vLLM's own compute_logits
         self.disabled = False  # it differed: the full head from then on
-        self.record = os.environ.get(ENV_RECORD, "") == "1"
+        self.record_dir = os.environ.get(ENV_RECORD_DIR) or None
+        self.record = os.environ.get(ENV_RECORD, "") == "1" or self.record_dir is not None
         self.released_sets: dict[str, list[int]] = {}
         self.active_sizes: list[int] = []  # |A| of each request at release (metrics)
 
@@ -186,10 +208,17 @@ class NanoSpecHead:
         logits = self._compact(hidden_states, rows)
         if not self.checked:
             self.checked = True
-            dense = self.dense_compute_logits(hidden_states)
-            if not _same_where_active(logits, dense):
+            dense = self.dense_compute_logits(hidden_states)  # under tensor parallelism: gathered, on every rank
+            same = here = _same_where_active(logits, dense)
+            if self.group_name is not None:  # one decision for all ranks, or their next collectives would differ
+                from nanospec_fx.tensor_parallel import all_ranks
+
+                same = all_ranks(self.group_name, here, logits.device)
+            if not same:
                 self.disabled = True
-                _warn(f"{self.model_name}'s compute_logits computes more than vLLM's logits processor over the head "
+                _warn(f"another tensor-parallel rank found that {self.model_name}'s compute_logits differs from its "
+                      "compact head: every rank keeps the full head (output unchanged)" if here else
+                      f"{self.model_name}'s compute_logits computes more than vLLM's logits processor over the head "
                       "(a bias, a post-op or another head): the drafter keeps its full head (output unchanged)")
                 self.dense_calls += 1
                 return dense
@@ -248,6 +277,23 @@ class NanoSpecHead:
         self.vocabs.release(rid)
         self.released += 1
 
+    def snapshot(self) -> dict:
+        """Counters, released sets and held rows, as plain data (tests and metrics; record mode)."""
+        import nanospec_fx
+
+        return {"rank": self.rank, "pid": os.getpid(), "module": nanospec_fx.__file__, "compact_calls":
+                self.compact_calls, "dense_calls": self.dense_calls, "assigned": self.assigned, "released":
+                self.released, "checked": self.checked, "disabled": self.disabled, "sharded": self.group_name
+                is not None, "holding": [str(r) for r in self.vocabs.request_ids],
+                "released_sets": self.released_sets, "active_sizes": self.active_sizes}
+
+    def write_record(self) -> None:
+        """Write :meth:`snapshot` to ``NANOSPEC_VLLM_RECORD_DIR`` (replaced atomically)."""
+        path = Path(self.record_dir) / f"nanospec-head-rank{self.rank}-{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot()))
+        tmp.replace(path)
+
 
 def _same_where_active(compact, dense) -> bool:
     """Whether the compact logits equal vLLM's full ones at every active token (within the dtype's tolerance);
@@ -261,6 +307,17 @@ def _same_where_active(compact, dense) -> bool:
     tol = 1e-3 if compact.dtype == torch.float32 else 3e-2
     scale = float(theirs.abs().max()) if theirs.numel() else 1.0
     return bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * max(1.0, scale)))
+
+
+def _tp_group_name(lm_head) -> str:
+    """The name of the torch process group a vocabulary-parallel head is split over (vLLM's TP group unless the
+    head names its own), for the ``_c10d_functional`` collectives of :mod:`nanospec_fx.tensor_parallel`."""
+    group = getattr(lm_head, "parallel_group", None)
+    if group is None:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    return group.device_group.group_name
 
 
 def _head_of(runner) -> NanoSpecHead | None:
@@ -329,12 +386,28 @@ def _unsupported(proposer, model) -> str | None:
     if lm_head is None or processor is None or not hasattr(lm_head, "weight"):
         return f"{type(model).__name__} has no lm_head + logits_processor"
     if getattr(lm_head, "tp_size", 1) != 1:
-        return "a tensor-parallel head (tp_size > 1) is not supported"
+        reason = _shard_layout_problem(lm_head, processor)
+        if reason:
+            return reason
     method = getattr(getattr(lm_head, "quant_method", None), "__class__", type(None)).__name__
     if method not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
         return f"a quantized head ({method}) is not supported"
     if processor.logits_as_input:
         return "logits_as_input is not supported"
+    return None
+
+
+def _shard_layout_problem(lm_head, processor) -> str | None:
+    """Why a vocabulary-parallel head's shards are not rows ``[rank * P, (rank + 1) * P)`` of one head whose gathered
+    logits every rank gets (None: they are; what :class:`~nanospec_fx.tensor_parallel.ShardedRequestVocabs` reads)."""
+    shard_rows, indices = getattr(lm_head, "num_embeddings_per_partition", None), getattr(lm_head, "shard_indices", None)
+    if shard_rows is None or indices is None or getattr(lm_head, "num_added_embeddings", 0):
+        return "a tensor-parallel head with added (LoRA) vocabulary rows is not supported"
+    if (indices.padded_org_vocab_start_index != lm_head.tp_rank * shard_rows
+            or lm_head.weight.shape[0] != shard_rows or processor.org_vocab_size > lm_head.tp_size * shard_rows):
+        return "a tensor-parallel head whose shards are not consecutive row blocks is not supported"
+    if not processor.use_all_gather:
+        return "a tensor-parallel head whose logits reach rank 0 only (gather, not all-gather) is not supported"
     return None
 
 
@@ -351,6 +424,8 @@ def _around_update_states(original, runner, scheduler_output, *args, **kwargs):
         in_batch = runner.input_batch.req_id_to_index
         for rid in [r for r in head.vocabs.request_ids if r not in in_batch]:
             head.release(rid)
+        if head.record_dir:
+            head.write_record()
     return result
 
 

@@ -207,3 +207,18 @@ def test_ranks_that_disagree_all_raise_the_same_error():
         in first["error"]
     assert "tensor-parallel target" in first["target_error"] and "rank 0: target observer: 1 top-k and 0 input" \
         in first["target_error"] and "rank 1: target observer: 1 top-k and 1 input" in first["target_error"]
+
+
+def test_two_ranks_per_request_sets_replicate_the_full_head():
+    """The vLLM plugin's tensor-parallel head state (ShardedRequestVocabs): see tp_worker.requests."""
+    first, second = _run_ranks("requests", timeout=300)
+    assert first == second and first["all_ranks"] == [False, True]
+
+
+def test_vllm_head_one_decision_on_every_rank():
+    """The vLLM plugin's head under tensor parallelism: exact on both ranks; a first-call check that fails on one
+    rank turns the compact head off on both (see tp_worker.vllm_head)."""
+    first, second = _run_ranks("vllm_head", timeout=300)
+    assert first == second == {
+        "agree": {"disabled": False, "compact_calls": 2, "dense_calls": 0, "sharded": True, "other_rank_warned": False},
+        "rank_1_differs": {"disabled": True, "compact_calls": 0, "dense_calls": 2, "sharded": True}}

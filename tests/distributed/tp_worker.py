@@ -320,8 +320,117 @@ def sharded_target(rank: int, world: int) -> dict:
     return report
 
 
+def requests(rank: int, world: int) -> dict:
+    """ShardedRequestVocabs (the vLLM plugin's head under tensor parallelism) on vLLM's layout, the last shard padded
+    past the vocabulary (NaN rows there: never read): after the same assigns, observes (evicting), releases and
+    re-assigns, its state is RequestVocabs' over the full head bit for bit, identical on every rank, and so are
+    its logits, also after an in-place write of the head (refresh); also through an EAGLE-3 token -> head-row map. ``all_ranks`` gives every rank the same answer."""
+    from nanospec_fx.request_vocab import RequestVocabs, token_to_row_from_d2t
+    from nanospec_fx.tensor_parallel import ShardedRequestVocabs, VocabShard, all_ranks
+
+    group = dist.group.WORLD.group_name
+    report = {}
+    for name, rows, shard_rows, d2t in (("plain", 90, 48, None), ("draft_to_target", 40, 24, True)):
+        g = torch.Generator().manual_seed(0)
+        full = torch.randn(world * shard_rows, H, generator=g)
+        full[rows:] = float("nan")  # vLLM's padding rows
+        token_to_row = None
+        if d2t:  # head row r is token draft_ids[r]
+            draft_ids = torch.sort(torch.randperm(V, generator=g)[:rows]).values
+            token_to_row = token_to_row_from_d2t(draft_ids - torch.arange(rows), V)
+        keywords = dict(max_requests=3, capacity=12, seed_ids=[1, 2], token_to_row=token_to_row)
+        shard = VocabShard(group, world, rank, shard_rows)
+        ours = ShardedRequestVocabs(full[rank * shard_rows:(rank + 1) * shard_rows], shard=shard, vocab_size=rows,
+                                    **keywords)
+        ref = RequestVocabs(full[:rows], None, **keywords)
+        tokens = V if d2t else rows
+        for vocabs in (ours, ref):
+            g = torch.Generator().manual_seed(1)
+            vocabs.assign("a"), vocabs.assign("b")
+            vocabs.observe("a", torch.randint(0, tokens, (5,), generator=g))
+            fed = torch.randint(0, tokens, (3, 4), generator=g)
+            fed[1, 2:] = -1  # padding
+            vocabs.observe_rows(vocabs.rows_for(["a", "b", "a"]), fed)
+            vocabs.observe("b", torch.randint(0, tokens, (30,), generator=g), validate=False)  # the ring evicts
+            vocabs.release("a")
+            vocabs.assign("c")
+            vocabs.observe_rows(vocabs.rows_for(["c", "b"]), torch.randint(0, tokens, (2, 6), generator=g))
+        for field in ("ids", "slot_of", "cursor", "cache_w"):
+            assert torch.equal(getattr(ours, field), getattr(ref, field)), f"{name}: {field} differs"
+        assert torch.isfinite(ours.cache_w).all(), "a padding row was read"
+        x = torch.randn(4, H, generator=torch.Generator().manual_seed(2))
+        rows_of = ours.rows_for(["b", "c", "c", "b"])
+        logits = ours.logits(x, rows_of)
+        assert torch.equal(logits, ref.logits(x, rows_of)) and logits.shape == (4, rows)
+        assert _all_equal([ours.token_ids(r).tolist() for r in ("b", "c")]), "identical sets on every rank"
+        assert _all_equal(logits.tolist()), "identical logits on every rank"
+        with torch.no_grad():
+            full[:rows].mul_(2)  # an in-place write of the head: both refresh their cached rows at the next call
+        doubled = ours.logits(x, rows_of)
+        assert torch.equal(doubled, ref.logits(x, rows_of)) and torch.equal(ours.cache_w, ref.cache_w)
+        torch.testing.assert_close(doubled, 2 * logits)
+        report[name] = [ours.active_count(r) for r in ("b", "c")]
+    report["all_ranks"] = [all_ranks(group, rank == 0), all_ranks(group, True)]
+    assert report["all_ranks"] == [False, True]
+    return report
+
+
+def vllm_head(rank: int, world: int) -> dict:
+    """The vLLM plugin's NanoSpecHead on vLLM-shaped objects (a ParallelLMHead's attributes, a gathering
+    compute_logits; no vLLM needed): its logits equal the gathered dense head's at each request's active tokens and
+    are -inf elsewhere, on every rank; when the first-call check fails on one rank only, every rank keeps the dense
+    head (one decision everywhere, no hang) and the rank whose own check passed says why."""
+    from types import SimpleNamespace as NS
+
+    from nanospec_fx.vllm_plugin import NanoSpecHead
+
+    rows, shard_rows = 90, 48  # vLLM pads the head to a multiple of 64 rows, split in 2 shards
+    full = torch.randn(world * shard_rows, H, generator=torch.Generator().manual_seed(0))
+    full[rows:] = 0
+    local = full[rank * shard_rows:(rank + 1) * shard_rows]
+    lm_head = NS(weight=local, tp_size=world, tp_rank=rank, num_embeddings_per_partition=shard_rows,
+                 parallel_group=NS(device_group=dist.group.WORLD))
+    processor = NS(org_vocab_size=rows, scale=1.0, soft_cap=None, head_dtype=None)
+    model = NS(logits_processor=processor, lm_head=lm_head, config=NS(vocab_size=rows))
+    sets = {"a": [3, 50, 89], "b": [60, 4]}
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    report = {}
+    for case, shifted_rank in (("agree", None), ("rank_1_differs", 1)):
+        def dense(h, shifted_rank=shifted_rank):  # vLLM's compute_logits: local slice, all-gather, padding cut
+            parts = [torch.empty(h.shape[0], shard_rows) for _ in range(world)]
+            dist.all_gather(parts, h @ local.T)
+            logits = torch.cat(parts, -1)[:, :rows]
+            return logits + 1.0 if rank == shifted_rank else logits
+
+        head = NanoSpecHead(model, dense, max_requests=2, capacity=16, topk=0)
+        for request, ids in sets.items():
+            head.vocabs.assign(request)
+            head.vocabs.observe(request, ids)
+        head.rows = head.vocabs.rows_for(["a", "b", "a"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [head(x), head(x)]
+        expected = dense(x)
+        if shifted_rank is None:
+            mask = torch.full_like(expected, float("-inf"))
+            for i, request in enumerate(["a", "b", "a"]):
+                mask[i, sets[request]] = 0
+            for out in outs:
+                torch.testing.assert_close(out, expected + mask, rtol=1e-5, atol=1e-5)
+        else:
+            for out in outs:
+                assert torch.equal(out, expected)
+        said = [str(w.message) for w in caught]
+        report[case] = {"disabled": head.disabled, "compact_calls": head.compact_calls,
+                        "dense_calls": head.dense_calls, "sharded": head.snapshot()["sharded"],
+                        "other_rank_warned": any("another tensor-parallel rank" in w for w in said)}
+    assert report["rank_1_differs"]["other_rank_warned"] == (rank == 0)
+    report["rank_1_differs"].pop("other_rank_warned")
+    return report
+
+
 SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
-             "sharded_target": sharded_target}
+             "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head}
 
 
 def main() -> None:

@@ -327,3 +327,65 @@ def test_static_policy_set_is_the_list(eagle_export):
     assert head["assigned"] == head["released"] == 0  # no per-request rows
     assert 3 in PROMPTS[1] and 3 not in head["static"]
 
+
+
+# ----------------------------------------------------------------------------- vLLM tensor parallelism (2 workers)
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory):
+    return _scenario(tmp_path_factory, "tensor_parallel")
+
+
+TP_RUNS = ("draft_model_topk0", "eagle")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("run", TP_RUNS)
+def test_tp_greedy_output_is_the_target_alone(tensor_parallel, run):
+    from vllm_worker import TP_TOKENS
+
+    target = [o[:TP_TOKENS] for o in tensor_parallel["target"]["outputs"]]
+    assert tensor_parallel[run]["outputs"] == target and tensor_parallel[run]["drafted"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("run", TP_RUNS)
+def test_tp_compact_head_on_every_draft_step_of_both_ranks(tensor_parallel, run):
+    """Both workers (other processes: they wrote their counters to NANOSPEC_VLLM_RECORD_DIR) ran this tree's plugin
+    with the replicated per-request cache, checked it against vLLM's gathered logits, and used it on every draft step
+    (the same number of calls on both ranks, none dense)."""
+    result = tensor_parallel[run]
+    heads = result["heads"]
+    assert [h["rank"] for h in heads] == [0, 1] and len({h["pid"] for h in heads}) == 2
+    assert all(Path(h["module"]).is_relative_to(REPO) for h in heads)
+    for head in heads:
+        assert head["sharded"] and head["checked"] and not head["disabled"]
+        assert head["dense_calls"] == 0 and head["compact_calls"] >= result["drafted"] // len(result["outputs"])
+        # the snapshot is taken after the last step's releases, before the last request got its row
+        assert head["assigned"] == head["released"] == len(result["outputs"]) and head["holding"] == []
+    assert heads[0]["compact_calls"] == heads[1]["compact_calls"]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("run", TP_RUNS)
+def test_tp_identical_sets_on_both_ranks(tensor_parallel, run):
+    first, second = tensor_parallel[run]["heads"]
+    assert first["released_sets"] == second["released_sets"] and all(first["sets"])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_tp_requests_keep_separate_sets(tensor_parallel):
+    """Sets of fed tokens only (no top-k): each request holds its prompt and what it accepted, within the target's
+    own continuation, and never a token fed only to another request."""
+    from vllm_worker import PROMPTS
+
+    run = tensor_parallel["draft_model_topk0"]
+    for head in run["heads"]:
+        for i, (prompt, out) in enumerate(zip(PROMPTS, run["outputs"])):
+            active, continuation = set(head["sets"][i]), tensor_parallel["target"]["outputs"][i]
+            assert set(prompt) | set(out) <= active <= set(prompt) | set(continuation)
+            others = set().union(*(PROMPTS[j] for j in range(len(PROMPTS)) if j != i)) - set(prompt) - set(continuation)
+            assert others and not others & active

@@ -1,6 +1,6 @@
 """Runs vLLM (CPU build) with the NanoSpec plugin on tiny checkpoints and prints what the tests check, as JSON.
 
-    python vllm_worker.py SCENARIO ROOT    # SCENARIO: methods | preemption | eagle_export; ROOT: a scratch directory
+    python vllm_worker.py SCENARIO ROOT    # SCENARIO: methods | preemption | eagle_export | tensor_parallel; ROOT: a dir
 
 A subprocess of tests/integrations/test_vllm.py: vLLM owns process-wide state (its plugins, torch's threads, a
 process group), so each scenario gets a fresh interpreter. The engine runs in this process
@@ -23,6 +23,7 @@ NUM_SPEC = 3
 PROMPTS = [[5, 17, 300, 42, 99, 5, 17], [700, 3, 3, 800, 11], [512, 256, 128, 64, 1000, 901, 77, 78]]
 # The static policy's list: the even ids from 1000 down (half the vocabulary; PROMPTS[1]'s 3 and 11 are not in it).
 STATIC_LIST = list(range(1000, 0, -2))
+TP_TOKENS = 16  # tokens per request under tensor parallelism
 
 
 def run(dirs, spec, prompts, max_tokens, **engine):
@@ -61,8 +62,53 @@ def run(dirs, spec, prompts, max_tokens, **engine):
 
 def _released_set(head, request_id: str):
     """The set of a request when it released its row (the engine core's id is the output's id plus a suffix)."""
-    sets = [s for key, s in head.released_sets.items() if key == request_id or key.startswith(f"{request_id}-")]
+    released = head["released_sets"] if isinstance(head, dict) else head.released_sets
+    sets = [s for key, s in released.items() if key == request_id or key.startswith(f"{request_id}-")]
     return sets[-1] if sets else None
+
+
+def run_tp(dirs, spec, prompts, max_tokens, record_dir: Path):
+    """:func:`run` under vLLM tensor parallelism (2 CPU workers, ``mp`` executor, one core each): the plugin's heads
+    live in the worker processes, which write their snapshots to ``record_dir`` (NANOSPEC_VLLM_RECORD_DIR)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    record_dir.mkdir(parents=True)
+    os.environ["NANOSPEC_VLLM_RECORD_DIR"] = str(record_dir)  # the workers inherit it
+    llm = LLM(model=str(dirs["target"]), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
+              enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+              disable_log_stats=False, max_model_len=128, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    ids = [o.request_id for o in outs]
+    llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(temperature=0, max_tokens=1, detokenize=False))
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    llm.llm_engine.engine_core.shutdown()  # stops the workers before the next engine binds the same cores
+    del llm
+    gc.collect()
+    heads = sorted((json.loads(f.read_text()) for f in record_dir.glob("nanospec-head-*.json")),
+                   key=lambda h: h["rank"])
+    for head in heads:
+        head["sets"] = [_released_set(head, i) for i in ids]
+    del os.environ["NANOSPEC_VLLM_RECORD_DIR"]
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
+            "drafted": metrics.get("vllm:spec_decode_num_draft_tokens")}
+
+
+def tensor_parallel(dirs):
+    """vLLM with tensor_parallel_size=2 on 2 CPU workers: the target alone, then draft_model with the plugin and
+    sets of fed tokens only (NANOSPEC_VLLM_TOPK=0: what each request holds is known exactly), then eagle (the target's
+    top-k observed too)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one NUMA node here: bind one core per worker by hand
+    root = dirs["target"].parent.parent
+    out = {"target": run_tp(dirs, None, PROMPTS, TP_TOKENS + NUM_SPEC + 1, root / "record-target")}
+    os.environ["NANOSPEC_VLLM_TOPK"] = "0"
+    spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
+    out["draft_model_topk0"] = run_tp(dirs, spec, PROMPTS, TP_TOKENS, root / "record-draft_model")
+    del os.environ["NANOSPEC_VLLM_TOPK"]
+    spec = {"method": "eagle", "model": str(dirs["eagle"]), "num_speculative_tokens": NUM_SPEC}
+    out["eagle"] = run_tp(dirs, spec, PROMPTS, TP_TOKENS, root / "record-eagle")
+    return out
 
 
 def _shifted_drafter(dirs) -> dict:
@@ -211,5 +257,7 @@ if __name__ == "__main__":
         os.environ["NANOSPEC_VLLM"] = "1"
     os.environ["NANOSPEC_VLLM_RECORD"] = "1"
     checkpoints = vllm_checkpoints.build(root / "checkpoints")
-    result = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export}[scenario](checkpoints)
+    scenarios = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export,
+                 "tensor_parallel": tensor_parallel}
+    result = scenarios[scenario](checkpoints)
     (root / f"{scenario}.json").write_text(json.dumps(result))
