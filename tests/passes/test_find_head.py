@@ -144,7 +144,19 @@ TRANSPOSE_SPELLINGS = [
 ]
 
 
-@pytest.mark.parametrize("spelling", TRANSPOSE_SPELLINGS, ids=lambda s: "-".join(map(str, s)))
+def _spelling_id(spelling) -> str:
+    """A test id without object addresses (pytest-xdist's workers must collect the same ids): ops by their name
+    (``aten.t.default``), functions by module and name (``torch.t``, ``Tensor.t``, ``getattr``)."""
+    def part(p) -> str:
+        if isinstance(p, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not callable(p):
+            return str(p)
+        module = getattr(p, "__module__", None) or "Tensor"
+        return p.__name__ if module == "builtins" else f"{module}.{p.__name__}"
+
+    return "-".join(map(part, spelling))
+
+
+@pytest.mark.parametrize("spelling", TRANSPOSE_SPELLINGS, ids=_spelling_id)
 def test_transposed_weight_reads_every_spelling(spelling):
     from nanospec_fx.passes.patterns import match_projection, transposed_weight
 
