@@ -17,10 +17,11 @@ DECODED = ("model", "variant", "depth", "category", "request", "repeat", "order"
            "new_tokens", "rounds", "accepted", "drafted", "active_size")
 
 
-def invoke(*args, code=0):
+def invoke(*args, code=0) -> str:
+    """The command's output with its line breaks folded (the terminal wraps long messages, e.g. at long paths)."""
     result = CliRunner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == code, result.output
-    return result
+    return " ".join(result.output.split())
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,8 @@ def test_two_shards_merged_are_the_whole_run(runs):
 
 
 def test_a_missing_shard_is_reported_and_the_merge_says_so(runs):
-    result = invoke("e2e-merge", runs / "s0.json", "--out", runs, "--name", "partial")
-    assert "shards still missing: 1/2" in result.output and "covers 2 of 4 requests" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", "--out", runs, "--name", "partial")
+    assert "shards still missing: 1/2" in output and "covers 2 of 4 requests" in output
     partial = load(runs / "partial.json")
     assert partial["meta"]["shards"] == {"count": 2, "merged": [0], "missing": [1]}
     assert {r["request"] for r in partial["requests"]} == {0, 2}
@@ -115,23 +116,23 @@ def edited(runs, name, change):
 
 def test_pieces_of_different_runs_or_overlapping_shards_are_refused(runs):
     shutil.copy(runs / "s0.json", runs / "s0-again.json")
-    result = invoke("e2e-merge", runs / "s0.json", runs / "s0-again.json", "--out", runs, "--name", "m", code=2)
-    assert "shard 0/2 is given twice" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", runs / "s0-again.json", "--out", runs, "--name", "m", code=2)
+    assert "shard 0/2 is given twice" in output
     capacity = edited(runs, "capacity.json", lambda m: m.update(capacity=32))
-    result = invoke("e2e-merge", runs / "s0.json", capacity, "--out", runs, "--name", "m", code=2)
-    assert "capacity differs" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", capacity, "--out", runs, "--name", "m", code=2)
+    assert "capacity differs" in output
     drafter = edited(runs, "drafter.json", lambda m: next(iter(m["drafter_training"].values())).update(
         checkpoint_sha256="0" * 64))
-    result = invoke("e2e-merge", runs / "s0.json", drafter, "--out", runs, "--name", "m", code=2)
-    assert "drafter checkpoint sha256 differs" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", drafter, "--out", runs, "--name", "m", code=2)
+    assert "drafter checkpoint sha256 differs" in output
     thirds = edited(runs, "thirds.json", lambda m: m["shard"].update(count=3))
-    result = invoke("e2e-merge", runs / "s0.json", thirds, "--out", runs, "--name", "m", code=2)
-    assert "shard count (N) differs" in result.output
-    result = invoke("e2e-merge", runs / "whole.json", "--out", runs, "--name", "whole", code=2)
-    assert "would overwrite the piece" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", thirds, "--out", runs, "--name", "m", code=2)
+    assert "shard count (N) differs" in output
+    output = invoke("e2e-merge", runs / "whole.json", "--out", runs, "--name", "whole", code=2)
+    assert "would overwrite the piece" in output
     assert not (runs / "m.json").exists()
-    result = invoke("e2e", "--drafter", "eagle", "--shard", "2/2", code=2)
-    assert "0 <= K < N" in result.output
+    output = invoke("e2e", "--drafter", "eagle", "--shard", "2/2", code=2)
+    assert "0 <= K < N" in output
 
 
 def test_a_different_commit_or_load_warns_and_keeps_each_provenance(runs):
@@ -139,8 +140,8 @@ def test_a_different_commit_or_load_warns_and_keeps_each_provenance(runs):
         meta["provenance"].update(git_commit="f" * 40, load_average_start=[9.0, 9, 9], load_average_end=[9.0, 9, 9])
 
     other = edited(runs, "other-commit.json", change)
-    result = invoke("e2e-merge", runs / "s0.json", other, "--out", runs, "--name", "warned")
-    assert "different git commits" in result.output and "load differed" in result.output
+    output = invoke("e2e-merge", runs / "s0.json", other, "--out", runs, "--name", "warned")
+    assert "different git commits" in output and "load differed" in output
     meta = load(runs / "warned.json")["meta"]
     assert meta["pieces"][1]["provenance"]["git_commit"] == "f" * 40
     assert meta["pieces"][0]["provenance"]["git_commit"] == load(runs / "s0.json")["meta"]["provenance"]["git_commit"]
