@@ -5,12 +5,13 @@ import shutil
 import statistics
 
 import pytest
-import torch
 from click.testing import CliRunner
 
-from nanospec_fx.eval import cli, loaders
+from nanospec_fx.eval import cli
 
 transformers = pytest.importorskip("transformers")
+
+from tiny_eagle import train_tiny_pair  # noqa: E402
 
 # What a decode produced (not how long it took): equal in a merged run and the whole run.
 DECODED = ("model", "variant", "depth", "category", "request", "repeat", "order", "head", "setting", "identical",
@@ -29,15 +30,7 @@ def runs(tmp_path_factory):
     """A tiny Llama, an EAGLE drafter trained for 2 steps, 4 requests in 2 categories; the whole run and its two
     shards (``whole``, ``s0``, ``s1`` in the returned folder)."""
     root = tmp_path_factory.mktemp("shards")
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(loaders, "CACHE", root / "cache")
-    invoke("train-eagle", "--model", root / "model", "--tokenizer", "bytes", "--corpus", "sample", "--tokens", 2048,
-           "--window", 64, "--val-tokens", 256, "--steps", 2, "--threads", 1)
+    mp = train_tiny_pair(root, invoke)
     requests = root / "requests.jsonl"
     requests.write_text("\n".join(json.dumps({"prompt": p, "continuation": "", "category": c}) for p, c in [
         ("the cat sat on the mat and the cat", "prose"), ("one two three four five six", "prose"),

@@ -13,20 +13,14 @@ from nanospec_fx.eval.stats import median_interval
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_eagle import train_tiny_pair  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny Llama over byte ids and an EAGLE drafter trained on the bundled sample (cached in ``cache``)."""
     root = tmp_path_factory.mktemp("rigour")
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(loaders, "CACHE", root / "cache")
-    invoke("train-eagle", "--model", root / "model", "--tokenizer", "bytes", "--corpus", "sample", "--tokens", 2048,
-           "--window", 64, "--val-tokens", 256, "--steps", 2, "--threads", 1)
+    mp = train_tiny_pair(root, invoke)
     requests = root / "requests.jsonl"
     requests.write_text("\n".join(json.dumps({"prompt": p, "continuation": "", "category": c}) for p, c in [
         ("the cat sat on the mat and the cat", "a"), ("def f(x):\n    return x + 1\n", "b"),
