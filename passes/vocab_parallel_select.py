@@ -187,9 +187,7 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
             pattern.append(n.args[0])
     if world is None:
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group  # the group a functional collective names
-
-    rank = torch.distributed.get_rank(_resolve_process_group(group))
+    rank = group_rank(group)
     for n, offset in offsets:
         if offset != rank * rows:
             return f"{n.name} offsets the local ids by {offset}, not this rank's first row {rank} * {rows}"
@@ -227,6 +225,13 @@ PACKS = {torch.stack, *CAT_FUNCTIONS}
 CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short"}
 WIDENING = {(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64), (torch.float16, torch.float32),
             (torch.float16, torch.float64), (torch.float32, torch.float64)}
+
+
+def group_rank(group_name: str) -> int:
+    """This process's rank in the group a functional collective names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return torch.distributed.get_rank(_resolve_process_group(group_name))
 
 
 def _cast_to(n: fx.Node) -> torch.dtype | None:

@@ -19,13 +19,12 @@ rank (every rank picks from the same gathered candidates with the same op).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from . import patterns
 from .observe_inputs import ObserveInto, insert_observe
 from .rewrite_head import set_example_value
-from .vocab_parallel_select import ids_round_trip
+from .vocab_parallel_select import group_rank, ids_round_trip
 
 C10D = torch.ops._c10d_functional
 
@@ -59,9 +58,7 @@ def insert_sharded_topk_observers(graph: fx.Graph, slices: list[fx.Node], k: int
                                   world: int, group_name: str, rows: int) -> int:
     """After each of ``slices`` (this rank's ``[..., rows]`` slice of a vocabulary-parallel target's logits),
     observe the ids of the top-k of the full logits (:func:`sharded_topk_ids`). Returns how many."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    offset = dist.get_rank(_resolve_process_group(group_name)) * rows
+    offset = group_rank(group_name) * rows
     tracer = fx.proxy.GraphAppendingTracer(graph)
     for sliced in slices:
         before = set(graph.nodes)
