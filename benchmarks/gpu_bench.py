@@ -480,7 +480,7 @@ def write(results: dict, args) -> None:
 if __name__ == "__main__":
     try:
         code = main()
-    except Exception:  # noqa: BLE001 - leave a trace in the results for the next session
+    except Exception:  # noqa: BLE001 - leave a trace in the results for the next run
         traceback.print_exc()
         code = 1
     sys.exit(code)
