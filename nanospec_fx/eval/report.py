@@ -13,7 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-console = Console(width=None if sys.stdout.isatty() else 160)
+# markup off: variant labels ("... [observe accepted]") and messages ("the [eval] extra") hold brackets that rich
+# would otherwise take for style tags and silently drop, from printed lines and table cells alike.
+console = Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
 def _load_average() -> list[float] | None:
@@ -118,13 +120,13 @@ def write_outputs(out: Path, name: str, rows: list[dict], meta: dict, **sections
             w.writeheader()
             w.writerows(rows)
     written = ".json, .csv" + (", .png" if (out / f"{name}.png").exists() else "")
-    console.print(f"wrote {(out / name).resolve()}{written}", markup=False, highlight=False)
+    console.print(f"wrote {(out / name).resolve()}{written}", highlight=False)
 
 
 def fail(err: Exception | str) -> None:
-    """Print ``error: ...`` (as plain text: messages hold ``[eval]``-like brackets) and exit with 2."""
-    console.print("[red]error:[/red] ", end="")
-    console.print(str(err), markup=False, highlight=False)
+    """Print ``error: ...`` and exit with 2."""
+    console.print("error: ", style="red", end="")
+    console.print(str(err), highlight=False)
     sys.exit(2)
 
 
@@ -135,8 +137,8 @@ def ints(text: str) -> list[int]:
 def progress():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=console)
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)
 
 
 def pyplot():

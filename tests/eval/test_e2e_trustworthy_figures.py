@@ -53,9 +53,15 @@ def test_median_interval_brackets_the_median_and_narrows_with_agreement():
 
 def test_paired_repeats_rotate_the_order_and_report_intervals(trained):
     root, requests = trained
-    eagle(root, requests, "--depth", 1, "--depth", 2, "--variants", "full,static,context", "--repeats", 2,
-          "--observe", "verified,accepted", "--name", "paired")
+    printed = eagle(root, requests, "--depth", 1, "--depth", 2, "--variants", "full,static,context", "--repeats", 2,
+                    "--observe", "verified,accepted", "--name", "paired").output
     data = json.loads((root / "paired.json").read_text())
+    # the bracketed setting names survive the terminal (rich must not take them for style tags): in the progress
+    # lines and in the tables, where the two settings' rows would otherwise print with the same name
+    cells = [c.strip() for line in printed.splitlines() for c in line.split("\u2502")]
+    for setting in ("observe verified", "observe accepted"):
+        assert f"a: nanospec context@64 [{setting}] depth 2 (repeat 2)" in printed
+        assert cells.count(f"nanospec context@64 [{setting}]") >= 2  # its rows in the printed tables
     runs = data["requests"]
     # per depth: full, static, and context under each of the two settings; plus the target alone
     variants = {(r["variant"], r["depth"]) for r in runs}

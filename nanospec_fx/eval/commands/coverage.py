@@ -63,8 +63,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     if tokenizer is None:
         tokenizer = default_tokenizer()
         if tokenizer == "bytes":
-            console.print("tokenizer: bytes (gemma3, the default, needs the [eval] extra; pass --tokenizer to choose)",
-                          markup=False)
+            console.print("tokenizer: bytes (gemma3, the default, needs the [eval] extra; pass --tokenizer to choose)")
     try:
         tok = load_option("--tokenizer", loaders.load_tokenizer, tokenizer)
         samples = [s for spec in corpora for s in load_option("--corpus", loaders.load_corpus, spec)]
@@ -79,7 +78,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
         static_samples, static_info = disjoint_static_samples(static_samples, samples, static_corpus)
     if not static_corpus:
         console.print(f"static and hybrid policies skipped: their frequency table is counted on {STATIC_CORPUS} "
-                      "(needs the [eval] extra); pass --static-corpus SPEC to use another corpus", markup=False)
+                      "(needs the [eval] extra); pass --static-corpus SPEC to use another corpus")
     if continuation == "greedy" and target is None:
         fail("--continuation greedy needs --model")
     if target is not None and target.config.vocab_size < tok.vocab_size:

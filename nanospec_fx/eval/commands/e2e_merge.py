@@ -125,12 +125,12 @@ def merge(paths: list[Path], out: Path, name: str) -> None:
     first = pieces[0]["meta"]
     count = first["shard"]["count"]
     for w in warnings:
-        console.print(f"warning: {w}", markup=False, highlight=False)
+        console.print(f"warning: {w}", highlight=False)
     covered = sum(len({r["request"] for r in p["requests"]}) for p in pieces)
     left = (f"warning: shards still missing: {', '.join(f'{k}/{count}' for k in missing)}; this merge covers "
             f"{covered} of {len(first['request_ids'])} requests (run the missing shards, then merge all {count})")
     if missing:
-        console.print(left, markup=False, highlight=False)
+        console.print(left, highlight=False)
     runs_by_model = {spec: runs_from_rows([{k: v for k, v in r.items() if k != "model"}
                                            for p in pieces for r in p["requests"] if r["model"] == spec])
                      for spec in first["models"]}
@@ -142,7 +142,7 @@ def merge(paths: list[Path], out: Path, name: str) -> None:
             "pieces": [{"path": str(path), **{k: p["meta"].get(k) for k in kept}} for path, p in zip(paths, pieces)]}
     report(out, name, meta, runs_by_model, first["provenance"]["threads"])
     if missing:  # again under the tables
-        console.print(left, markup=False, highlight=False)
+        console.print(left, highlight=False)
 
 
 @click.command("e2e-merge")

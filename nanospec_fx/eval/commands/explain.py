@@ -37,8 +37,8 @@ def explain(model, capacity, prompt_tokens, rows, inductor, calibrate):
     with torch.inference_mode():
         compiled(ids)
     report = nanospec_fx.explain(lm, calibrate=calibrate)
-    console.print(str(report), markup=False, highlight=False)
+    console.print(str(report), highlight=False)
     for head in report.heads:
         for n_active in dict.fromkeys([max(len(head.state), 1), head.state.capacity]):
             preds = ", ".join(f"{head.cost.predict(r, n_active):.1f}x at {r} row(s)" for r in ints(rows))
-            console.print(f"  predicted {head.name} speedup with {n_active} active tokens: {preds}", markup=False)
+            console.print(f"  predicted {head.name} speedup with {n_active} active tokens: {preds}")
