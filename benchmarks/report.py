@@ -81,9 +81,10 @@ def e2e_eagle(data: dict) -> str:
     ratio = table(["variant", "depth", *cats],
                   [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
                                  else "" for c in cats)] for v, d in keys if v != "full head"])
-    text = (pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
-            + "\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
-              "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
+    text = pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+    if full:  # a run without the full head (e.g. --variants context) has nothing to share it with
+        text += ("\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
+                 "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
     if data.get("comparisons"):
         text += "\n\nPaired ratios (same requests, this run): median over requests [95% bootstrap interval]:\n\n"
         text += paired_table(data["comparisons"])

@@ -34,6 +34,10 @@ def test_eagle_report_gives_tau_share_and_speed_ratio_against_the_full_head(tmp_
     share = text.split("Against EAGLE with the full head")[1]
     assert "| nanospec context@64 | 2 | 75.0% / 1.50x | 95.0% / 1.50x |" in share
     assert "**no**" not in text
+    # a run without the full head (e.g. --variants context, settings compared) has no share table to print
+    without = tmp_path / "e2e-eagle-settings.json"
+    without.write_text(json.dumps({"rows": [r for r in rows if r["variant"] != "full head"], "meta": {}}))
+    assert "Against EAGLE with the full head" not in _report().render(without)
 
 
 def test_depth_sweep_lists_every_run_by_variant_then_depth(tmp_path):
