@@ -78,11 +78,11 @@ def e2e_eagle(data: dict) -> str:
     def against_full(r, f):
         return f"{100 * r['tau'] / f['tau']:.1f}% / {r['tokens_per_s'] / f['tokens_per_s']:.2f}x"
 
-    ratio = table(["variant", "depth", *cats],
-                  [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
-                                 else "" for c in cats)] for v, d in keys if v != "full head"])
     text = pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
     if full:  # a run without the full head (e.g. --variants context) has nothing to share it with
+        ratio = table(["variant", "depth", *cats],
+                      [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
+                                     else "" for c in cats)] for v, d in keys if v != "full head"])
         text += ("\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
                  "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
     if data.get("comparisons"):
