@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -49,10 +49,9 @@ def _median_ms(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     import nanospec_fx
 
     V, H, rows, tp = args.vocab, args.hidden, args.rows, 2
@@ -122,10 +121,8 @@ def main() -> None:
         return cost_model(args)
     if args.vocab % 2:
         sys.exit("--vocab must be even (2 shards)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args, port), nprocs=2, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # forked ranks at a file store: see examples/tensor_parallel.py
+        mp.start_processes(_worker, args=(args, os.path.join(tmp, "store")), nprocs=2, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,9 @@ class Drafter(nn.Module):
         return logits / 0.8
 
 
-def run(rank: int, port: int, inductor: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run(rank: int, store_file: str, inductor: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=TP)
     drafter = Drafter(rank)
     compiled = torch.compile(drafter, backend="nanospec", options={"capacity": 256, "inductor": inductor})
     prompt = torch.tensor([[5, 17, 256, 999, 640]])
@@ -67,7 +66,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-inductor", action="store_true", help="run the rewritten graph eagerly (faster here)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.spawn(run, args=(free_port, not args.no_inductor), nprocs=TP, join=True)
+    # Forked ranks meeting at a file store (no port to pick). Fork, not spawn: a forked rank leaves without the
+    # interpreter's teardown. gloo's worker threads outlive destroy_process_group here (torch still holds the group),
+    # and one still freeing the last collective's tensors while a spawned rank finalizes can abort that rank.
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(run, args=(os.path.join(tmp, "store"), not args.no_inductor), nprocs=TP,
+                           start_method="fork")

@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -169,27 +169,24 @@ def test_a_target_observer_feeds_a_sharded_state(fake_group, compiled_graphs, ta
 
 
 # ----------------------------------------------------------------------------- two gloo processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
-    """Both ranks of ``scenario`` (tp_worker.py) as subprocesses; fails (never hangs) past ``timeout``."""
-    worker, port = Path(__file__).with_name("tp_worker.py"), str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(TP)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
+    """Both ranks of ``scenario`` (tp_worker.py) as subprocesses, meeting at a file store; fails (never hangs) past
+    ``timeout``."""
+    worker = Path(__file__).with_name("tp_worker.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), store],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(TP)]
+        outputs = []
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
     return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
 
 
