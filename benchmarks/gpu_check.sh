@@ -6,13 +6,16 @@
 #   2. compile_check: every launched kernel variant compiles for this GPU's arch, int64 offsets;
 #   3. the kernel tests on CUDA (pytest -m cuda; needs pytest + hypothesis: installed or an error);
 #   4. benchmarks/gpu_bench.py: observe stress vs the reference, Llama-3-8B head shape in bf16 for
-#      every head configuration, observe timing with 0/2/16 new ids, zero host syncs, CUDA graphs.
+#      every head configuration, observe timing with 0/2/16 new ids, zero host syncs, CUDA graphs;
+#   5. benchmarks/gpu_graph_per_request.py: a per-request draft step (observe_rows + logits + argmax of
+#      RequestVocabs) captured in a CUDA graph, replayed with new request rows, ids and hidden states, equal
+#      to eager and to a plain-torch oracle; 1 row per request and B*K rows (parallel drafters).
 # Logs and JSON (written after every step) go to benchmarks/results/ and, when set, to $OUT.
 # Budget: about 4-8 minutes.
 #   bash benchmarks/gpu_check.sh
 # Rehearsal on a CPU machine (interpreter, tiny shapes):
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh
-# Knobs: PYTHON (interpreter), GPU_CHECK_FALLBACK=1 (skip pip, use the symlink tree),
+# Knobs: PYTHON (interpreter), GPU_CHECK_FALLBACK=1 (skip pip, use the symlink tree), GPU_CHECK_GRAPH_ARGS,
 #   GPU_CHECK_PYTEST_K (pytest -k selection), GPU_CHECK_BENCH_ARGS (replaces the benchmark's arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +30,12 @@ CPU=${GPU_CHECK_CPU:-0}
 if [ "$CPU" = 1 ]; then
     export TRITON_INTERPRET=1 NANOSPEC_KERNELS=triton
     CUDA_ASSERT="" MARK="not cuda" BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:-"--device cpu --small"}
+    GRAPH_ARGS=${GPU_CHECK_GRAPH_ARGS:-"--device cpu --steps 1 --vocab 501 --hidden 16 --shapes 2x3"}
 else
     unset TRITON_INTERPRET
     CUDA_ASSERT="assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
     MARK="cuda" BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:-"--sweep"}
+    GRAPH_ARGS=${GPU_CHECK_GRAPH_ARGS:-""}
 fi
 
 say() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
@@ -144,5 +149,12 @@ say "gpu_bench.py $BENCH_ARGS"
 timeout "${GPU_CHECK_BENCH_S:-240}" $PY benchmarks/gpu_bench.py $BENCH_ARGS 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || fail_step "gpu_bench.py failed (a check failed, it crashed or it timed out)"
+
+# 5. The per-request draft step under CUDA-graph capture and replay.
+say "gpu_graph_per_request.py $GRAPH_ARGS"
+# shellcheck disable=SC2086
+timeout "${GPU_CHECK_GRAPH_S:-150}" $PY benchmarks/gpu_graph_per_request.py $GRAPH_ARGS 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || fail_step "gpu_graph_per_request.py failed (a check failed, it crashed or it timed out)"
 [ "${#FAILED[@]}" -eq 0 ] || finish 1 "$(printf '%s; ' "${FAILED[@]}")"
 finish 0 ""

@@ -312,6 +312,7 @@ def _gpu_check(tmp_path, bench_extra="", **env):
         "GPU_CHECK_CPU": "1", "GPU_CHECK_FALLBACK": "1", "GPU_CHECK_RESULTS": str(results),
         "GPU_CHECK_PYTEST_K": "device_guard_selects", "PYTHON": sys.executable,
         "GPU_CHECK_BENCH_ARGS": f"--device cpu --small --iters 1 --warmup 0 --rows 1 --out {results} {bench_extra}",
+        "GPU_CHECK_GRAPH_ARGS": "--device cpu --steps 1 --vocab 101 --hidden 8 --shapes 2x3",
         "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
     base.update(env)
@@ -327,6 +328,7 @@ def test_gpu_check_rehearsal_passes_through_the_fallback_tree(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "symlink tree" in out and "PASS" in out
+    assert "PASS per-request step cpu float32 requests=2 k=3" in out  # step 5 ran
     import json
 
     bench = json.loads((results / "gpu_bench_cpu_small.json").read_text())
