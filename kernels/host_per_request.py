@@ -1,6 +1,10 @@
-"""CPU host path of the per-request ops: read ``rows`` on the host, group batch rows by request, and run the
-shared-set host ops (:mod:`kernels.host`) on each request's views of the state - one GEMM per request over its
-active rows only (gathered rows per request: docs/per-request.md says why not a union).
+"""CPU host path of the per-request ops: read ``rows`` and the counts on the host and compute only active rows.
+
+The head (compact, scatter, fused) runs as one batched GEMM for the whole batch - every request's rows over its
+own cached head rows, padded to one bucketed row count and masked past each request's count - with no Python
+loop over requests (a serving batch holds 8-256 of them). Observe, top-k and argmax run the shared-set host ops
+(:mod:`kernels.host`) on each request's views of the state. Gathered rows per request, not a union of the sets:
+docs/per-request.md says why.
 
 Same values and shapes as :mod:`kernels.reference_per_request`; only the work inside changes.
 """
@@ -82,11 +86,57 @@ def _plan(rows: torch.Tensor, cursor: torch.Tensor, capacity: int):
     return [(q, None if whole else members, min(counts[q], capacity)) for q, members in groups.items()]
 
 
-def _gemm(x2, members, cache_w, cache_b, q: int, n: int) -> torch.Tensor:
-    """Logits of the request's rows over its first ``n`` slots (a bucket of rows computed, as the host head does)."""
-    rows = host.bucket(n, cache_w.shape[1])
-    part = F.linear(_take(x2, members), cache_w[q, :rows], None if cache_b is None else cache_b[q, :rows])
-    return part[:, :n]
+class _Batch:
+    """The batch's rows laid out per request for one batched GEMM.
+
+    ``n`` [B]: each row's active count (its request's); ``width``: the bucketed column count of the GEMM
+    (:func:`kernels.host.bucket` of the largest count). Requests are the batch matrices: those of a contiguous span
+    of request rows read the cache as a view, others are gathered.
+    """
+
+    def __init__(self, r: torch.Tensor, cursor: torch.Tensor, capacity: int):
+        self.r = r
+        self.n = cursor.clamp(max=capacity)[r] if r.numel() else r
+        self.width = host.bucket(int(self.n.max()), capacity) if r.numel() else 0
+
+    def valid(self) -> torch.Tensor:
+        """Bool [B, width]: column j of row b is one of its request's active slots."""
+        return torch.arange(self.width, device=self.r.device)[None, :] < self.n[:, None]
+
+    def gemm(self, x2: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None) -> torch.Tensor:
+        """[B, width]: each row against the first ``width`` cached rows of its request (-inf past its count)."""
+        r, width = self.r, self.width
+        uniq, inv = torch.unique(r, return_inverse=True)
+        if uniq.numel() == 1:  # one request: one plain GEMM, no padding
+            q = int(uniq)
+            part = F.linear(x2, cache_w[q, :width], None if cache_b is None else cache_b[q, :width])
+        else:
+            sizes = torch.bincount(inv, minlength=uniq.numel())
+            order = torch.argsort(inv, stable=True)
+            pos = torch.empty_like(r)
+            pos[order] = torch.arange(r.numel(), device=r.device) - (torch.cumsum(sizes, 0) - sizes)[inv[order]]
+            lo, hi = int(uniq[0]), int(uniq[-1])
+            if hi - lo + 1 <= 2 * uniq.numel():  # a dense span of request rows: the cache as a view
+                group, w = r - lo, cache_w[lo:hi + 1, :width]
+                b = None if cache_b is None else cache_b[lo:hi + 1, :width]
+            else:
+                group, w = inv, cache_w[uniq, :width]
+                b = None if cache_b is None else cache_b[uniq, :width]
+            x3 = x2.new_zeros(w.shape[0], int(sizes.max()), x2.shape[1])
+            x3[group, pos] = x2
+            out3 = torch.bmm(x3, w.transpose(1, 2)) if b is None else torch.baddbmm(b[:, None, :], x3, w.transpose(1, 2))
+            part = out3[group, pos]
+        return part.masked_fill(~self.valid(), float("-inf"))
+
+    def scatter(self, values: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[B, vocab_size]: ``values`` [B, >= width] of the active slots written at their token ids, -inf elsewhere."""
+        out = values.new_full((self.r.numel(), vocab_size), float("-inf"))
+        if self.width:
+            valid = self.valid()
+            tokens = ids[self.r, :self.width]
+            flat = torch.arange(self.r.numel(), device=out.device)[:, None] * vocab_size + tokens
+            out.view(-1)[flat[valid]] = values[:, :self.width][valid]
+        return out
 
 
 def compact_logits_per_request(
@@ -97,9 +147,9 @@ def compact_logits_per_request(
     _check(r, cache_w.shape[0])
     capacity = cache_w.shape[1]
     out = x2.new_full((x2.shape[0], capacity), float("-inf"))
-    for q, members, n in _plan(r, cursor, capacity):
-        if n:
-            _put(out, members, slice(0, n), _gemm(x2, members, cache_w, cache_b, q, n))
+    batch = _Batch(r, cursor, capacity)
+    if batch.width:
+        out[:, :batch.width] = batch.gemm(x2, cache_w, cache_b)
     return out.reshape(*x.shape[:-1], capacity)
 
 
@@ -109,10 +159,7 @@ def scatter_logits_per_request(
     """Same contract as :func:`kernels.reference_per_request.scatter_logits_per_request`."""
     c2, r = flat_rows(compact, rows)
     _check(r, ids.shape[0])
-    out = c2.new_full((c2.shape[0], vocab_size), float("-inf"))
-    for q, members, n in _plan(r, cursor, ids.shape[1]):
-        if n:
-            _put(out, members, ids[q, :n], _take(c2, members)[:, :n])
+    out = _Batch(r, cursor, ids.shape[1]).scatter(c2, ids, vocab_size)
     return out.reshape(*compact.shape[:-1], vocab_size)
 
 
@@ -120,15 +167,13 @@ def head_logits_per_request(
     x: torch.Tensor, rows: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor,
     cursor: torch.Tensor, vocab_size: int,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference_per_request.head_logits_per_request`: one GEMM per request over
-    its active rows, written straight to their token ids (no compact round trip)."""
+    """Same contract as :func:`kernels.reference_per_request.head_logits_per_request`: one batched GEMM over
+    every request's active rows, written straight to their token ids (no compact round trip)."""
     x2, r = flat_rows(x, rows)
     _check(r, cache_w.shape[0])
-    out = x2.new_full((x2.shape[0], vocab_size), float("-inf"))
-    for q, members, n in _plan(r, cursor, cache_w.shape[1]):
-        if n:
-            _put(out, members, ids[q, :n], _gemm(x2, members, cache_w, cache_b, q, n))
-    return out.reshape(*x.shape[:-1], vocab_size)
+    batch = _Batch(r, cursor, cache_w.shape[1])
+    values = batch.gemm(x2, cache_w, cache_b) if batch.width else x2.new_empty((x2.shape[0], 0))
+    return batch.scatter(values, ids, vocab_size).reshape(*x.shape[:-1], vocab_size)
 
 
 def compact_topk_per_request(
@@ -152,17 +197,18 @@ def compact_argmax_per_request(
     compact: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference_per_request.compact_argmax_per_request`: per request, the
-    smallest token id among its largest active values (NaN largest); 0 for a request with no active token."""
+    smallest token id among its largest active values (NaN largest); 0 for a request with no active token.
+    One batched reduction over the widest request's count (no loop over requests)."""
     c2, r = flat_rows(compact, rows)
     _check(r, ids.shape[0])
-    out = torch.zeros(c2.shape[0], dtype=torch.int64, device=c2.device)
-    for q, members, n in _plan(r, cursor, ids.shape[1]):
-        if not n:
-            continue
-        v = _take(c2, members)[:, :n]
-        best = v.max(-1, keepdim=True).values
-        hit = (v == best) | (v.isnan() & best.isnan())
-        tokens = ids[q, :n].expand(v.shape)
-        pick = torch.where(hit, tokens, torch.full_like(tokens, torch.iinfo(torch.int64).max)).min(-1).values
-        _put(out[:, None], members, slice(0, 1), pick[:, None])
-    return out.reshape(compact.shape[:-1])
+    n = cursor.clamp(max=ids.shape[1])[r]
+    width = int(n.max()) if r.numel() else 0
+    if width == 0:
+        return torch.zeros(compact.shape[:-1], dtype=torch.int64, device=compact.device)
+    valid = torch.arange(width, device=c2.device)[None, :] < n[:, None]
+    v = c2[:, :width].masked_fill(~valid, float("-inf"))
+    best = v.max(-1, keepdim=True).values
+    hit = ((v == best) | (v.isnan() & best.isnan())) & valid
+    tokens = ids[r, :width]
+    pick = torch.where(hit, tokens, torch.full_like(tokens, torch.iinfo(torch.int64).max)).min(-1).values
+    return torch.where(n > 0, pick, torch.zeros_like(pick)).reshape(compact.shape[:-1])

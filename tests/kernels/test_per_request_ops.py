@@ -73,7 +73,8 @@ def _oracle_topk(masked, mask, k, largest=True):
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 3, 0, 3, 1], [2], [1, 0, 1, 0, 2, 3, 3]])
+# [0, 3], [3, 0, 3]: requests far apart (the host path gathers their caches instead of reading a span as a view)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 3, 0, 3, 1], [2], [1, 0, 1, 0, 2, 3, 3], [0, 3], [3, 0, 3]])
 def test_head_against_the_masked_dense_head(impl, with_bias, rows):
     weight, bias = _head(1, with_bias)
     ids, slot_of, cursor, cache_w, cache_b = _state_by_hand(weight, bias, SETS)
@@ -239,3 +240,7 @@ def test_drawn_shapes_against_the_masked_dense_head(case):
             want_vals, want_toks = torch.sort(want, dim=-1, descending=True, stable=True)
             assert torch.equal(toks, want_toks[:, :k]), mode
             torch.testing.assert_close(vals, want_vals[:, :k], **TOL)
+            torch.testing.assert_close(OPS.scatter_logits_per_request(compact, rows, ids, cursor, vocab), want, **TOL)
+            empty = ~mask.any(-1)
+            want_arg = torch.where(empty, 0, want.argmax(-1)) if rows.numel() else rows
+            assert torch.equal(OPS.compact_argmax_per_request(compact, rows, ids, cursor), want_arg), mode
