@@ -64,6 +64,27 @@ def renewed_slots(slots: list[int], start: int, capacity: int, num_pinned: int) 
     return set(endangered) if endangered and n_new + len(endangered) <= ring else set()
 
 
+def plan_insertions(
+    fed: list[int], slots: list[int], start: int, capacity: int, num_pinned: int
+) -> tuple[list[int], list[int], int] | None:
+    """Where the distinct fed ids ``fed`` (their current slots ``slots``, -1: inactive) go, for a set whose
+    cursor is ``start``: ``(tokens, their slots, the new cursor)``, or None when nothing is inserted.
+
+    Pure Python over the call's few ids (the rule of :func:`nanospec_fx.kernels.reference.observe`, fed-id renewal
+    included): :func:`observe` applies one plan, the per-request host path applies every request's in one batch.
+    """
+    renew = renewed_slots(slots, start, capacity, num_pinned)
+    new = [t for t, s in zip(fed, slots) if s < 0 or s in renew]  # order of first occurrence
+    if not new:
+        return None
+    # The k-th insertion claims _slot(k); an overflowing call drops its earliest ring insertions.
+    ring = capacity - num_pinned
+    skip_from = max(num_pinned - start, 0)
+    skip_to = skip_from + max(len(new) - skip_from - ring, 0)
+    kept = [(t, _slot(start + r, capacity, num_pinned)) for r, t in enumerate(new) if not skip_from <= r < skip_to]
+    return [t for t, _ in kept], [s for _, s in kept], start + len(new)
+
+
 def observe(
     token_ids: torch.Tensor,
     weight: torch.Tensor,
@@ -83,17 +104,12 @@ def observe(
         return
     slots = slot_of.index_select(0, torch.tensor(fed, dtype=torch.int64, device=ids.device)).tolist()
     start = int(cursor.reshape(()))
-    renew = renewed_slots(slots, start, capacity, num_pinned)
-    new = [t for t, s in zip(fed, slots) if s < 0 or s in renew]  # order of first occurrence
-    if not new:
+    plan = plan_insertions(fed, slots, start, capacity, num_pinned)
+    if plan is None:
         return
-    # The k-th insertion claims _slot(k); an overflowing call drops its earliest ring insertions.
-    ring = capacity - num_pinned
-    skip_from = max(num_pinned - start, 0)
-    skip_to = skip_from + max(len(new) - skip_from - ring, 0)
-    kept = [(t, _slot(start + r, capacity, num_pinned)) for r, t in enumerate(new) if not skip_from <= r < skip_to]
-    tok = torch.tensor([t for t, _ in kept], dtype=torch.int64, device=ids.device)
-    dest = torch.tensor([s for _, s in kept], dtype=torch.int64, device=ids.device)
+    tokens, dests, end = plan
+    tok = torch.tensor(tokens, dtype=torch.int64, device=ids.device)
+    dest = torch.tensor(dests, dtype=torch.int64, device=ids.device)
     victims = [t for t in ids.index_select(0, dest).tolist() if t >= 0]
     if victims:  # first: a renewed id may be its own victim, and is then written again below
         slot_of.index_fill_(0, torch.tensor(victims, dtype=torch.int64, device=ids.device), -1)
@@ -102,7 +118,7 @@ def observe(
     cache_w.index_copy_(0, dest, weight.index_select(0, tok).to(cache_w.dtype))
     if bias is not None:
         cache_b.index_copy_(0, dest, bias.index_select(0, tok).to(cache_b.dtype))
-    cursor.fill_(start + len(new))
+    cursor.fill_(end)
 
 
 # ----------------------------------------------------------------------------- head and selection

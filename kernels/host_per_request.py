@@ -66,16 +66,57 @@ def observe_per_request(
     cache_b: torch.Tensor,
     num_pinned: int,
 ) -> None:
-    """Same contract as :func:`kernels.reference_per_request.observe_per_request`."""
-    check_num_pinned(num_pinned, ids.shape[1])
+    """Same contract as :func:`kernels.reference_per_request.observe_per_request`.
+
+    Each request's insertions are planned in Python (:func:`kernels.host.plan_insertions`, the shared-set rule),
+    then every request's writes land in one batch of tensor ops: the cost of a step does not grow with a tensor
+    op per request."""
+    capacity, vocab = ids.shape[1], slot_of.shape[1]
+    check_num_pinned(num_pinned, capacity)
     rows = rows.reshape(-1).to(torch.int64)
     _check(rows, ids.shape[0])
     if rows.numel() == 0:
         return
-    tok = token_ids.reshape(rows.numel(), -1)
-    for r, members in _groups(rows).items():
-        host.observe(_take(tok, members).reshape(-1), weight, bias,
-                     ids[r], slot_of[r], cursor[r:r + 1], cache_w[r], cache_b[r], num_pinned)
+    fed_of: dict[int, list[int]] = {}
+    for r, tokens in zip(rows.tolist(), token_ids.reshape(rows.numel(), -1).to(torch.int64).tolist()):
+        fed_of.setdefault(r, []).extend(tokens)
+    fed_of = {r: fed for r, tokens in fed_of.items() if (fed := [t for t in dict.fromkeys(tokens) if 0 <= t < vocab])}
+    if not fed_of:
+        return
+    if len(fed_of) == 1:  # one request: the shared-set op on its row
+        (r, fed), = fed_of.items()
+        host.observe(torch.tensor(fed, dtype=torch.int64), weight, bias, ids[r], slot_of[r], cursor[r:r + 1],
+                     cache_w[r], cache_b[r], num_pinned)
+        return
+    dev = ids.device
+    req = [r for r, fed in fed_of.items() for _ in fed]
+    flat = [t for fed in fed_of.values() for t in fed]
+    slots = slot_of[torch.tensor(req, device=dev), torch.tensor(flat, device=dev)].tolist()
+    starts = cursor.tolist()
+    plan_r, plan_t, plan_s, ends = [], [], [], {}
+    at = 0
+    for r, fed in fed_of.items():
+        plan = host.plan_insertions(fed, slots[at:at + len(fed)], starts[r], capacity, num_pinned)
+        at += len(fed)
+        if plan is not None:
+            plan_r += [r] * len(plan[0])
+            plan_t += plan[0]
+            plan_s += plan[1]
+            ends[r] = plan[2]
+    if not ends:
+        return
+    r_, tok, dest = (torch.tensor(v, dtype=torch.int64, device=dev) for v in (plan_r, plan_t, plan_s))
+    victims = ids[r_, dest]
+    old = victims >= 0
+    # first: a renewed id may be its own victim, and is then written again below
+    slot_of[r_[old], victims[old]] = -1
+    ids[r_, dest] = tok
+    slot_of[r_, tok] = dest.to(slot_of.dtype)
+    cache_w[r_, dest] = weight.index_select(0, tok).to(cache_w.dtype)
+    if bias is not None:
+        cache_b[r_, dest] = bias.index_select(0, tok).to(cache_b.dtype)
+    cursor[torch.tensor(list(ends), dtype=torch.int64, device=dev)] = torch.tensor(
+        list(ends.values()), dtype=cursor.dtype, device=dev)
 
 
 def _plan(rows: torch.Tensor, cursor: torch.Tensor, capacity: int):
@@ -98,6 +139,8 @@ class _Batch:
         self.r = r
         self.n = cursor.clamp(max=capacity)[r] if r.numel() else r
         self.width = host.bucket(int(self.n.max()), capacity) if r.numel() else 0
+        first = int(r[0]) if r.numel() else -1
+        self.single = first if r.numel() and bool((r == first).all()) else None  # the one request of the batch
 
     def valid(self) -> torch.Tensor:
         """Bool [B, width]: column j of row b is one of its request's active slots."""
@@ -105,32 +148,35 @@ class _Batch:
 
     def gemm(self, x2: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None) -> torch.Tensor:
         """[B, width]: each row against the first ``width`` cached rows of its request (-inf past its count)."""
-        r, width = self.r, self.width
-        uniq, inv = torch.unique(r, return_inverse=True)
-        if uniq.numel() == 1:  # one request: one plain GEMM, no padding
-            q = int(uniq)
+        r, width, q = self.r, self.width, self.single
+        if q is not None:  # one request: one plain GEMM, no padding
             part = F.linear(x2, cache_w[q, :width], None if cache_b is None else cache_b[q, :width])
+            part[:, int(self.n[0]):] = float("-inf")
+            return part
+        uniq, inv = torch.unique(r, return_inverse=True)
+        sizes = torch.bincount(inv, minlength=uniq.numel())
+        order = torch.argsort(inv, stable=True)
+        pos = torch.empty_like(r)
+        pos[order] = torch.arange(r.numel(), device=r.device) - (torch.cumsum(sizes, 0) - sizes)[inv[order]]
+        lo, hi = int(uniq[0]), int(uniq[-1])
+        if hi - lo + 1 <= 2 * uniq.numel():  # a dense span of request rows: the cache as a view
+            group, w = r - lo, cache_w[lo:hi + 1, :width]
+            b = None if cache_b is None else cache_b[lo:hi + 1, :width]
         else:
-            sizes = torch.bincount(inv, minlength=uniq.numel())
-            order = torch.argsort(inv, stable=True)
-            pos = torch.empty_like(r)
-            pos[order] = torch.arange(r.numel(), device=r.device) - (torch.cumsum(sizes, 0) - sizes)[inv[order]]
-            lo, hi = int(uniq[0]), int(uniq[-1])
-            if hi - lo + 1 <= 2 * uniq.numel():  # a dense span of request rows: the cache as a view
-                group, w = r - lo, cache_w[lo:hi + 1, :width]
-                b = None if cache_b is None else cache_b[lo:hi + 1, :width]
-            else:
-                group, w = inv, cache_w[uniq, :width]
-                b = None if cache_b is None else cache_b[uniq, :width]
-            x3 = x2.new_zeros(w.shape[0], int(sizes.max()), x2.shape[1])
-            x3[group, pos] = x2
-            out3 = torch.bmm(x3, w.transpose(1, 2)) if b is None else torch.baddbmm(b[:, None, :], x3, w.transpose(1, 2))
-            part = out3[group, pos]
+            group, w = inv, cache_w[uniq, :width]
+            b = None if cache_b is None else cache_b[uniq, :width]
+        x3 = x2.new_zeros(w.shape[0], int(sizes.max()), x2.shape[1])
+        x3[group, pos] = x2
+        out3 = torch.bmm(x3, w.transpose(1, 2)) if b is None else torch.baddbmm(b[:, None, :], x3, w.transpose(1, 2))
+        part = out3[group, pos]
         return part.masked_fill(~self.valid(), float("-inf"))
 
     def scatter(self, values: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[B, vocab_size]: ``values`` [B, >= width] of the active slots written at their token ids, -inf elsewhere."""
         out = values.new_full((self.r.numel(), vocab_size), float("-inf"))
+        if self.width and self.single is not None:  # one request: its active ids as columns
+            n = int(self.n[0])
+            return out.scatter_(1, ids[self.single, :n].expand(out.shape[0], n), values[:, :n])
         if self.width:
             valid = self.valid()
             tokens = ids[self.r, :self.width]
