@@ -244,7 +244,11 @@ def compact_topk(
     perm = torch.argsort(key, stable=True)
     filler = float("-inf") if largest else float("nan")  # sorts after every active value
     vals = compact.masked_fill(~valid, filler).index_select(-1, perm)
-    sorted_vals, order = torch.sort(vals, dim=-1, descending=largest, stable=True)
+    # The order from an fp32 copy (exact for 16-bit floats): CUDA's sort of bfloat16 ranks NaN below every
+    # number (seen on an H200, torch 2.11), against the NaN-largest rule; the values come from ``vals`` itself.
+    wide = vals.float() if vals.dtype in (torch.bfloat16, torch.float16) else vals
+    order = torch.sort(wide, dim=-1, descending=largest, stable=True).indices
+    sorted_vals = vals.gather(-1, order)
     kept = min(k, capacity)
     slot = perm[order[..., :kept]]
     pad = float("-inf") if largest else float("inf")

@@ -166,3 +166,25 @@ def test_the_package_has_no_import_cycle():
     assert len(graph) > 40 and "nanospec_fx.state" in graph["nanospec_fx.backend"]  # the graph sees the imports
     new = _cycles(graph) - KNOWN_CYCLES
     assert not new, f"import cycles: {sorted(new)}"
+
+
+def test_a_top_level_kernels_import_from_the_checkout_is_never_our_package():
+    """Run from the repository root (``python -c``, a doc snippet), ``import kernels`` finds this checkout's kernels/
+    first. transformers imports Hugging Face's ``kernels`` under that name: it must get that library where one is
+    installed, and otherwise an empty package (never a second registration of the nanospec ops)."""
+    import importlib.metadata
+
+    out = run_python(
+        "import kernels, torch; print(kernels.__file__); print(hasattr(torch.ops.nanospec, 'observe'))", cwd=ROOT
+    ).stdout.split()
+    try:
+        importlib.metadata.version("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert out[1] == "False", "the top-level import registered the nanospec ops"
+    if installed:
+        assert not out[0].startswith(str(ROOT)), f"our kernels/ shadowed Hugging Face's kernels: {out[0]}"
+        run_python("import transformers.integrations.hub_kernels", cwd=ROOT)
+    else:
+        assert out[0] == str(ROOT / "kernels" / "__init__.py")
