@@ -46,7 +46,7 @@ def oversubscription(threads: int, load: float | None, cores: int, processes: in
     busy = "" if load is None else f" with a 1-minute load average of {load:.1f}"
     who = f"{processes} processes x {threads} threads" if processes > 1 else f"{threads} threads"
     return (f"oversubscribed: {who} on {cores} cores{busy} ({free} free); spinning threads on shared cores can slow "
-            f"the compiled variants many times more than the eager ones, so the timings and ratios below are not "
+            f"the compiled variants many times more than the eager ones, so the timings and ratios of this run are not "
             f"trustworthy: rerun on an idle machine, or with --threads {max(1, free // processes)}")
 
 
