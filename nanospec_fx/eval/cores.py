@@ -45,9 +45,11 @@ def oversubscription(threads: int, load: float | None, cores: int, processes: in
         return None
     busy = "" if load is None else f" with a 1-minute load average of {load:.1f}"
     who = f"{processes} processes x {threads} threads" if processes > 1 else f"{threads} threads"
+    fewer = max(1, free // processes)
+    remedy = "rerun on an idle machine" + (f", or with --threads {fewer}" if fewer < threads else "")
     return (f"oversubscribed: {who} on {cores} cores{busy} ({free} free); spinning threads on shared cores can slow "
-            f"the compiled variants many times more than the eager ones, so the timings and ratios of this run are not "
-            f"trustworthy: rerun on an idle machine, or with --threads {max(1, free // processes)}")
+            f"the compiled variants many times more than the eager ones, so the timings and ratios of this run are "
+            f"not trustworthy: {remedy}")
 
 
 def check(threads: int, processes: int = 1) -> tuple[list[float] | None, str | None]:

@@ -23,7 +23,9 @@ def test_oversubscription_counts_threads_processes_and_load(threads, load, n_cor
     message = cores.oversubscription(threads, load, n_cores, processes)
     assert (message is not None) == said
     if said:
-        assert f"on {n_cores} cores" in message and f"({free} free)" in message and "--threads" in message
+        assert f"on {n_cores} cores" in message and f"({free} free)" in message and "idle machine" in message
+        fewer = max(1, free // processes)
+        assert (f"--threads {fewer}" in message) == (fewer < threads)  # fewer threads only where that helps
 
 
 def bench_head(tmp_path, threads):
