@@ -121,6 +121,11 @@ def main() -> None:
         return cost_model(args)
     if args.vocab % 2:
         sys.exit("--vocab must be even (2 shards)")
+    from nanospec_fx.eval import cores
+
+    _, oversubscribed = cores.check(args.threads, processes=2)  # two ranks, each with --threads
+    if oversubscribed:
+        print(f"warning: {oversubscribed}")
     with tempfile.TemporaryDirectory() as tmp:  # forked ranks at a file store: see examples/tensor_parallel.py
         mp.start_processes(_worker, args=(args, os.path.join(tmp, "store")), nprocs=2, start_method="fork")
 

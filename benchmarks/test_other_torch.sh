@@ -6,10 +6,12 @@
 #   bash benchmarks/test_other_torch.sh 2.14.1 tests/passes/test_find_head.py   # pytest arguments after it
 #
 # The venv is kept in ${SCRATCH_VENV:-/tmp/nanospec-torch-VERSION} and reused, so the (multi-GB) wheels are
-# fetched once. Plain PyPI gives the CUDA build of torch; it runs on a CPU too. Where pip is capped by a
-# constraints file, run with PIP_CONSTRAINT=/dev/null to reach a newer release (an empty value does not
-# override a constraint set in pip's config file). The exit status is pytest's.
+# fetched once. Plain PyPI gives the CUDA build of torch; it runs on a CPU too. The exit status is pytest's.
 set -euo pipefail
+# A pip constraints file (PIP_CONSTRAINT, or pip's config file) that caps torch would refuse the release asked
+# for: the scratch venv ignores it (/dev/null overrides the config file's too; an empty value would not).
+# NANOSPEC_PIP_CONSTRAINT=FILE applies one on purpose.
+export PIP_CONSTRAINT=${NANOSPEC_PIP_CONSTRAINT:-/dev/null}
 if [ $# -lt 1 ]; then
     echo "usage: $0 TORCH_VERSION [pytest arguments...]" >&2
     exit 2

@@ -34,7 +34,7 @@ class Drafter(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = F.linear(torch.tanh(self.embed(ids)), self.head_shard)       # [B, T, V / TP]
-        logits = funcol.all_gather_tensor(local, gather_dim=2, group=dist.group.WORLD)  # [B, T, V]
+        logits = funcol.all_gather_single(local, gather_dim=2, group=dist.group.WORLD)  # [B, T, V]
         return logits / 0.8
 
 

@@ -23,9 +23,10 @@ _EXPORTS = {
     "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
     "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend",
     "nanospec_backend": "nanospec_fx.backend",
-    "NanoSpecOptions": "nanospec_fx.options",
+    "NanoSpecOptions": "nanospec_fx.options", "OptionError": "nanospec_fx.options",
     "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
+    "detach": "nanospec_fx.integrations",
     "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
 }
 
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
     from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
     from nanospec_fx.cost_model import HeadCost
     from nanospec_fx.explain import explain
-    from nanospec_fx.integrations import attach, speculative_pair
+    from nanospec_fx.integrations import attach, detach, speculative_pair
     from nanospec_fx.lookup import active_vocab
-    from nanospec_fx.options import NanoSpecOptions
+    from nanospec_fx.options import NanoSpecOptions, OptionError
     from nanospec_fx.policies import FrequencyTable
     from nanospec_fx.request_vocab import RequestVocabs
     from nanospec_fx.state import ActiveVocab
@@ -86,9 +87,9 @@ def register() -> None:
 
 
 __all__ = [
-    "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "speculative_pair", "explain", "HeadCost",
+    "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "detach", "speculative_pair", "explain", "HeadCost",
     "FrequencyTable",
     "POLICIES",
-    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "NanoSpecWarning", "nanospec_backend", "register",
+    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "OptionError", "NanoSpecWarning", "nanospec_backend", "register",
     "BACKEND_NAME", "compile",
 ]

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
-from nanospec_fx.options import NanoSpecOptions, mode_config
+from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
@@ -56,7 +56,10 @@ def nanospec_backend(
 
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
-    config = resolve(opts.vocab_config)  # validates policy options before anything else
+    try:
+        config = resolve(opts.vocab_config)  # validates policy options before anything else
+    except (ValueError, TypeError, OSError) as exc:  # a policy's options (its frequencies, pinned_size)
+        raise option_error(exc) from None
     position = graph_position(gm)
     notes: list[str] = []
     # A head over a draft vocabulary (EAGLE-3 d2t) has one output per draft token, not the embedding's width.
@@ -381,7 +384,10 @@ class _ShardedDrafterBinding(_DrafterBinding):
 def _compile_target_observer(
     gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict
 ) -> Callable:
-    state = resolve_vocab(opts.vocab, opts)
+    try:
+        state = resolve_vocab(opts.vocab, opts)
+    except (ValueError, TypeError) as exc:  # options['vocab'] is not a drafter with one active vocabulary
+        raise option_error(exc) from None
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled
@@ -414,13 +420,13 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
     observed = 0
     for head in heads:
         if head.vocab_size != state.vocab_size:
-            raise ValueError(
+            raise OptionError(
                 f"nanospec: the target's head {head.name} has {head.vocab_size} outputs but the drafter's active "
                 f"vocabulary has {state.vocab_size} tokens; "
                 "for a draft vocabulary use options={'draft_to_target': ...}"
             )
         if opts.observe_topk > head.vocab_size:
-            raise ValueError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
+            raise OptionError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
         if state.observes and isinstance(head, vocab_parallel.GatheredHead):  # its top-k read on the gathered logits
             full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes if n not in head.exchanges]
             observed += insert_topk_observers(builder.graph, full, opts.observe_topk, into)

@@ -2,12 +2,17 @@
 
     state = nanospec_fx.speculative_pair(target, drafter)
     target.generate(input_ids, assistant_model=drafter, do_sample=False)
+    nanospec_fx.detach(target)   # both models as they were before the pair
 
 compiles the drafter in place with the nanospec backend and the target in place as a target
 observer, so the drafter's active vocabulary gets NanoSpec's full context: every token fed to
 either model, and the target's top-k predictions at every position it scores.
 """
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -46,15 +51,62 @@ def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int
     steps of both need their own variants: more than Dynamo's default recompile limit (8), past which it
     runs them uncompiled (a dense head, said by a ``NanoSpecWarning``). So this raises
     ``torch._dynamo.config.recompile_limit`` to at least ``PAIR_RECOMPILE_LIMIT`` for the process.
+    ``nanospec_fx.detach(target)`` (or ``detach(drafter)``) undoes it.
     """
     _check_not_wrapped(drafter, "speculative_pair")
     _check_not_wrapped(target, "speculative_pair")
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, PAIR_RECOMPILE_LIMIT)
+    # paired before (and not detached): detach restores what was there before the first pair
+    calls = {m: _PAIRS[m].call if m in _PAIRS else _call_of(m) for m in (target, drafter)}
+    limit_before = next((_PAIRS[m].recompile_limit for m in (target, drafter) if m in _PAIRS),
+                        torch._dynamo.config.recompile_limit)
+    limit = max(torch._dynamo.config.recompile_limit, PAIR_RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = limit
     state = attach(drafter, **vocab_options)
     drafter.compile(backend="nanospec", options={**vocab_options, "inductor": inductor})
     target.compile(backend="nanospec", options={"observe_topk": observe_topk, "vocab": state, "inductor": inductor,
                                                 "observe_prompt": observe_prompt})
+    _PAIRS[target] = _Paired(weakref.ref(drafter), calls[target], limit_before, limit)
+    _PAIRS[drafter] = _Paired(weakref.ref(target), calls[drafter], limit_before, limit)
     return state
+
+
+@dataclass
+class _Paired:
+    """What speculative_pair changed on one model, as it was before: its compiled call (``module.compile()``
+    sets ``_compiled_call_impl``; None: not compiled), and Dynamo's recompile limit before and as set."""
+
+    partner: weakref.ref
+    call: Any
+    recompile_limit: int
+    limit_set: int
+
+
+_PAIRS: "weakref.WeakKeyDictionary[nn.Module, _Paired]" = weakref.WeakKeyDictionary()
+
+
+def _call_of(module: nn.Module) -> Any:
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def detach(model: nn.Module) -> None:
+    """Undo :func:`speculative_pair` for the pair ``model`` belongs to (its target or its drafter).
+
+    The target stops observing (its calls no longer add its top-k to the drafter's set), both models get back
+    the call they had before the pair (uncompiled, or their own earlier ``module.compile()``), and Dynamo's
+    recompile limit returns to its earlier value unless it was changed since. The drafter's ActiveVocab stays
+    registered to its head weight (its handles stay valid; a new pair or compile reuses it). Graphs already
+    compiled stay in Dynamo's cache (``torch._dynamo.reset()`` drops them), but no call reaches them.
+    """
+    paired = _PAIRS.pop(model, None)
+    if paired is None:
+        raise ValueError(f"{type(model).__name__} is not part of a pair made by nanospec_fx.speculative_pair "
+                         "(or it was detached already)")
+    model._compiled_call_impl = paired.call
+    partner = paired.partner()
+    if partner is not None and partner in _PAIRS and _PAIRS[partner].partner() is model:
+        partner._compiled_call_impl = _PAIRS.pop(partner).call
+    if torch._dynamo.config.recompile_limit == paired.limit_set:
+        torch._dynamo.config.recompile_limit = paired.recompile_limit
 
 
 def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = False, **compile_kwargs):
@@ -83,4 +135,4 @@ def _check_not_wrapped(module: nn.Module, caller: str) -> None:
         )
 
 
-__all__ = ["attach", "compile", "speculative_pair"]
+__all__ = ["attach", "compile", "detach", "speculative_pair"]

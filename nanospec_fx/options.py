@@ -3,9 +3,9 @@
 Keys that are not nanospec's and that inductor knows (``"max_autotune"``, ``"triton.cudagraphs"``...)
 go to inductor unchanged; any other key is an error, so a typo never passes silently.
 
-``torch.compile`` checks nothing: the backend parses the options at the first call, where Dynamo
-wraps the ``ValueError`` in its ``BackendCompilerFailed``. ``nanospec_fx.compile`` (or
-``NanoSpecOptions.parse``) checks them at once and raises the ``ValueError`` itself.
+``torch.compile`` checks nothing: the backend parses the options at the first call. A bad option raises
+:class:`OptionError` (a ``ValueError``) there, which Dynamo passes to the caller as it is; ``nanospec_fx.compile``
+(or ``NanoSpecOptions.parse``) checks them at once and raises the same error before any call.
 """
 from __future__ import annotations
 
@@ -13,7 +13,32 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from torch._dynamo.exc import ShortenTraceback
+
 from nanospec_fx.vocab_config import VocabConfig, is_positive_int, require
+
+
+class OptionError(ValueError, ShortenTraceback):
+    """A bad ``options={...}`` key or value of the nanospec backend.
+
+    A ``ValueError``; also a Dynamo ``ShortenTraceback``, the one kind of backend exception Dynamo re-raises
+    unchanged (any other becomes ``BackendCompilerFailed``, worded as a compiler crash to report to PyTorch).
+    ``str()`` is this message only: Dynamo appends its debugging footer to every exception passing through."""
+
+    def __init__(self, message: str):
+        ShortenTraceback.__init__(self, message, first_useful_frame=None)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return type(self), (self.message,)
+
+
+def option_error(exc: Exception) -> OptionError:
+    """``exc`` (a ValueError or TypeError of an option check) as an :class:`OptionError`."""
+    return exc if isinstance(exc, OptionError) else OptionError(str(exc))
 
 
 DEPRECATED = {"observe_all_positions": "observe_prompt"}  # old option name -> its name now
@@ -46,10 +71,20 @@ class NanoSpecOptions:
 
     @classmethod
     def parse(cls, options: dict | None) -> "NanoSpecOptions":
+        """The options checked: an unknown key or a bad value raises :class:`OptionError`."""
+        try:
+            return cls._parse(options)
+        except (ValueError, TypeError) as exc:
+            raise option_error(exc) from None
+
+    @classmethod
+    def _parse(cls, options: dict | None) -> "NanoSpecOptions":
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict, got {type(options).__name__}")
         options = dict(options or {})
         for old, new in DEPRECATED.items():
             if old in options:
-                warnings.warn(f"nanospec option {old!r} is now {new!r}", DeprecationWarning, stacklevel=3)
+                warnings.warn(f"nanospec option {old!r} is now {new!r}", DeprecationWarning, stacklevel=4)
                 options.setdefault(new, options.pop(old))
         names = option_names()
         ours = {k: options.pop(k) for k in list(options) if k in names}

@@ -14,7 +14,9 @@ alone, by a chi-square test at a fixed significance (docs/sampling.md).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +85,7 @@ def assert_equivalent(
     module = unwrap(drafter)
     checked = _compile(module, options, reset_dynamo)
 
-    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), _torch_trace_uncaptured():
         checked.compiled(*args, **kwargs)  # the first call creates the state
         if not checked.backend.compiles:
             global _last
@@ -119,6 +121,28 @@ def assert_equivalent(
 
 
 # --------------------------------------------------------------------------- running
+@contextlib.contextmanager
+def _torch_trace_uncaptured():
+    """Keep torch's structured trace log (``torch.__trace``, always at DEBUG, meant for ``TORCH_TRACE`` files
+    only) out of other handlers while the check compiles: pytest attaches its log capture to every logger that
+    does not propagate, so a user's test report would list a blank DEBUG line per compile event. Only that
+    logger, only during the check; torch's own handlers (``TORCH_TRACE``) stay."""
+    try:
+        from torch._logging._internal import _is_torch_handler
+    except ImportError:  # torch moved it: leave the logger alone
+        yield
+        return
+    trace = logging.getLogger("torch.__trace")
+    others = [h for h in trace.handlers if not _is_torch_handler(h)]
+    for h in others:
+        trace.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in others:
+            trace.addHandler(h)
+
+
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
@@ -297,6 +321,9 @@ def _check_close(name: str, actual: Any, expected: Any, rtol, atol, what: str) -
         assert not bad.any(), (
             f"{name}: {int(bad.sum())} of {expected.numel()} entries differ from {what} "
             f"(first at index {tuple(bad.nonzero()[0].tolist())}: {actual[bad][0].item()} vs {expected[bad][0].item()})"
+            + ("; if the drafter picks token ids itself (argmax, top-k, sampling), the compiled one picks among "
+               "active tokens only: pass reference=lambda mask: ... (its outputs with inactive logits at -inf)"
+               if what == "the eager drafter" else "")
         )
         return
     rtol, atol = _tolerance(expected.dtype, rtol, atol)
@@ -311,7 +338,10 @@ def _check_close(name: str, actual: Any, expected: Any, rtol, atol, what: str) -
         raise AssertionError(
             f"{name}: {int(bad.sum())} of {expected.numel()} entries differ from {what} "
             f"(max abs error {err.flatten()[worst].item():.3g} at index {index}: "
-            f"{a.flatten()[worst].item()!r} vs {e.flatten()[worst].item()!r}; rtol={rtol}, atol={atol})"
+            f"{a.flatten()[worst].item()!r} vs {e.flatten()[worst].item()!r}; rtol={rtol}, atol={atol}); "
+            "a drafter that is not deterministic (dropout: pass drafter.eval(); random sampling inside) differs "
+            "from itself, and a low-precision head may need a wider rtol=/atol=; otherwise the compiled drafter "
+            "breaks the contract"
         )
 
 
@@ -333,6 +363,9 @@ def _check_inputs_active(state: ActiveVocab, args: tuple, kwargs: dict, token_in
         assert missing.numel() == 0, (
             f"input {key!r}: {missing.numel()} of {unique.numel()} distinct token ids are not active "
             f"(e.g. {missing[:5].tolist()}); every token fed to the drafter must join the active vocabulary"
+            + ("" if token_inputs is not None else
+               f"; if input {key!r} holds no token ids (positions, an attention mask), pass token_inputs= naming "
+               "the inputs that do")
         )
 
 

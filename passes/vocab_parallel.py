@@ -2,7 +2,7 @@
 
 A hand-written vocabulary-parallel head (Megatron style, vLLM's ``ParallelLMHead`` + gather) computes this
 rank's slice of the logits with its shard ``[V / tp, H]`` of the head and all-gathers them. Dynamo turns
-``funcol.all_gather_tensor``, ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
+``funcol.all_gather_single`` (and its deprecated alias ``all_gather_tensor``), ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
 collective and the ops that put the slices side by side::
 
     local = linear(h, W_shard)                                    # [..., V / tp]

@@ -21,6 +21,15 @@ torch.set_num_threads(_THREADS)
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
+try:  # hypothesis' defaults time each example (a 200 ms deadline, a too-slow health check): on a busy machine a
+    # correct test would fail. Here no outcome depends on the clock; a test's own settings still apply.
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    pass
+else:
+    settings.register_profile("clock-free", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("clock-free")
+
 
 def pytest_configure(config):
     # A NanoSpecWarning in a test is an error unless the test expects it (pytest.warns).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -18,23 +17,28 @@ from rich.console import Console
 console = Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-_START_LOAD = _load_average()  # replaced when a measuring verb starts (set_threads)
+_START_LOAD: list[float] | None = None  # the load average when the measuring verb started (set_threads)
+_OVERSUBSCRIBED: str | None = None  # what set_threads found: torch's threads exceed the free cores
 
 
 def set_threads(n: int | None) -> None:
-    """Torch's CPU threads for this verb; also the verb's start, whose load average the JSON records."""
+    """Torch's CPU threads for this verb; also the verb's start, whose load average the JSON records, and where
+    threads that exceed the cores the machine leaves free are said (cores.oversubscription)."""
     import torch
 
-    global _START_LOAD
-    _START_LOAD = _load_average()
-    torch.set_num_threads(n or min(2, os.cpu_count() or 1))
+    from nanospec_fx.eval import cores
+
+    global _START_LOAD, _OVERSUBSCRIBED
+    torch.set_num_threads(n or min(2, cores.usable_cores()))
+    _START_LOAD, _OVERSUBSCRIBED = cores.check(torch.get_num_threads())
+    if _OVERSUBSCRIBED:
+        warn(_OVERSUBSCRIBED)
+
+
+def warn(message: str) -> None:
+    """Print ``warning: ...`` (the run goes on)."""
+    console.print("warning: ", style="yellow", end="")
+    console.print(message, highlight=False)
 
 
 def file_digest(path: Path) -> str | None:
@@ -61,6 +65,8 @@ def provenance() -> dict:
     uncommitted changes), the library versions, the threads, and how busy the machine was at start and end."""
     import torch
 
+    from nanospec_fx.eval import cores
+
     try:
         import transformers
         tf_version = transformers.__version__
@@ -70,7 +76,8 @@ def provenance() -> dict:
     return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),
             "nanospec_fx": _package_version(), "torch": torch.__version__, "transformers": tf_version,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "load_average_start": _START_LOAD, "load_average_end": _load_average()}
+            "load_average_start": _START_LOAD, "load_average_end": cores.load_average(),
+            "oversubscribed": _OVERSUBSCRIBED}
 
 
 def _package_version() -> str | None:
@@ -121,6 +128,8 @@ def write_outputs(out: Path, name: str, rows: list[dict], meta: dict, **sections
             w.writerows(rows)
     written = ".json, .csv" + (", .png" if (out / f"{name}.png").exists() else "")
     console.print(f"wrote {(out / name).resolve()}{written}", highlight=False)
+    if _OVERSUBSCRIBED:  # said again under the table, which it concerns
+        warn(_OVERSUBSCRIBED)
 
 
 def fail(err: Exception | str) -> None:

@@ -52,3 +52,25 @@ def test_active_vocab_before_the_first_call_points_at_attach():
     model = TinyDrafter(40, 8).eval()
     with pytest.raises(LookupError, match=r"nanospec_fx.attach"):
         nanospec_fx.active_vocab(model)
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"capacity": -1}, "capacity must be a positive int, got -1"),
+    ({"capacty": 8}, "unknown nanospec option(s) ['capacty']"),
+    ({"policy": "hybrid"}, "the 'hybrid' policy needs token frequencies"),
+])
+def test_a_bad_option_reaches_torch_compile_callers_as_our_error(options, said):
+    """torch.compile checks nothing: the backend's first call raises OptionError, a ValueError that Dynamo passes
+    through unwrapped (no BackendCompilerFailed), whose text is ours alone (no 'report a bug to PyTorch')."""
+    torch._dynamo.reset()
+    compiled = torch.compile(TinyDrafter(40, 8).eval(), backend="nanospec", options={**options, "inductor": False})
+    with pytest.raises(nanospec_fx.OptionError) as caught, torch.no_grad():
+        compiled(torch.tensor([[1, 2, 3]]))
+    assert isinstance(caught.value, ValueError) and not isinstance(caught.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(caught.value).startswith(said)
+    assert "PyTorch" not in str(caught.value) and "TORCHDYNAMO_VERBOSE" not in str(caught.value)
+
+
+def test_nanospec_fx_compile_raises_the_same_error_before_any_call():
+    with pytest.raises(nanospec_fx.OptionError, match="capacity must be a positive int, got -1"):
+        nanospec_fx.compile(TinyDrafter(40, 8).eval(), {"capacity": -1})

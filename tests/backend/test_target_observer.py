@@ -149,3 +149,50 @@ def test_the_observer_follows_the_drafter_to_another_dtype(observer_first):
             drafter.to(dtype)
             assert step(observer_first).dtype == dtype
             assert nanospec_fx.active_vocab(drafter) is state and state.cache_w.dtype == dtype
+
+
+def test_detach_undoes_speculative_pair():
+    """After detach the target observes nothing, both models run their own eager calls again (or what they had
+    before), and Dynamo's recompile limit is what it was; the drafter's ActiveVocab stays its handle."""
+    torch._dynamo.reset()
+    target, drafter = tiny_llama(500, 1, 0), tiny_llama(500, 1, 1)
+    ids = torch.randint(0, 500, (1, 6), generator=torch.Generator().manual_seed(5))
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 3
+        state = nanospec_fx.speculative_pair(target, drafter, capacity=64, inductor=False)
+        again = nanospec_fx.speculative_pair(target, drafter, capacity=64, inductor=False)  # paired twice
+        assert again is state and torch._dynamo.config.recompile_limit == nanospec_fx.integrations.PAIR_RECOMPILE_LIMIT
+        with torch.inference_mode():
+            target(ids)
+        assert len(state) > 0  # the observer ran
+        nanospec_fx.detach(drafter)  # either model of the pair undoes both
+        assert target._compiled_call_impl is None and drafter._compiled_call_impl is None
+        assert torch._dynamo.config.recompile_limit == 3
+        state.reset()
+        with torch.inference_mode():
+            target(ids)
+            drafter(ids)
+        assert len(state) == 0, "a detached target (or drafter) still adds tokens"
+        assert nanospec_fx.active_vocab(drafter) is state
+        with pytest.raises(ValueError, match="not part of a pair"):
+            nanospec_fx.detach(target)
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+
+
+def test_detach_gives_back_a_models_own_compile_and_keeps_a_limit_changed_since():
+    torch._dynamo.reset()
+    target, drafter = tiny_llama(500, 1, 0), tiny_llama(500, 1, 1)
+    target.compile(backend="eager")
+    own = target._compiled_call_impl
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        nanospec_fx.speculative_pair(target, drafter, capacity=64, inductor=False)
+        assert target._compiled_call_impl is not own
+        torch._dynamo.config.recompile_limit = 100  # the user's, after the pair: kept
+        nanospec_fx.detach(target)
+        assert target._compiled_call_impl is own and drafter._compiled_call_impl is None
+        assert torch._dynamo.config.recompile_limit == 100
+    finally:
+        torch._dynamo.config.recompile_limit = limit

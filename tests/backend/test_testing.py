@@ -100,8 +100,9 @@ def patch_reference(monkeypatch, name, wrap):
 
 def test_fails_when_active_logits_are_wrong(monkeypatch):
     patch_reference(monkeypatch, "compact_logits", lambda original: lambda *a: original(*a) + 0.01)
-    with pytest.raises(AssertionError, match=r"out \(active tokens\): \d+ of \d+ entries differ .*max abs error"):
+    with pytest.raises(AssertionError, match=r"out \(active tokens\): \d+ of \d+ entries differ .*max abs error") as caught:
         assert_equivalent(tiny(seed=3), (ids(),))
+    assert "drafter.eval()" in str(caught.value) and "rtol=/atol=" in str(caught.value)
 
 
 def test_fails_when_inactive_logits_are_not_minus_inf(monkeypatch):
@@ -112,8 +113,38 @@ def test_fails_when_inactive_logits_are_not_minus_inf(monkeypatch):
 
 def test_fails_when_input_tokens_are_not_observed(monkeypatch):
     patch_reference(monkeypatch, "observe", lambda original: lambda *a: None)
-    with pytest.raises(AssertionError, match=r"input 0: \d+ of \d+ distinct token ids are not active"):
+    with pytest.raises(AssertionError, match=r"input 0: \d+ of \d+ distinct token ids are not active") as caught:
         assert_equivalent(tiny(seed=7), (ids(),), active_ids=[3])
+    assert "pass token_inputs= naming the inputs that do" in str(caught.value)  # positions or a mask: the remedy
+    with pytest.raises(AssertionError, match="not active") as caught:
+        assert_equivalent(tiny(seed=7), (ids(),), active_ids=[3], token_inputs=[0])
+    assert "token_inputs=" not in str(caught.value)  # named already: the tokens are not observed, nothing to advise
+
+
+def test_ids_the_drafter_picks_itself_differ_with_the_reference_remedy():
+    """A drafter that returns argmax ids: compiled, it picks among active tokens only, so its ids differ from the
+    eager drafter's; the failure names the remedy (reference=), which then passes."""
+    model, x = tiny(returns="argmax", seed=8), ids()
+    with pytest.raises(AssertionError, match=r"out: \d+ of \d+ entries differ from the eager drafter") as caught:
+        assert_equivalent(model, (x,), active_ids=[3, 4])
+    assert "pass reference=lambda mask:" in str(caught.value)
+    assert_equivalent(model, (x,), active_ids=[3, 4], reference=lambda mask: model(x, _mask=mask))
+
+
+def test_torch_trace_log_stays_out_of_pytests_capture(caplog):
+    """pytest captures every non-propagating logger, torch's always-DEBUG structured trace log included; a check
+    keeps its compile events out of the user's report (and plain torch.compile shows they would be there)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="torch.__trace")
+    torch._dynamo.reset()
+    torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 4))
+    if not any(r.name == "torch.__trace" for r in caplog.records):
+        pytest.skip("this torch sends no trace records to other handlers")
+    caplog.clear()
+    assert_equivalent(tiny(seed=9), (ids(),))
+    assert not [r for r in caplog.records if r.name == "torch.__trace"]
+    assert caplog.handler in logging.getLogger("torch.__trace").handlers  # given back after the check
 
 
 def test_fails_on_a_wrong_reference():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 def gather_funcol(local: torch.Tensor, tp: int) -> torch.Tensor:
-    return funcol.all_gather_tensor(local, gather_dim=local.dim() - 1, group=dist.group.WORLD)
+    return funcol.all_gather_single(local, gather_dim=local.dim() - 1, group=dist.group.WORLD)
 
 
 def gather_list(local: torch.Tensor, tp: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def gather_into_tensor(local: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 def gather_movedim(local: torch.Tensor, tp: int) -> torch.Tensor:
-    stacked = funcol.all_gather_tensor(local, gather_dim=0, group=dist.group.WORLD)  # [tp * B, ..., V / tp]
+    stacked = funcol.all_gather_single(local, gather_dim=0, group=dist.group.WORLD)  # [tp * B, ..., V / tp]
     ranked = stacked.view((tp,) + tuple(local.shape)).movedim(0, -2)  # [B, ..., tp, V / tp]
     return ranked.reshape(tuple(local.shape[:-1]) + (tp * local.shape[-1],))
 
@@ -108,8 +108,8 @@ def exchange_max_view(local: torch.Tensor, tp: int, rank: int, start: torch.Tens
     """max(-1) on the slice, ids + rank * V/tp, funcol gathers of values and ids along dim 0, argmax over ranks."""
     v, i = local.max(-1)
     i = i + rank * local.shape[-1]
-    av = funcol.all_gather_tensor(v, 0, dist.group.WORLD).view((tp,) + tuple(v.shape))
-    ai = funcol.all_gather_tensor(i, 0, dist.group.WORLD).view((tp,) + tuple(i.shape))
+    av = funcol.all_gather_single(v, 0, dist.group.WORLD).view((tp,) + tuple(v.shape))
+    ai = funcol.all_gather_single(i, 0, dist.group.WORLD).view((tp,) + tuple(i.shape))
     best = av.argmax(0)
     return ai.gather(0, best.unsqueeze(0)).squeeze(0)
 
@@ -130,8 +130,8 @@ def exchange_topk_arange(local: torch.Tensor, tp: int, rank: int, start: torch.T
     v, i = torch.topk(local, k)
     rows = local.shape[-1]
     i = torch.arange(rank * rows, (rank + 1) * rows)[i]
-    cv = funcol.all_gather_tensor(v, gather_dim=v.dim() - 1, group=dist.group.WORLD)
-    ci = funcol.all_gather_tensor(i, gather_dim=i.dim() - 1, group=dist.group.WORLD)
+    cv = funcol.all_gather_single(v, gather_dim=v.dim() - 1, group=dist.group.WORLD)
+    ci = funcol.all_gather_single(i, gather_dim=i.dim() - 1, group=dist.group.WORLD)
     best, pos = cv.topk(1, dim=-1)
     return best.squeeze(-1), torch.take_along_dim(ci, pos, dim=-1).squeeze(-1)
 
@@ -154,7 +154,7 @@ def exchange_max_packed(local: torch.Tensor, tp: int, rank: int, start: torch.Te
     v, i = local.max(-1)
     i = i + rank * local.shape[-1]
     packed = torch.stack([v, i.to(v.dtype)])  # [2, *v.shape]
-    g = funcol.all_gather_tensor(packed, 0, dist.group.WORLD).view((tp, 2) + tuple(v.shape))
+    g = funcol.all_gather_single(packed, 0, dist.group.WORLD).view((tp, 2) + tuple(v.shape))
     av, ai = g[:, 0], g[:, 1].long()
     return ai.gather(0, av.argmax(0).unsqueeze(0)).squeeze(0)
 
@@ -174,7 +174,7 @@ def exchange_topk_packed_unbind(local: torch.Tensor, tp: int, rank: int, start: 
     """topk(k), ids first and values stacked on a last axis, a rank axis moved next to the candidates, unbind."""
     v, i = torch.topk(local, k)
     packed = torch.stack([(i + rank * local.shape[-1]).to(v.dtype), v], -1)  # [..., k, 2]
-    g = funcol.all_gather_tensor(packed, 0, dist.group.WORLD).view((tp,) + tuple(packed.shape))
+    g = funcol.all_gather_single(packed, 0, dist.group.WORLD).view((tp,) + tuple(packed.shape))
     ids, vals = g.unbind(-1)  # [tp, ..., k] each
     flat = tuple(v.shape[:-1]) + (tp * k,)
     best, pos = vals.movedim(0, -2).reshape(flat).topk(k, dim=-1)
@@ -196,7 +196,7 @@ def exchange_max_packed_select(local: torch.Tensor, tp: int, rank: int, start: t
     the candidate axis (funcol, a non-negative dim), taken out with select, max over the candidates."""
     v, i = local.max(-1, keepdim=True)
     packed = torch.stack([v.double(), (i + start).double()])  # [2, ..., 1]
-    g = funcol.all_gather_tensor(packed, gather_dim=packed.dim() - 1, group=dist.group.WORLD)  # [2, ..., tp]
+    g = funcol.all_gather_single(packed, gather_dim=packed.dim() - 1, group=dist.group.WORLD)  # [2, ..., tp]
     best, pos = g.select(0, 0).max(-1, keepdim=True)
     return best, g.select(0, 1).long().gather(-1, pos)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 import nanospec_fx
 from nanospec_fx.calibration import FLUSH_BYTES, MachineConstants, calibrate, cold_timings
 from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.eval import cores
 from nanospec_fx.eval.bench.timing import timings
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.dispatch import path_for
@@ -222,12 +222,14 @@ def _main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     ints = [[int(v) for v in s.split(",")] for s in (a.active, a.rows)]
-    load = os.getloadavg()[0]
+    start, oversubscribed = cores.check(torch.get_num_threads())
+    if oversubscribed:
+        print(f"warning: {oversubscribed}")
     machine = calibrate(a.hidden) if a.calibrate else None
     res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device,
                                machine=machine)
     print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
-          f"{torch.get_num_threads()}, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"{torch.get_num_threads()}, load average {_first(start)} at the start, {_first(cores.load_average())} at the end, "
           f"median of {a.repeats}")
     print("cost model: " + (machine or MachineConstants.fitted(res[0].path)).describe())
     print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
@@ -237,6 +239,10 @@ def _main() -> None:
         print(f"| {t.rows} | {t.active:,} | {t.variant} | {t.ms:.3f} | {t.dense_ms:.1f} | {t.speedup:.0f}x "
               f"({t.min_speedup:.0f}x) | {t.predicted:.0f}x | {t.predicted / t.speedup:.2f} "
               f"({t.predicted / t.min_speedup:.2f}) |")
+
+
+def _first(load: list[float] | None) -> str:
+    return "?" if load is None else f"{load[0]:.2f}"
 
 
 if __name__ == "__main__":
