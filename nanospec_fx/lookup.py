@@ -87,24 +87,19 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             if created is not None:
                 return created
         known = sorted(n for names in found.values() for n in names)
-        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}")
+        candidates = sorted(n for n, t in module_tensors(module) if t.dim() == 2)
+        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}; "
+                       f"the 2-D parameters and buffers of {type(module).__name__} it may name: {candidates or 'none'}")
     if not found:
-        if wrapper is not None:
-            raise LookupError(
-                f"{type(module).__name__} has no active vocabulary: its torch.compile wrapper was not called. "
-                "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses the "
-                "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
-                "To create the set before the first call: nanospec_fx.attach(drafter)"
-            )
-        created = _create_on_demand(module, None)
-        if created is not None:
-            return created
+        if wrapper is None:
+            created = _create_on_demand(module, None)
+            if created is not None:
+                return created
+        from nanospec_fx.diagnosis import diagnose
+
         raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: compile it with "
-            "torch.compile(module, backend='nanospec') and call it once, or create it now with "
-            "nanospec_fx.attach(module, head='<weight name>'). If the compiled module was called, Dynamo did not "
-            "hand its forward to nanospec, so its head ran dense: a first call that ran no tensor op (an early "
-            "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
+            f"{type(module).__name__} has no active vocabulary yet: {diagnose(module if wrapper is None else wrapper).text()} "
+            "To create the set before the first call: nanospec_fx.attach(model, head='<weight name>')"
         )
     if len(found) > 1:
         raise LookupError(
