@@ -129,9 +129,11 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(module: nn.Module, calibrate: bool = False, file: TextIO | None = sys.stdout) -> Explanation:
-    """Print the report to ``file`` (``None``: print nothing) and return it (:class:`Explanation`: its ``str()``
-    is the report, its ``repr()`` one line, so an interactive session does not show it twice). It reports every head of ``module`` (compiled or original) that has an active vocabulary, wherever
+def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
+            file: TextIO | None = None) -> Explanation:
+    """Print the report (to ``file``, by default ``sys.stdout``; nothing with ``quiet=True``) and return it
+    (:class:`Explanation`: its ``str()`` is the report, its ``repr()`` one line, so an interactive session does not
+    show it twice). It reports every head of ``module`` (compiled or original) that has an active vocabulary, wherever
     its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
     consumers kept in compact space, the active set, and the cost model of the kernels that run it.
     A head with an active vocabulary but no compiled graph (``attach`` without a compiled call, or a
@@ -172,8 +174,8 @@ def explain(module: nn.Module, calibrate: bool = False, file: TextIO | None = sy
             target_observers=target_observers(state),
         ))
     report = Explanation(heads, diagnosis)
-    if file is not None:
-        print(report, file=file)
+    if not quiet:
+        print(report, file=file if file is not None else sys.stdout)
     return report
 
 
