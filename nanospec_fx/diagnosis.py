@@ -263,6 +263,7 @@ def diagnose(model: Any) -> Diagnosis:
     """The diagnosis of ``model`` (compiled wrapper, module compiled in place, or plain module)."""
     from nanospec_fx.lookup import state_names, unwrap
 
+    install()
     wrapper = hasattr(model, "_orig_mod")
     module = unwrap(model)
     found = Diagnosis(type(module).__name__, wrapper=wrapper)
