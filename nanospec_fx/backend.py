@@ -57,6 +57,9 @@ def nanospec_backend(
     return _compile_drafter(gm, example_inputs, opts, config_patches)
 
 
+nanospec_backend.nanospec = True  # how nanospec_fx.diagnosis recognises the backend behind a compiled function
+
+
 # ----------------------------------------------------------------------------- drafter role
 def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
     config = resolve(opts.vocab_config)  # validates policy options before anything else

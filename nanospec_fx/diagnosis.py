@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nanospec_fx.module_heads import module_tensors, state_names, unwrap
 from nanospec_fx.warning import warn_once
 
 # Head-less compiled calls (ids looked up, no head scored) of one model before it is said that no head of it was
@@ -192,10 +193,8 @@ _SKIP_REMEDY = ("A graph break inside a for/while loop (`if (tok == eos).all(): 
 
 
 def _is_nanospec(fn: Any) -> bool:
-    from nanospec_fx.backend import nanospec_backend
-
     for _ in range(8):
-        if fn is nanospec_backend or getattr(fn, "nanospec", False):
+        if getattr(fn, "nanospec", False) is True:  # nanospec_fx.backend.nanospec_backend, testing's backends
             return True
         fn = next((n for n in (getattr(fn, a, None) for a in ("_torchdynamo_orig_backend", "compiler_fn"))
                    if n is not None and n is not fn), None)
@@ -261,8 +260,6 @@ class Diagnosis:
 
 def diagnose(model: Any) -> Diagnosis:
     """The diagnosis of ``model`` (compiled wrapper, module compiled in place, or plain module)."""
-    from nanospec_fx.lookup import state_names, unwrap
-
     install()
     wrapper = hasattr(model, "_orig_mod")
     module = unwrap(model)
@@ -291,8 +288,6 @@ def diagnose(model: Any) -> Diagnosis:
 
 
 def _tensors(module: nn.Module):
-    from nanospec_fx.lookup import module_tensors
-
     for _, t in module_tensors(module):
         yield t
 
