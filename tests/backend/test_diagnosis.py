@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,24 +200,11 @@ def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
     """The user's flow: import, torch.compile(..., backend="nanospec"), call. A warning names the skip."""
     script = tmp_path / "loop.py"
     script.write_text(textwrap.dedent(f"""
-        import warnings, torch, torch.nn as nn
+        import sys, warnings
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+        import torch
         import nanospec_fx
-
-        class DraftLoop(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed, self.lm_head = nn.Embedding({V}, {H}), nn.Linear({H}, {V}, bias=False)
-
-            def forward(self, ids, eos: int = 3):
-                out = []
-                for _ in range(3):
-                    z = self.lm_head(self.embed(ids)[:, -1])
-                    tok = z.argmax(-1, keepdim=True)
-                    out.append(z)
-                    if (tok == eos).all():
-                        break
-                    ids = torch.cat([ids, tok], 1)
-                return torch.stack(out, 1)
+        from test_diagnosis import DraftLoop  # this file's drafter, in a process Dynamo was never reset in
 
         compiled = torch.compile(DraftLoop().eval(), backend="nanospec", options={{"inductor": False}})
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
