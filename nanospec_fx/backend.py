@@ -418,7 +418,7 @@ def _compile_target_observer(
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled
-    diagnosis.record_target_observer(state, opts.observe_topk)
+    diagnosis.record_target_observer(state, opts.observe_topk, _held_tensors(gm, example_inputs))
     return _TargetObserverCall(
         compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches), opts.vocab)
 

@@ -41,7 +41,8 @@ _DENSE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a parameter/buffer of a d
 _HEADLESS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a token table -> head-less compiled calls that read it
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a token table -> weakref of the model it was compiled from
 _TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an ActiveVocab -> observe_topk of each target observer
-_WARNED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # models (or states) already warned about
+_FEEDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a target's parameter/buffer -> (ActiveVocab ref, topk) it feeds
+_SETTLED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # models (or states) diagnosed at the threshold already
 _SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec
 _LOCAL = threading.local()
 
@@ -64,9 +65,13 @@ def record_dense(tensors, messages: list[str]) -> None:
                 _note(_DENSE, t, message)
 
 
-def record_target_observer(state, topk: int) -> None:
-    """A target observer graph feeds ``state`` its top-``topk``."""
+def record_target_observer(state, topk: int, tensors) -> None:
+    """A target observer graph, holding ``tensors`` (the target's parameters and buffers), feeds ``state`` its
+    top-``topk``."""
     _note(_TARGETS, state, topk)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            _note(_FEEDS, t, (weakref.ref(state), topk))
 
 
 def target_observers(state) -> list[int]:
@@ -112,22 +117,24 @@ def note_headless_call(table: torch.Tensor) -> None:
         return
     owner = _OWNER.get(table)
     model = owner() if owner is not None else None
-    if model is None or model in _WARNED:
+    if model is None or model in _SETTLED:
         return
+    _SETTLED[model] = True  # diagnosed once: rewritten (a prefill), dense (said already), or said now
     found = diagnose(model)
-    if found.rewritten or found.dense:  # rewritten, or its dense graph said why already
+    if found.rewritten or found.dense:
         return
-    _WARNED[model] = True
     warn_once(f"nanospec: {found.model}'s head is not rewritten: {found.text()}", stacklevel=4)
 
 
 def note_target_call(state, vocab: Any, calls: int) -> None:
     """A target observer fed ``state`` for the ``calls``-th time, ``vocab`` being what it was compiled with: a
     ``torch.compile`` wrapper whose head no compiled graph ever read by then is one transformers bypassed."""
-    if calls != HEADLESS_CALLS or not hasattr(vocab, "_orig_mod") or state.rewrites or state in _WARNED:
+    if calls != HEADLESS_CALLS or not hasattr(vocab, "_orig_mod") or state.rewrites or state in _SETTLED:
         return
-    _WARNED[state] = True
+    _SETTLED[state] = True
     found = diagnose(vocab)
+    if found.dense:  # its dense graph said why already
+        return
     warn_once(f"nanospec: the target observer fed {found.model}'s active vocabulary {calls} times, but no compiled "
               f"graph of it read the set: its head runs dense. {found.text()}", stacklevel=4)
 
@@ -210,14 +217,18 @@ class Diagnosis:
 
     model: str
     rewritten: list[str] = field(default_factory=list)  # heads a compiled graph runs compact
-    idle: list[str] = field(default_factory=list)  # heads with an active vocabulary and no compiled graph
     dense: list[str] = field(default_factory=list)  # the dense fallbacks of its graphs (reason, file:line, fixes)
     headless: int = 0  # compiled calls that looked up token ids and scored no head
     skipped: str | None = None  # Dynamo was handed its forward and compiled no graph of it (why, when known)
     compiled: bool = False  # compiled with backend='nanospec' (a wrapper or in place)
     handed: bool = False  # Dynamo was handed its forward
     wrapper: bool = False  # a torch.compile wrapper was diagnosed
-    observers: list[int] = field(default_factory=list)  # observe_topk of the target observers feeding it
+    feeds: list = field(default_factory=list)  # (ActiveVocab, observe_topk) it feeds as a target observer
+
+    def feeds_text(self) -> str:
+        """What it feeds as a target observer (its own head stays dense, by design)."""
+        return "; ".join(f"its top-{k} into an active vocabulary of V={s.vocab_size} ({len(s)} / {s.capacity} "
+                         f"active, policy={s.policy})" for s, k in self.feeds)
 
     def causes(self) -> list[str]:
         """Each reason, with its remedy, that the head is not (or not everywhere) rewritten."""
@@ -233,7 +244,7 @@ class Diagnosis:
                 "returns hidden states and the logits are computed outside it (an engine-style compute_logits(h), a "
                 "head in a @torch.compiler.disable helper), compile the function that computes the logits, or use "
                 "nanospec_fx.RequestVocabs(...).logits(h, rows) for an engine-style split.")
-        if found or self.rewritten:
+        if found or self.rewritten or self.feeds:
             return found
         if self.wrapper:
             return ["this is a torch.compile wrapper" + ("" if self.handed else " that was never called")
@@ -266,16 +277,17 @@ def diagnose(model: Any) -> Diagnosis:
     found = Diagnosis(type(module).__name__, wrapper=wrapper)
     if not isinstance(module, nn.Module):
         return found
-    for state, names in state_names(module).items():
-        (found.rewritten if state.rewrites else found.idle).append(names[0])
-        for k in _TARGETS.get(state, ()):
-            found.observers.append(k)
+    found.rewritten = [names[0] for state, names in state_names(module).items() if state.rewrites]
     tensors = list(_tensors(module))
     for t in tensors:
         for message in _DENSE.get(t, ()):
             if message not in found.dense:
                 found.dense.append(message)
         found.headless = max(found.headless, _HEADLESS.get(t, 0))
+        for ref, k in _FEEDS.get(t, ()):
+            state = ref()
+            if state is not None and not any(s is state and j == k for s, j in found.feeds):
+                found.feeds.append((state, k))
     found.compiled = _compiled_with_nanospec(model) or _compiled_with_nanospec(module)
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
     if code is not None:

@@ -87,8 +87,10 @@ class Explanation:
 
     def __str__(self) -> str:
         d = self.diagnosis
+        observer = (f"nanospec: {d.model} is a target observer (its own head stays dense, by design): it observes "
+                    f"{d.feeds_text()}") if d.feeds else None
         if not self.heads:
-            return f"nanospec: no head rewritten in {d.model}: {d.text()}"
+            return observer or f"nanospec: no head rewritten in {d.model}: {d.text()}"
         done = sum(h.rewritten for h in self.heads)
         lines = [f"nanospec: {done} head(s) rewritten"
                  + (f", {len(self.heads) - done} not rewritten" if done < len(self.heads) else "")]
@@ -126,7 +128,7 @@ class Explanation:
                 lines += h.collective_lines()
         if d.dense and done:
             lines += ["  dense elsewhere:"] + [f"    {m}" for m in d.dense]
-        return "\n".join(lines)
+        return "\n".join(lines + ([observer] if observer else []))
 
 
 def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
