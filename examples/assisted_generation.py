@@ -68,7 +68,7 @@ def main() -> None:
     nanospec_fx.speculative_pair(target, drafter, observe_topk=3, **options)
     say("assisted generation with the target compiled as an observer (compiling the target now)")
     run("with the target observer", target, drafter, prompt, greedy, kwargs)
-    print(nanospec_fx.explain(drafter))
+    nanospec_fx.explain(drafter)  # prints the report
     say("done")
 
 

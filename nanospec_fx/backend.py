@@ -15,6 +15,7 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nanospec_fx import diagnosis
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
@@ -48,10 +50,14 @@ def nanospec_backend(
     """torch.compile backend: rewrite the LM head to the active vocabulary, compile the rest."""
     opts = NanoSpecOptions.parse(options)
     record_compiled_frame()
+    diagnosis.backend_called()
     config_patches = {**mode_config(mode), **opts.inductor_options}
     if opts.observe_topk is not None:
         return _compile_target_observer(gm, example_inputs, opts, config_patches)
     return _compile_drafter(gm, example_inputs, opts, config_patches)
+
+
+nanospec_backend.nanospec = True  # how nanospec_fx.diagnosis recognises the backend behind a compiled function
 
 
 # ----------------------------------------------------------------------------- drafter role
@@ -86,7 +92,10 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # A whole call without a head keeps the ids it looks up for the head's next call (a prefill), warned or not.
         recording = (_recording_prefill(gm, example_inputs, opts, config_patches)
                      if position.whole_call and opts.observe_inputs else None)
-        return _dense(gm, example_inputs, opts, config_patches, said, recording)
+        if recording is not None or not opts.observe_inputs:
+            return _dense(gm, example_inputs, opts, config_patches, said, recording)
+        # a piece of a call that looks up ids and has no head: counted, as a whole head-less call is (diagnosis)
+        return _counted(_dense(gm, example_inputs, opts, config_patches, said), gm, example_inputs)
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
@@ -107,6 +116,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         _agree(heads, rewritable, said, opts)
         for message in said:
             warn_once(message)
+        diagnosis.record_dense(_held_tensors(gm, example_inputs), said)
         return compiled
     _agree(heads, rewritable, said, opts)
     return _dense(gm, example_inputs, opts, config_patches, said)
@@ -132,6 +142,7 @@ def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, conf
     when another model runs it."""
     for message in said:
         warn_once(message, stacklevel=4)
+    diagnosis.record_dense(_held_tensors(gm, example_inputs), said)
     if compiled is None:
         compiled = _compile(gm, example_inputs, opts, config_patches)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -152,9 +163,17 @@ class _DenseCall:
         key = args[self.position]
         if key not in self.seen:
             self.seen[key] = True
+            diagnosis.record_dense([key], self.said)
             for message in self.said:
                 warn_once(f"{message} (another model runs this compiled graph: the same holds for it)", stacklevel=2)
         return self.compiled(*args)
+
+
+def _held_tensors(gm: fx.GraphModule, example_inputs: list) -> list[torch.Tensor]:
+    """The parameters and buffers a graph receives (what ties it to the model that runs it)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [v for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor)
+            and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))]
 
 
 def _is_prefill(gm: fx.GraphModule) -> bool:
@@ -194,7 +213,21 @@ def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecO
         extra.append(ids)
     out.args = (tuple(outputs) + tuple(extra),)
     builder.gm.recompile()
-    return RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables)
+    recording = RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables)
+    return _counted(recording, gm, example_inputs)
+
+
+def _counted(compiled: Callable, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """A head-less graph that looks up token ids in tables it receives, its calls counted per table for the
+    diagnosis of a model whose head never runs in a graph nanospec sees (:class:`diagnosis.HeadlessCalls`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    positions = sorted({placeholders.index(table) for _, _, table, _ in embedding_lookups(gm.graph)
+                        if table in placeholders and isinstance(example_inputs[placeholders.index(table)],
+                                                                 torch.Tensor)})
+    if not positions:
+        return compiled
+    model = diagnosis.model_of_frame([example_inputs[p] for p in positions])
+    return diagnosis.HeadlessCalls(compiled, positions, model, example_inputs)
 
 
 def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:
@@ -391,8 +424,9 @@ def _compile_target_observer(
     compiled = _build_target_observer(gm, example_inputs, state, opts, config_patches)
     if not isinstance(compiled, _StatefulCall):
         return compiled
+    diagnosis.record_target_observer(state, opts.observe_topk, _held_tensors(gm, example_inputs))
     return _TargetObserverCall(
-        compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches))
+        compiled, lambda: _build_target_observer(gm, example_inputs, state, opts, config_patches), opts.vocab)
 
 
 def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: NanoSpecOptions,
@@ -466,13 +500,20 @@ class _TargetObserverCall:
     as the drafter's own recompile would), and a state whose layout changed rebuilds this graph for it.
     """
 
-    def __init__(self, compiled: "_StatefulCall", build: Callable[[], Callable]):
+    def __init__(self, compiled: "_StatefulCall", build: Callable[[], Callable], vocab: Any = None):
         self.compiled, self.build = compiled, build
         self.binding = compiled.bindings[0]
         self.state = self.binding.state
+        # What options['vocab'] was, held weakly: a torch.compile wrapper transformers may bypass (diagnosis)
+        self.vocab = weakref.ref(vocab) if isinstance(vocab, nn.Module) else None
+        self.calls = 0
 
     def __call__(self, *args: Any) -> Any:
         state = self.state
+        self.calls += 1
+        vocab = self.vocab() if self.vocab is not None else None
+        if vocab is not None:
+            diagnosis.note_target_call(state, vocab, self.calls)
         if not state.fits(state.weight):
             state_for(state.weight, state.bias, state.config())
         if state.layout() != self.binding.layout:

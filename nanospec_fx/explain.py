@@ -1,13 +1,16 @@
 """``nanospec_fx.explain(module)``: what the pass did to a drafter and what it should gain."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import torch
 import torch.nn as nn
 
 from nanospec_fx.calibration import MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
+from nanospec_fx.diagnosis import Diagnosis, diagnose, target_observers
 from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
@@ -32,6 +35,7 @@ class HeadExplanation:
     constants: str = ""  # where the cost model's constants come from (calibration.MachineConstants.describe)
     world_size: int = 1  # a vocabulary-parallel head: the ranks its rows are split over
     collective: CollectiveCost | None = None  # and the alpha-beta model of its draft step
+    target_observers: list[int] = field(default_factory=list)  # observe_topk of each target observer feeding it
 
     def collective_lines(self, n_rows: int = 10) -> list[str]:
         """The alpha-beta model of a vocabulary-parallel head's draft step, at this head's tp."""
@@ -67,12 +71,26 @@ _PATHS = {
 
 @dataclass
 class Explanation:
+    """The report of :func:`explain`: ``str()`` is the full text (what ``explain`` prints), ``repr()`` one line."""
+
     heads: list[HeadExplanation]
-    wrapper: bool = False  # explain() was given a torch.compile wrapper
+    diagnosis: Diagnosis
+
+    @property
+    def wrapper(self) -> bool:
+        """explain() was given a torch.compile wrapper."""
+        return self.diagnosis.wrapper
+
+    def __repr__(self) -> str:
+        done = sum(h.rewritten for h in self.heads)
+        return f"<nanospec Explanation of {self.diagnosis.model}: {done} of {len(self.heads)} head(s) rewritten>"
 
     def __str__(self) -> str:
+        d = self.diagnosis
+        observer = (f"nanospec: {d.model} is a target observer (its own head stays dense, by design): it observes "
+                    f"{d.feeds_text()}") if d.feeds else None
         if not self.heads:
-            return "nanospec: no head rewritten yet (compile with backend='nanospec' and call the module once)"
+            return observer or f"nanospec: no head rewritten in {d.model}: {d.text()}"
         done = sum(h.rewritten for h in self.heads)
         lines = [f"nanospec: {done} head(s) rewritten"
                  + (f", {len(self.heads) - done} not rewritten" if done < len(self.heads) else "")]
@@ -86,8 +104,13 @@ class Explanation:
                 f"device={s.ids.device}",
                 f"    graphs compiled: {h.graphs}; input observers: {h.observers}",
             ]
+            if h.target_observers:
+                lines.append(f"    fed by {len(h.target_observers)} target observer graph(s) (observe_topk="
+                             f"{', '.join(map(str, h.target_observers))})")
             if not h.rewritten:
-                lines += [f"    NOT REWRITTEN: {_not_rewritten(self.wrapper)}"]
+                lines.append("    NOT REWRITTEN: no graph compiled with backend='nanospec' has run this head: it runs "
+                             "dense, and its active vocabulary only fills from observe() calls and target observers. "
+                             + d.text())
                 continue
             lines += [
                 f"    post-ops on compact logits: {', '.join(h.post_ops) or 'none'}",
@@ -103,30 +126,23 @@ class Explanation:
             ]
             if h.collective is not None:
                 lines += h.collective_lines()
-        return "\n".join(lines)
+        if d.dense and done:
+            lines += ["  dense elsewhere:"] + [f"    {m}" for m in d.dense]
+        return "\n".join(lines + ([observer] if observer else []))
 
 
-def _not_rewritten(wrapper: bool) -> str:
-    why = ("no graph compiled with backend='nanospec' has run this head: it runs dense, and its active "
-           "vocabulary only fills from observe() calls.")
-    if wrapper:
-        why += (" This is a torch.compile wrapper: transformers' generate(assistant_model=...) calls "
-                "assistant_model.generate(), which bypasses the wrapper. Compile in place instead: "
-                "drafter.compile(backend='nanospec').")
-    else:
-        why += " Call the compiled module (not the original) at least once."
-    return why
-
-
-def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
-    """Report every head of ``module`` (compiled or original) that has an active vocabulary, wherever
+def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
+            file: TextIO | None = None) -> Explanation:
+    """Print the report (to ``file``, by default ``sys.stdout``; nothing with ``quiet=True``) and return it
+    (:class:`Explanation`: its ``str()`` is the report, its ``repr()`` one line, so an interactive session does not
+    show it twice). It reports every head of ``module`` (compiled or original) that has an active vocabulary, wherever
     its weight is held (parameter, buffer, tensor attribute): the nodes matched, the post-ops and
     consumers kept in compact space, the active set, and the cost model of the kernels that run it.
     A head with an active vocabulary but no compiled graph (``attach`` without a compiled call, or a
     ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason.
     ``calibrate=True`` measures the cost model's constants on this CPU first (:mod:`nanospec_fx.calibration`,
     about a second per head width); by default they are those fitted on the project's test machine."""
-    wrapper = hasattr(module, "_orig_mod")
+    diagnosis = diagnose(module)
     module = unwrap(module)
     heads = []
     for state, names in state_names(module).items():
@@ -157,8 +173,12 @@ def explain(module: nn.Module, calibrate: bool = False) -> Explanation:
             constants=machine.describe(),
             world_size=world,
             collective=collective,
+            target_observers=target_observers(state),
         ))
-    return Explanation(heads, wrapper)
+    report = Explanation(heads, diagnosis)
+    if not quiet:
+        print(report, file=file if file is not None else sys.stdout)
+    return report
 
 
 def _constants(path: str, hidden_size: int, dtype: torch.dtype, calibrate: bool) -> MachineConstants:

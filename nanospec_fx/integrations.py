@@ -18,6 +18,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
+from nanospec_fx import diagnosis
 from nanospec_fx.lookup import head_parameters
 from nanospec_fx.options import NanoSpecOptions
 from nanospec_fx.state import ActiveVocab, state_for
@@ -30,6 +31,7 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
     named ``head`` (e.g. ``"lm_head.weight"`` or ``"lm_head"``). ``vocab_options`` are the backend's vocabulary options
     (capacity, policy, frequencies, ...); compile the drafter with the same ones.
     """
+    diagnosis.install()
     weight, bias = head_parameters(drafter, head)
     return state_for(weight, bias, NanoSpecOptions.parse(vocab_options).vocab_config)
 
@@ -119,6 +121,7 @@ def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = F
     """
     NanoSpecOptions.parse(options)
     _check_not_wrapped(model, "nanospec_fx.compile")
+    diagnosis.install()  # say when Dynamo skips a frame it compiles for nanospec
     if in_place:
         model.compile(backend="nanospec", options=options, **compile_kwargs)
         return model

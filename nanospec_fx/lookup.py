@@ -1,60 +1,17 @@
 """The state of a head: which ActiveVocab belongs to a model's LM head, found by module, name or weight.
 
-The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; this module walks a model
-(compiled wrapper or not) to its head weights and names, and creates a head's state on demand.
+The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; :mod:`nanospec_fx.module_heads`
+walks a model (compiled wrapper or not) to its head weights and names; this module picks a head's state by name,
+creates it on demand, and says why there is none (:mod:`nanospec_fx.diagnosis`).
 """
 from __future__ import annotations
-
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 
+from nanospec_fx.module_heads import module_tensors, registered_states, state_names, unwrap
 from nanospec_fx.state import ActiveVocab, registered_state, state_for
 from nanospec_fx.vocab_config import VocabConfig
-
-
-def unwrap(module):
-    """The module a ``torch.compile`` wrapper compiles (``module`` itself when it is no wrapper)."""
-    return getattr(module, "_orig_mod", module)
-
-
-def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor a module holds, under every name: parameters, buffers (tied ones under each
-    of their names) and plain tensor attributes. The pass can rewrite a head held in any of them."""
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for attr, value in vars(sub).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not attr.startswith("_"):
-                yield (f"{prefix}.{attr}" if prefix else attr), value
-
-
-def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
-    """Every ActiveVocab reachable from ``module``, with all the names it can be asked by: each name
-    of its weight tensor (tied heads have several) and that name without ``.weight`` (the module)."""
-    found: dict[ActiveVocab, list[str]] = {}
-    for name, tensor in module_tensors(module):
-        state = registered_state(tensor)
-        if state is not None:
-            names = found.setdefault(state, [])
-            for n in (name, name[: -len(".weight")] if name.endswith(".weight") else None):
-                if n and n not in names:
-                    names.append(n)
-    for state, names in found.items():
-        for report in state.rewrites:
-            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
-            if head in names:  # the name the pass reported first (explain shows it)
-                names.insert(0, names.pop(names.index(head)))
-            if path and path not in names:
-                names.append(path)
-    return found
-
-
-def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
-    """The ActiveVocab of every head of ``module`` (parameters, buffers and tensor attributes),
-    once each, under the first name of its weight."""
-    return {names[0]: state for state, names in state_names(module).items()}
 
 
 def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
@@ -87,24 +44,19 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             if created is not None:
                 return created
         known = sorted(n for names in found.values() for n in names)
-        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}")
+        candidates = sorted(n for n, t in module_tensors(module) if t.dim() == 2)
+        raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}; "
+                       f"the 2-D parameters and buffers of {type(module).__name__} it may name: {candidates or 'none'}")
     if not found:
-        if wrapper is not None:
-            raise LookupError(
-                f"{type(module).__name__} has no active vocabulary: its torch.compile wrapper was not called. "
-                "transformers' generate(assistant_model=...) calls assistant_model.generate(), which bypasses the "
-                "wrapper (the head then runs dense): compile in place: drafter.compile(backend='nanospec'). "
-                "To create the set before the first call: nanospec_fx.attach(drafter)"
-            )
-        created = _create_on_demand(module, None)
-        if created is not None:
-            return created
+        if wrapper is None:
+            created = _create_on_demand(module, None)
+            if created is not None:
+                return created
+        from nanospec_fx.diagnosis import diagnose
+
         raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: compile it with "
-            "torch.compile(module, backend='nanospec') and call it once, or create it now with "
-            "nanospec_fx.attach(module, head='<weight name>'). If the compiled module was called, Dynamo did not "
-            "hand its forward to nanospec, so its head ran dense: a first call that ran no tensor op (an early "
-            "return) makes Dynamo skip the function for good, and the recompile limit stops compiling it"
+            f"{type(module).__name__} has no active vocabulary yet: {diagnose(module if wrapper is None else wrapper).text()} "
+            "To create the set before the first call: nanospec_fx.attach(model, head='<weight name>')"
         )
     if len(found) > 1:
         raise LookupError(

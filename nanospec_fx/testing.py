@@ -90,10 +90,13 @@ def assert_equivalent(
         if not checked.backend.compiles:
             global _last
             _last = None  # not reused: the next check compiles afresh
+            from nanospec_fx.diagnosis import diagnose
+
+            found = diagnose(checked.compiled)
+            why = found.text() if found.skipped else "it ran eager: a recompile limit, or a frame Dynamo skips"
             raise AssertionError(
-                f"Dynamo did not hand {type(module).__name__} to the nanospec backend (it ran eager: a recompile "
-                "limit, or a frame Dynamo skips), so nothing was checked; pass reset_dynamo=True or call "
-                "torch._dynamo.reset() before the check"
+                f"Dynamo did not hand {type(module).__name__} to the nanospec backend ({why}), so nothing was "
+                "checked; pass reset_dynamo=True or call torch._dynamo.reset() before the check"
             )
         state = _state_of(checked.module, options)
         if active_ids is not None:
@@ -154,6 +157,8 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
 class _Backend:
     """The nanospec backend with one configuration; a new object per configuration, so Dynamo never reuses
     another configuration's graphs for it (its cache entries are checked against the backend that made them)."""
+
+    nanospec = True  # a nanospec backend (nanospec_fx.diagnosis reads it)
 
     def __init__(self, options: dict):
         self.options, self.compiles = dict(options), 0
@@ -260,10 +265,10 @@ def _state_of(module: nn.Module, options: dict) -> ActiveVocab:
                 return active_vocab(module, head=name)
             except KeyError:
                 pass
+        from nanospec_fx.diagnosis import diagnose
+
         raise AssertionError(
-            f"nanospec did not rewrite a head of {type(module).__name__} ({exc}); "
-            "see the NanoSpecWarning of the compile for why"
-        ) from None
+            f"nanospec did not rewrite a head of {type(module).__name__}: {diagnose(module).text()}") from exc
 
 
 # --------------------------------------------------------------------------- checks

@@ -36,7 +36,7 @@ def explain(model, capacity, prompt_tokens, rows, inductor, calibrate):
     ids = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         compiled(ids)
-    report = nanospec_fx.explain(lm, calibrate=calibrate)
+    report = nanospec_fx.explain(lm, calibrate=calibrate, quiet=True)
     console.print(str(report), highlight=False)
     for head in report.heads:
         for n_active in dict.fromkeys([max(len(head.state), 1), head.state.capacity]):

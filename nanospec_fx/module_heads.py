@@ -1,0 +1,60 @@
+"""Which tensors a model holds, and which of them are LM heads with an ActiveVocab (under every name).
+
+The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; this module walks a model
+(compiled wrapper or not) to its tensors and head names. :mod:`nanospec_fx.lookup` (``active_vocab``) and
+:mod:`nanospec_fx.diagnosis` read it.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from nanospec_fx.state import ActiveVocab, registered_state
+
+
+def unwrap(module):
+    """The module a ``torch.compile`` wrapper compiles (``module`` itself when it is no wrapper)."""
+    return getattr(module, "_orig_mod", module)
+
+
+def module_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a module holds, under every name: parameters, buffers (tied ones under each
+    of their names) and plain tensor attributes. The pass can rewrite a head held in any of them."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not attr.startswith("_"):
+                yield (f"{prefix}.{attr}" if prefix else attr), value
+
+
+def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
+    """Every ActiveVocab reachable from ``module``, with all the names it can be asked by: each name
+    of its weight tensor (tied heads have several) and that name without ``.weight`` (the module)."""
+    found: dict[ActiveVocab, list[str]] = {}
+    for name, tensor in module_tensors(module):
+        state = registered_state(tensor)
+        if state is not None:
+            names = found.setdefault(state, [])
+            for n in (name, name[: -len(".weight")] if name.endswith(".weight") else None):
+                if n and n not in names:
+                    names.append(n)
+    for state, names in found.items():
+        for report in state.rewrites:
+            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
+            if head in names:  # the name the pass reported first (explain shows it)
+                names.insert(0, names.pop(names.index(head)))
+            if path and path not in names:
+                names.append(path)
+    return found
+
+
+def registered_states(module: nn.Module) -> dict[str, ActiveVocab]:
+    """The ActiveVocab of every head of ``module`` (parameters, buffers and tensor attributes),
+    once each, under the first name of its weight."""
+    return {names[0]: state for state, names in state_names(module).items()}
+
+
+__all__ = ["module_tensors", "registered_states", "state_names", "unwrap"]
