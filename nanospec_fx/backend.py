@@ -87,7 +87,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
-        reason = _dense_reason(gm, head, real, position, opts)
+        reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
             said.append(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
@@ -219,6 +219,16 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
     if opts.observe_inputs:
         return unobserved_lookup(gm.graph, head)
     return None
+
+
+def _layout_clash(head: HeadMatch, heads: list[HeadMatch]) -> str | None:
+    """A square weight read both as stored and transposed is two heads with one state (one per weight), which caches
+    its rows in one layout: the transposed reader runs dense."""
+    other = next((h for h in heads if h is not head and h.weight is head.weight and not h.transposed), None)
+    if other is None or not head.transposed:
+        return None
+    return (f"its weight is also read as stored ([V, H]) by the head {other.name} in this graph, and the one active "
+            "vocabulary of a weight caches its rows in one layout")
 
 
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
