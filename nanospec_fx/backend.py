@@ -64,9 +64,13 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
     heads = [h for h in vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
-             if width is None or h.vocab_size == width] or find_heads(gm, example_inputs, vocab_size=width,
-                                                                       head=opts.head, notes=notes)
+             if width is None or h.vocab_size == width]
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
+    if not heads:
+        found: list[str] = []
+        heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=found)
+        # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so
+        (said if heads else notes).extend(f"nanospec: {n}" if heads else n for n in found)
     if not heads:
         embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning

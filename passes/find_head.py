@@ -151,6 +151,13 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
     # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
     heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies]
+    grouped = {n for g in groups for n in g.nodes}
+    computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
+                and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
+    if computed and notes is not None:
+        notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
+                     "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
+                     "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
     if heads:
         return heads
     if vocabularies:
@@ -160,18 +167,11 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
                          "padded vocabulary name the head's width, "
                          f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
                          f"(candidates: {_describe(padded)})")
-        computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
-                    and reaches_output(n, shape[0])]  # no group reaches it: a weight computed in the graph
-        if computed and notes is not None:
-            notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
-                         "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
-                         "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
         return []
     # Every projection wider than its input that reaches the output counts (through its logits or only
     # through a selection of them): a wider one returned as logits is not the head because the head's own
     # logits are only selected from. Several: nothing says which.
     wider = [g for g in reaching if g.vocab_size > g.hidden_size]
-    grouped = {n for g in groups for n in g.nodes}
     computed = [n for n in projections_reaching_output(gm) if n not in grouped]  # a weight computed in the graph
     candidates = [g for g in wider if reaching[g] == "logits"] if len(wider) == 1 and not computed else wider
     if len(candidates) > 1 or (candidates and computed):
