@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nanospec_fx.draft_vocab import draft_vocab_hint
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, mode_config
@@ -71,6 +72,8 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=found)
         # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so
         (said if heads else notes).extend(f"nanospec: {n}" if heads else n for n in found)
+    if not heads and (hint := draft_vocab_hint(gm, example_inputs)):  # an EAGLE-3 head compiled without the option
+        notes.insert(0, hint)
     if not heads:
         embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning

@@ -166,7 +166,10 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          "padded vocabulary name the head's width, "
                          f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
-                         f"(candidates: {_describe(padded)})")
+                         f"(candidates: {_describe(padded)}); for a head over a draft vocabulary (EAGLE-3: head row "
+                         "i is target token i + d2t[i]) pass "
+                         f"options={{'draft_to_target': torch.arange({padded[0].vocab_size}) + d2t, "
+                         f"'target_vocab_size': {max(vocabularies)}}}")
         return []
     # Every projection wider than its input that reaches the output counts (through its logits or only
     # through a selection of them): a wider one returned as logits is not the head because the head's own
