@@ -34,7 +34,7 @@ C10D = torch.ops._c10d_functional
 
 
 @pytest.mark.parametrize("gather, bias", [("funcol", False), ("list", True), ("into_tensor", False), ("movedim", True),
-                                         ("stack", False)])
+                                         ("stack", False), ("megatron", True)])
 def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
     scale = 0.5 if bias else None  # a temperature and a cast between the slice and its gather
     model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias, scale=scale)
