@@ -70,10 +70,14 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if not heads:
         found: list[str] = []
         heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=found)
-        # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so
-        (said if heads else notes).extend(f"nanospec: {n}" if heads else n for n in found)
-    if not heads and (hint := draft_vocab_hint(gm, example_inputs)):  # an EAGLE-3 head compiled without the option
-        notes.insert(0, hint)
+        # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so; a
+        # vocabulary-parallel head's note says why its gather is not followed (its shard is no padded/draft head)
+        if heads:
+            said.extend(f"nanospec: {n}" for n in found)
+        elif not notes:
+            notes.extend(found)
+            if hint := draft_vocab_hint(gm, example_inputs):  # an EAGLE-3 head compiled without the option
+                notes.insert(0, hint)
     if not heads:
         embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning

@@ -242,6 +242,9 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tu
     if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
             and _same(patterns.tensor_shape(n.args[0]), patterns.tensor_shape(n.args[1]) or ()):
         return values[n.args[1]]
+    if name == "copy_" and len(n.args) == 2 and n.args[1] in values and n.args[0] not in fresh:
+        return (f"{n.name} copies a gathered slice into {n.args[0].name}, a tensor this call did not create (a buffer "
+                "or an input, which outlives the call: removing the gather would lose that write)")
     if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
         parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
         if isinstance(parts, (list, tuple)) and isinstance(dim, int) \
