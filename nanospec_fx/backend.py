@@ -363,12 +363,6 @@ class _DrafterBinding(_Binding):
         self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
         self.track(state)
 
-    def observe_prefill(self, args: tuple) -> None:
-        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
-        for position in self.table_positions:
-            ids = prefill_ids.claim(args[position], self.state)
-            if ids is not None:
-                self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
@@ -386,7 +380,6 @@ class _DrafterBinding(_Binding):
                 self.state.rewrites = list(old.rewrites)
             self.sync()
             changed = True
-        self.observe_prefill(args)
         return changed
 
 
@@ -639,7 +632,20 @@ class _StatefulCall:
     def __call__(self, *args: Any) -> Any:
         if any([b.update(args) for b in self.bindings]):
             self.extra = [t for b in self.bindings for t in b.tensors()]
+        self.observe_prefill(args)
         return self.compiled(*args, *self.extra)
+
+    def observe_prefill(self, args: tuple) -> None:
+        """Ids a head-less call of this model embedded in the tables this graph looks up (:mod:`nanospec_fx.prefill`),
+        into every head's set that reads them (claimed once for all of them: the first claim takes the ids)."""
+        readers: dict[int, list] = {}
+        for b in self.bindings:
+            for position in getattr(b, "table_positions", ()):
+                readers.setdefault(position, []).append(b.state)
+        for position, states in readers.items():
+            ids = prefill_ids.claim(args[position], states)
+            for state in states if ids is not None else ():
+                state.observe(ids, validate=False)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:

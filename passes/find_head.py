@@ -123,7 +123,7 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     * otherwise, among projections whose output reaches the graph output, every one onto the token
       vocabulary: a weight shared with the token embedding, and the projections as wide as a token embedding
       has rows (Medusa heads, MTP depths with heads of their own: each is rewritten with its own state, one
-      per weight). A table with more rows than any projection has outputs (a padded vocabulary) says nothing
+      per weight), the widest of them only (a 2-way classifier beside a token-type table is no head). A table with more rows than any projection has outputs (a padded vocabulary) says nothing
       about V: none, with a note naming the candidates (the ``vocab_size`` or ``head`` option picks, and the
       ids in [0, V) are observed); with no token embedding in the graph: the one projection wider than its
       input that reaches the output, if its logits (not only a selection of them) do (a router or a
@@ -151,6 +151,9 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
     # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
     heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies]
+    if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
+        widest = max(h.vocab_size for h in heads)
+        heads = [h for h in heads if h.vocab_size == widest]
     grouped = {n for g in groups for n in g.nodes}
     computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
                 and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph

@@ -186,3 +186,48 @@ def test_a_square_weight_read_in_both_layouts_keeps_one_state_and_runs_its_trans
         h = model.embed(ids)
     torch.testing.assert_close(a, _masked(F.linear(h, model.W), torch.isin(torch.arange(12), ids)))
     torch.testing.assert_close(b, h @ model.W)  # dense
+
+
+class PrefillMedusa(Medusa):
+    """A prefill call embeds the prompt and scores no head; a decode call scores every head."""
+
+    def forward(self, ids, prefill: bool = False):
+        h = torch.tanh(self.body(self.embed(ids)))
+        if prefill:
+            return h
+        return torch.stack([head(h[:, -1]) for head in self.heads])
+
+
+def test_the_prompt_of_a_prefill_call_joins_every_heads_set():
+    model = PrefillMedusa().eval()
+    compiled = compile_nanospec(model, capacity=32)
+    prompt, step = torch.tensor([[3, 17, 22, 5, 8]]), torch.tensor([[31]])
+    with torch.inference_mode():
+        compiled(prompt, prefill=True)
+        out = _call(compiled, step)
+        h = torch.tanh(model.body(model.embed(step)))[:, -1]
+        expected = torch.stack([_masked(head(h), _active(prompt, step)) for head in model.heads])
+    for i in range(3):
+        assert set(nanospec_fx.active_vocab(model, head=f"heads.{i}").token_ids().tolist()) == {3, 17, 22, 5, 8, 31}
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_projection_as_wide_as_a_small_id_table_is_not_a_second_head():
+    class TypedDrafter(nn.Module):  # token-type ids (2 rows) besides the tokens; a 2-way classifier on the output
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.embed, self.types = nn.Embedding(V, H), nn.Embedding(2, H)
+            self.lm_head, self.classify = nn.Linear(H, V, bias=False), nn.Linear(H, 2)
+
+        def forward(self, ids, types):
+            h = torch.tanh(self.embed(ids) + self.types(types))
+            return self.lm_head(h), self.classify(h)
+
+    model = TypedDrafter().eval()
+    ids, types = torch.tensor([[2, 3, 4]]), torch.tensor([[0, 0, 0]])  # no id 1 fed anywhere
+    z, c = _call(compile_nanospec(model, capacity=16), ids, types)
+    with torch.no_grad():
+        h = torch.tanh(model.embed(ids) + model.types(types))
+    torch.testing.assert_close(c, model.classify(h))  # class 1 (never fed) keeps its logit
+    torch.testing.assert_close(z, _masked(model.lm_head(h), _active(ids)))
