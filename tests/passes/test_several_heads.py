@@ -231,3 +231,20 @@ def test_a_projection_as_wide_as_a_small_id_table_is_not_a_second_head():
         h = torch.tanh(model.embed(ids) + model.types(types))
     torch.testing.assert_close(c, model.classify(h))  # class 1 (never fed) keeps its logit
     torch.testing.assert_close(z, _masked(model.lm_head(h), _active(ids)))
+
+
+def test_assert_equivalent_asks_which_of_several_heads_to_check():
+    from nanospec_fx.testing import assert_equivalent
+
+    model = Medusa().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(AssertionError, match=r"several heads.*heads\.0\.weight.*options=\{'head'"):
+        assert_equivalent(model, (ids,), reset_dynamo=True)
+
+    def reference(mask):  # only heads.1 rewritten: its logits masked, the others dense
+        stacked, routed = model(ids)
+        return torch.stack([stacked[0], _masked(stacked[1], mask), stacked[2]]), routed
+
+    state = assert_equivalent(model, (ids,), options={"head": "heads.1", "capacity": 16}, reset_dynamo=True,
+                              reference=reference)
+    assert sorted(state.token_ids().tolist()) == [1, 2, 3]
