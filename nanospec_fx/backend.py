@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from nanospec_fx import diagnosis
+from nanospec_fx.draft_vocab import draft_vocab_hint
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
@@ -73,9 +74,19 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if width is None and opts.vocab_config.draft_to_target is not None:
         width = torch.as_tensor(opts.vocab_config.draft_to_target).numel()
     heads = [h for h in vocab_parallel_heads.gathered_heads(gm, example_inputs, head=opts.head, notes=notes)
-             if width is None or h.vocab_size == width] or find_heads(gm, example_inputs, vocab_size=width,
-                                                                       head=opts.head, notes=notes)
+             if width is None or h.vocab_size == width]
     said: list[str] = []  # the warnings this graph gave: said again for every other model that runs it
+    if not heads:
+        found: list[str] = []
+        heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=found)
+        # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so; a
+        # vocabulary-parallel head's note says why its gather is not followed (its shard is no padded/draft head)
+        if heads:
+            said.extend(f"nanospec: {n}" for n in found)
+        elif not notes:
+            notes.extend(found)
+            if hint := draft_vocab_hint(gm, example_inputs):  # an EAGLE-3 head compiled without the option
+                notes.insert(0, hint)
     if not heads:
         embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
@@ -99,7 +110,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     real = _real_tensors(gm, example_inputs)
     rewritable = []
     for head in heads:
-        reason = _dense_reason(gm, head, real, position, opts)
+        reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
             said.append(f"nanospec: the head {head.name} runs dense: {reason}")
         else:
@@ -257,6 +268,16 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
     return None
 
 
+def _layout_clash(head: HeadMatch, heads: list[HeadMatch]) -> str | None:
+    """A square weight read both as stored and transposed is two heads with one state (one per weight), which caches
+    its rows in one layout: the transposed reader runs dense."""
+    other = next((h for h in heads if h is not head and h.weight is head.weight and not h.transposed), None)
+    if other is None or not head.transposed:
+        return None
+    return (f"its weight is also read as stored ([V, H]) by the head {other.name} in this graph, and the one active "
+            "vocabulary of a weight caches its rows in one layout")
+
+
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
@@ -378,12 +399,6 @@ class _DrafterBinding(_Binding):
         self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
         self.track(state)
 
-    def observe_prefill(self, args: tuple) -> None:
-        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`)."""
-        for position in self.table_positions:
-            ids = prefill_ids.claim(args[position], self.state)
-            if ids is not None:
-                self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
@@ -401,7 +416,6 @@ class _DrafterBinding(_Binding):
                 self.state.rewrites = list(old.rewrites)
             self.sync()
             changed = True
-        self.observe_prefill(args)
         return changed
 
 
@@ -665,7 +679,20 @@ class _StatefulCall:
     def __call__(self, *args: Any) -> Any:
         if any([b.update(args) for b in self.bindings]):
             self.extra = [t for b in self.bindings for t in b.tensors()]
+        self.observe_prefill(args)
         return self.compiled(*args, *self.extra)
+
+    def observe_prefill(self, args: tuple) -> None:
+        """Ids a head-less call of this model embedded in the tables this graph looks up (:mod:`nanospec_fx.prefill`),
+        into every head's set that reads them (claimed once for all of them: the first claim takes the ids)."""
+        readers: dict[int, list] = {}
+        for b in self.bindings:
+            for position in getattr(b, "table_positions", ()):
+                readers.setdefault(position, []).append(b.state)
+        for position, states in readers.items():
+            ids = prefill_ids.claim(args[position], states)
+            for state in states if ids is not None else ():
+                state.observe(ids, validate=False)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:

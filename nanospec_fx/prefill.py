@@ -34,10 +34,13 @@ def record(table: torch.Tensor, ids: torch.Tensor) -> None:
         kept[:] = [torch.unique(torch.cat(kept))]
 
 
-def claim(table: torch.Tensor, state) -> torch.Tensor | None:
-    """``state``'s head observes lookups into ``table`` (a rewritten head graph runs with both): later prefill ids
-    go straight into it; returns the ids recorded before, in the order they were embedded (None: none)."""
-    _READERS.setdefault(table, weakref.WeakSet()).add(state)
+def claim(table: torch.Tensor, states: list) -> torch.Tensor | None:
+    """The heads of ``states`` observe lookups into ``table`` (a rewritten graph runs with them: several heads of one
+    graph claim together): later prefill ids go straight into them; returns the ids recorded before, in the order
+    they were embedded (None: none), for each of them to observe."""
+    readers = _READERS.setdefault(table, weakref.WeakSet())
+    for state in states:
+        readers.add(state)
     kept = _PENDING.pop(table, None)
     return torch.cat(kept) if kept else None
 

@@ -27,7 +27,7 @@ import torch._dynamo
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from nanospec_fx.lookup import active_vocab, unwrap
+from nanospec_fx.lookup import active_vocab, registered_states, unwrap
 from nanospec_fx.state import ActiveVocab
 
 TOLERANCES = {  # (rtol, atol): logits from a compact GEMM round differently from the full one
@@ -265,6 +265,11 @@ def _state_of(module: nn.Module, options: dict) -> ActiveVocab:
                 return active_vocab(module, head=name)
             except KeyError:
                 pass
+        several = sorted(registered_states(module))
+        if len(several) > 1:  # every head over the vocabulary is rewritten, each with its own set
+            raise AssertionError(
+                f"nanospec rewrote several heads of {type(module).__name__} ({', '.join(several)}), each with its own "
+                "active vocabulary; assert_equivalent checks one: pass options={'head': '<name>'}") from None
         from nanospec_fx.diagnosis import diagnose
 
         raise AssertionError(

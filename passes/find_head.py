@@ -22,7 +22,7 @@ from .row_weight import row_weight
 
 
 class HeadSelectionError(ValueError):
-    """Several different projections could be the head and nothing says which."""
+    """``options['head']`` names no projection of the graph (or several weights)."""
 
 
 @dataclass
@@ -118,16 +118,17 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
 
     * ``head`` (a weight name or module path) picks that projection; a name that matches
-      none raises HeadSelectionError listing the candidates.
-    * otherwise, among projections whose output reaches the graph output: a weight shared with
-      the token embedding; else the projections as wide as a token embedding has rows (``vocab_size``
-      narrows this to that width); a table with more rows than any projection has outputs (a
-      padded vocabulary) says nothing about V: none, with a note naming the candidates (the
-      ``vocab_size`` or ``head`` option picks one, and its ids in [0, V) are observed); with no
-      token embedding in the graph: the one projection wider than its input that reaches the output, if
-      its logits (not only a selection of them) do (a router or a hidden-state projection is narrower or
-      is not alone); several wider projections reaching the output: none, with a note saying why.
-    * several candidates left: HeadSelectionError naming them. None: an empty list.
+      none (or several weights) raises HeadSelectionError listing the candidates.
+    * ``vocab_size``: every projection of that width whose output reaches the graph output.
+    * otherwise, among projections whose output reaches the graph output, every one onto the token
+      vocabulary: a weight shared with the token embedding, and the projections as wide as a token embedding
+      has rows (Medusa heads, MTP depths with heads of their own: each is rewritten with its own state, one
+      per weight), the widest of them only (a 2-way classifier beside a token-type table is no head). A table with more rows than any projection has outputs (a padded vocabulary) says nothing
+      about V: none, with a note naming the candidates (the ``vocab_size`` or ``head`` option picks, and the
+      ids in [0, V) are observed); with no token embedding in the graph: the one projection wider than its
+      input that reaches the output, if its logits (not only a selection of them) do (a router or a
+      hidden-state projection is narrower or is not alone); several wider projections reaching the output:
+      none, with a note saying why (nothing says which is a head and which a hidden-state projection).
     """
     groups = _projection_groups(gm, example_inputs)
     if head is not None:
@@ -142,35 +143,41 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
         return _unique(chosen)
     reaching = {g: g.reach for g in groups if g.reach}
     if vocab_size is not None:
-        return _unique([g for g in reaching if g.vocab_size == vocab_size])
+        return [g for g in reaching if g.vocab_size == vocab_size]
     tables = token_tables(gm)
     tied = [g for g in reaching if tables.get(g.weight) == g.vocab_size or g.transposed and any(
         patterns.transposed_weight(t) is g.weight for t in tables)]  # F.embedding(ids, W.t()) with the head h @ W
-    if tied:
-        return _unique(tied)
     vocabularies = set(tables.values())
+    # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
+    # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
+    heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies]
+    if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
+        widest = max(h.vocab_size for h in heads)
+        heads = [h for h in heads if h.vocab_size == widest]
+    grouped = {n for g in groups for n in g.nodes}
+    computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
+                and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
+    if computed and notes is not None:
+        notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
+                     "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
+                     "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
+    if heads:
+        return heads
     if vocabularies:
-        exact = [g for g in reaching if g.vocab_size in vocabularies]
-        if exact:
-            return _unique(exact)
         padded = [g for g in reaching if g.hidden_size < g.vocab_size < max(vocabularies)]
         if padded and notes is not None:  # a padded table: its rows do not say what V is, so nothing is guessed
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          "padded vocabulary name the head's width, "
                          f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
-                         f"(candidates: {_describe(padded)})")
-        computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
-                    and reaches_output(n, shape[0])]  # no group reaches it: a weight computed in the graph
-        if computed and notes is not None:
-            notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
-                         "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
-                         "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
+                         f"(candidates: {_describe(padded)}); for a head over a draft vocabulary (EAGLE-3: head row "
+                         "i is target token i + d2t[i]) pass "
+                         f"options={{'draft_to_target': torch.arange({padded[0].vocab_size}) + d2t, "
+                         f"'target_vocab_size': {max(vocabularies)}}}")
         return []
     # Every projection wider than its input that reaches the output counts (through its logits or only
     # through a selection of them): a wider one returned as logits is not the head because the head's own
     # logits are only selected from. Several: nothing says which.
     wider = [g for g in reaching if g.vocab_size > g.hidden_size]
-    grouped = {n for g in groups for n in g.nodes}
     computed = [n for n in projections_reaching_output(gm) if n not in grouped]  # a weight computed in the graph
     candidates = [g for g in wider if reaching[g] == "logits"] if len(wider) == 1 and not computed else wider
     if len(candidates) > 1 or (candidates and computed):

@@ -156,7 +156,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if n in fresh:  # ``torch.empty_like(gathered)``: reads only its shape
             pattern.append(n)
             continue
-        value = _step(n, values, fresh, world, rows, shape)
+        value = _step(n, values, fresh | {sliced}, world, rows, shape)
         if isinstance(value, str):
             return value
         pattern.append(n)
@@ -166,7 +166,8 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         values[n] = value
         if _name(n) == "copy_":  # the buffer holds the copied value from here on
             values[n.args[0]] = value
-            pattern.append(n.args[0])
+            if n.args[0] is not sliced:  # the slice itself (Megatron's list) is erased with the projection
+                pattern.append(n.args[0])
     if full is None:
         return f"the gathered slices of {local.name} are not concatenated in rank order along the vocabulary axis"
     inside = set(pattern) | {local, *prefix}
@@ -236,9 +237,14 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tu
         r = _rank_slice(n.args[1], rows)
         if r is not None:
             return ("block", r)
+    # a copy into a fresh buffer, or into the gathered slice itself (Megatron's ``out[rank] = local`` before
+    # ``dist.all_gather(out, local)``: the collective read the slice first, so it is a buffer from here on)
     if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
             and _same(patterns.tensor_shape(n.args[0]), patterns.tensor_shape(n.args[1]) or ()):
         return values[n.args[1]]
+    if name == "copy_" and len(n.args) == 2 and n.args[1] in values and n.args[0] not in fresh:
+        return (f"{n.name} copies a gathered slice into {n.args[0].name}, a tensor this call did not create (a buffer "
+                "or an input, which outlives the call: removing the gather would lose that write)")
     if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
         parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
         if isinstance(parts, (list, tuple)) and isinstance(dim, int) \

@@ -51,7 +51,9 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
             continue
         if isinstance(gather, str):
             if notes is not None:
-                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}"
+                notes.append(f"the vocabulary-parallel head {parameter_name(w)} is gathered, but {gather}; gather "
+                             "into fresh tensors, or write funcol.all_gather_tensor(local, gather_dim=local.dim() - 1, "
+                             "group=g) (the forms docs/tensor-parallel.md lists)"
                              if not gather.startswith("its slice") else
                              f"the vocabulary-parallel head {parameter_name(w)}: {gather}")
             continue

@@ -89,6 +89,12 @@ OUT_STEPS = {"out_self", "out_new_softcap"}  # out= calls: not with autograd
 
 BODY_OPS = ("mlp", "mlp_vocab_width", "clamp_fn_", "tanh_fn_", "out_mul", "counter", "graph_break")
 EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
+# -- several heads (Medusa heads, MTP depths with heads of their own): ``extra_heads`` more nn.Linear(H, V) heads score
+# the same hidden state as the head, each output ``z_i / (i + 2)`` returned after the head's outputs. Each is a head
+# of its own (its own ActiveVocab); the oracle masks head i's output with ``extra_masks[i]`` (bool over the rows, or
+# None where that head runs dense), which the fuzzer sets from head i's state before each eager call.
+EXTRA_HEADS = (0, 1, 2)
+
 MODES = ("inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward")
 GRAD_MODES = ("grad", "enable_grad_inside")  # outputs carry gradients to the (trainable) body
 
@@ -125,6 +131,7 @@ class Recipe:
     hook: bool = False         # a forward hook on the head module (scales its output); nn.Linear heads only
     draft_steps: int = 0       # >0: a draft loop in forward (embed_first): k heads, each feeding a token back
     draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
+    extra_heads: int = 0       # several heads: more nn.Linear(H, V) heads on the head's input, see EXTRA_HEADS
 
     @property
     def head_rows(self) -> int:
@@ -269,6 +276,11 @@ class FuzzDrafter(nn.Module):
                     self.lm_head.bias.copy_(b)
             torch.nn.utils.parametrize.register_parametrization(
                 self.lm_head, "weight", RowNorm() if r.head == "param_rownorm" else ColumnNorm())
+        self.extra_heads = nn.ModuleList(nn.Linear(H, Vh, bias=False) for _ in range(r.extra_heads))
+        with torch.no_grad():
+            for head in self.extra_heads:
+                head.weight.copy_(randn(Vh, H, scale=H**-0.5 * 2))
+        self.extra_masks: list | None = None  # per extra head, set by the fuzzer before an eager oracle call
         if r.hook and r.head in ("linear", "linear_tied"):
             self.lm_head.register_forward_hook(scale_output_hook)
         if "wide_proj" in r.extra_outputs:
@@ -295,7 +307,7 @@ class FuzzDrafter(nn.Module):
             self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
-                if (name.startswith(("lm_head", "W", "b", "logit_bias"))
+                if (name.startswith(("lm_head", "W", "b", "logit_bias", "extra_heads"))
                         or (name.startswith("embed") and "tied" in r.head)):
                     p.requires_grad_(False)
         self.eval()
@@ -471,8 +483,10 @@ class FuzzDrafter(nn.Module):
         outputs: list = []
         read = self._masker(mask)
         if r.order == "head_first":
-            z = self._head(self.pre(prev_hidden))
+            x = self.pre(prev_hidden)
+            z = self._head(x)
             z, in_chain = self._chain(z, ids, noise, mask, record, outputs)
+            self._extra_heads(x, outputs, record)
             if r.head_break:
                 self._break(r.head_break, read(z) if in_chain else z)
             h = self._body(ids)
@@ -482,6 +496,7 @@ class FuzzDrafter(nn.Module):
                 self._break(r.head_break, h)
             z = self._head(h)
             self._chain(z, ids, noise, mask, record, outputs)
+            self._extra_heads(h, outputs, record)
         for extra in r.extra_outputs:
             if extra == "hidden":
                 out = h
@@ -493,6 +508,14 @@ class FuzzDrafter(nn.Module):
             if record is not None:
                 record.append(("values", None, None))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _extra_heads(self, h, outputs, record):
+        """The several-heads block: each extra head's logits, masked by its own set (see EXTRA_HEADS)."""
+        for i, head in enumerate(self.extra_heads):
+            mask = self.extra_masks[i] if self.extra_masks is not None else None
+            outputs.append(self._masker(mask)(head(h) / (i + 2)))
+            if record is not None:
+                record.append(("values", None, None))
 
     def _chain(self, z, ids, noise, mask, record, outputs):
         """Run the recipe's steps on the head output ``z``; returns (the last z, whether it is still in the chain)."""
@@ -849,6 +872,7 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     order = draw(st.sampled_from(["embed_first", "embed_first", "embed_first", "head_first", "head_first"]))
     draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
     chain = () if draft_steps else draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
+    extra_heads = 0 if draft_steps or draw(st.integers(0, 5)) else draw(st.sampled_from(EXTRA_HEADS[1:]))
     if draft_steps:
         dtype, autocast, capacity = "float32", False, 512  # argmax fed back: no near ties, no eviction inside a call
     seq = draw(st.integers(1, 4))
@@ -865,4 +889,5 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         lookup=lookup, head_break=draw(st.sampled_from(("",) * 4 + BREAKS)),
         hook=head in ("linear", "linear_tied") and draw(st.integers(0, 5)) == 0,
         draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
+        extra_heads=extra_heads,
     )

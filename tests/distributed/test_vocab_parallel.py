@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ C10D = torch.ops._c10d_functional
 
 
 @pytest.mark.parametrize("gather, bias", [("funcol", False), ("list", True), ("into_tensor", False), ("movedim", True),
-                                         ("stack", False)])
+                                         ("stack", False), ("megatron", True)])
 def test_gather_forms_lose_their_logits_collective(fake_group, compiled_graphs, gather, bias):
     scale = 0.5 if bias else None  # a temperature and a cast between the slice and its gather
     model = VocabParallelDrafter(V, H, TP, rank=0, gather=gather, bias=bias, scale=scale)
@@ -144,11 +146,28 @@ class RanksSwapped(VocabParallelDrafter):
         return torch.cat([second, first], -1)
 
 
-@pytest.mark.parametrize("drafter", [LocalArgmaxToo, RanksSwapped])
-def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter):
+class IntoPersistentBuffers(VocabParallelDrafter):
+    """``dist.all_gather`` into module buffers: the write outlives the call, so the gather cannot be removed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for r in range(self.tp):
+            self.register_buffer(f"part{r}", torch.zeros(2, 3, V // self.tp))
+
+    def forward(self, ids):
+        local = F.linear(self.embed(ids), self.head_weight)
+        out = [getattr(self, f"part{r}") for r in range(self.tp)]
+        dist.all_gather(out, local)
+        return torch.cat(out, -1)
+
+
+@pytest.mark.parametrize("drafter, why", [(LocalArgmaxToo, "reads this rank's slice"), (RanksSwapped, r"cat \(cat\) uses the gathered"),
+                                          (IntoPersistentBuffers, "did not create.*funcol.all_gather_tensor")])
+def test_gathers_it_cannot_follow_stay_dense_with_a_warning(fake_group, compiled_graphs, drafter, why):
     model = drafter(V, H, TP, rank=0)
-    with pytest.warns(NanoSpecWarning, match="runs unchanged"):
+    with pytest.warns(NanoSpecWarning, match=f"runs unchanged|{why}") as caught:
         compile_and_run(model, torch.randint(0, V, (2, 3)))
+    assert re.search(why, " ".join(str(w.message) for w in caught))
     assert C10D.all_gather_into_tensor in call_targets(compiled_graphs[-1])
 
 

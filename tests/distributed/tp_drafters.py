@@ -41,8 +41,16 @@ def gather_stack(local: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.stack(out, dim=-2).flatten(-2)
 
 
+def gather_megatron(local: torch.Tensor, tp: int) -> torch.Tensor:
+    """Megatron's ``_gather_along_last_dim``: this rank's own slice stands in the output list, written in place."""
+    out = [torch.empty_like(local) for _ in range(tp)]
+    out[dist.get_rank()] = local
+    dist.all_gather(out, local)
+    return torch.cat(out, dim=-1).contiguous()
+
+
 GATHERS = {"funcol": gather_funcol, "list": gather_list, "into_tensor": gather_into_tensor, "movedim": gather_movedim,
-           "stack": gather_stack}
+           "stack": gather_stack, "megatron": gather_megatron}
 
 
 class VocabParallelDrafter(nn.Module):

@@ -48,7 +48,7 @@ def exact(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     cases = [("funcol", False, False, None), ("list", True, False, None), ("into_tensor", False, True, None),
-             ("movedim", False, False, 0.5), ("dtensor", True, False, None)]
+             ("movedim", False, False, 0.5), ("dtensor", True, False, None), ("megatron", True, False, 0.5)]
     for gather, bias, inductor, scale in cases:
         torch._dynamo.reset()
         if gather == "dtensor":

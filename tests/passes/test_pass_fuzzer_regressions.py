@@ -179,6 +179,17 @@ CASES.update({
     # zero cached row, NaN after the parametrisation, and 0 * NaN reached the body's gradient through the masked slot
     "row_norm_parametrised_head_frozen_in_grad_mode": (R(vocab=40, hidden=8, head="param_rownorm", return_logits=False,
                                                          mode="grad", capacity=4, batch=1, seq=1, seq2=1, n_ban=1), ()),
+    # the several-heads block: extra nn.Linear(H, V) heads beside the head raised HeadSelectionError where eager runs;
+    # each is now rewritten with its own state (or dense with a warning naming why)
+    "several_heads_with_a_chain": (R(extra_heads=2, chain=(("softcap", 2.0), ("topk", 3, True, "none"))), ()),
+    "several_heads_tied_head_first": (R(head="functional_tied", extra_heads=1, order="head_first",
+                                        chain=(("last",), ("masked_fill_", "-inf"))), ()),
+    "several_heads_hv_evicting": (R(head="matmul_hv", extra_heads=2, capacity=4, extra_active=20), ()),
+    "several_heads_grad_mode": (R(extra_heads=1, mode="grad", chain=(("log_softmax",),)), ()),
+    "several_heads_computed_weight_head_dense": (R(head="param_colnorm", extra_heads=1), ()),
+    # a returned projection wider than the vocabulary and a graph break in the body: the graph with the head has no
+    # token embedding, so nothing says which projection is the head: dense with a warning (it raised before)
+    "wide_projection_after_a_body_break": (R(extra_outputs=("wide_proj",), body=("mlp", "graph_break")), ()),
 })
 
 

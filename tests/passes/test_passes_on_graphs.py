@@ -81,8 +81,10 @@ def test_find_heads_picks_the_projection_that_reaches_the_output():
     (head,) = find_heads(trace(TinyDrafter(V, H, body_width=V).eval(), x), [x])  # a body layer as wide as V
     assert (head.name, head.vocab_size, head.hidden_size, len(head.nodes)) == ("model.lm_head.weight", V, H, 1)
     assert find_heads(trace(NoHead(H), torch.randn(2, H)), [torch.randn(2, H)]) == []
-    with pytest.raises(HeadSelectionError, match="head_a.*head_b"):
-        find_heads(trace(TwoHeads(V, H), x), [x])
+    both = find_heads(trace(TwoHeads(V, H), x), [x])  # every projection onto the vocabulary is a head
+    assert [h.name for h in both] == ["model.head_a.weight", "model.head_b.weight"]
+    with pytest.raises(HeadSelectionError, match="no_such.*head_a.*head_b"):
+        find_heads(trace(TwoHeads(V, H), x), [x], head="no_such")
     (chosen,) = find_heads(trace(TwoHeads(V, H), x), [x], head="head_b")
     assert chosen.name == "model.head_b.weight"
 
