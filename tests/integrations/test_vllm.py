@@ -1,4 +1,4 @@
-"""The vLLM plugin (nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
+"""The vLLM plugin (nanospec_fx/integrations/vllm/, entry point nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
 
 The first tests need no vLLM (they run in every environment); the others run vLLM in a subprocess
 (tests/integrations/vllm_worker.py) and are skipped where ``vllm`` is not importable. The oracles: vLLM running
@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import nanospec_fx.integrations.vllm as integration
 import nanospec_fx.vllm_plugin as plugin
+from nanospec_fx.integrations.vllm import config as vllm_config
+from nanospec_fx.integrations.vllm.metrics import Activity
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -29,21 +32,22 @@ METHODS = ("draft_model", "eagle", "eagle3")
 # ----------------------------------------------------------------------------- without vLLM
 def test_switch_off_installs_nothing(monkeypatch):
     monkeypatch.delenv(plugin.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(plugin, "install", lambda: pytest.fail("installed without the switch"))
+    monkeypatch.setattr(integration, "install", lambda: pytest.fail("installed without the switch"))
     plugin.register()
     monkeypatch.setenv(plugin.ENV_SWITCH, "0")
     plugin.register()
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "unknown", ""])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "unknown", ""])
 def test_unsupported_version_is_an_error(version):
-    with pytest.raises(RuntimeError, match=r"not supported.*tested with vLLM 0\.32\.x.*unset NANOSPEC_VLLM"):
+    with pytest.raises(RuntimeError, match=r"not supported.*tested with vLLM 0\.32\.x, 0\.33\.x.*unset NANOSPEC_VLLM"):
         plugin.check_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu"])
-def test_supported_versions(version):
-    plugin.check_version(version)
+@pytest.mark.parametrize("version, adapter", [("0.32.0", "v0_32"), ("0.32.1", "v0_32"), ("0.32.0+cpu", "v0_32"),
+                                              ("0.33.0", "v0_33"), ("0.33.2", "v0_33")])
+def test_supported_versions_pick_their_adapter(version, adapter):
+    assert plugin.check_version(version).__name__ == f"nanospec_fx.integrations.vllm.{adapter}"
 
 
 def test_entry_point_and_no_vllm_dependency():
@@ -56,16 +60,17 @@ def test_entry_point_and_no_vllm_dependency():
 
 
 def test_import_nanospec_fx_does_not_load_the_plugin():
-    code = "import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, 'vllm' in sys.modules)"
+    code = ("import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, "
+            "'nanospec_fx.integrations.vllm' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
-    assert out == ["False", "False"]
+    assert out == ["False", "False", "False"]
 
 
 def test_static_policy_reads_the_list(tmp_path, monkeypatch):
     for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE):
         monkeypatch.delenv(name, raising=False)
-    assert plugin.static_tokens(100) is None  # dynamic by default
+    assert plugin.static_tokens(100) is None  # context by default
     monkeypatch.setenv(plugin.ENV_POLICY, "static")
     with pytest.raises(ValueError, match="needs NANOSPEC_VLLM_STATIC"):
         plugin.static_tokens(100)
@@ -83,8 +88,59 @@ def test_static_policy_reads_the_list(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="integer token ids"):
         plugin.static_tokens(100)
     monkeypatch.setenv(plugin.ENV_POLICY, "frequent")
-    with pytest.raises(ValueError, match="expected one of dynamic, static"):
+    with pytest.raises(ValueError, match="expected one of context, static, hybrid"):
         plugin.static_tokens(100)
+
+
+def _clear_settings(monkeypatch):
+    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE, plugin.ENV_CAPACITY, plugin.ENV_TOPK,
+                 plugin.ENV_MAX_REQUESTS, plugin.ENV_RECORD, plugin.ENV_RECORD_DIR):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_settings_are_the_cores_vocab_config(tmp_path, monkeypatch):
+    _clear_settings(monkeypatch)
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "64")
+    s = vllm_config.settings(100, max_num_seqs=4)
+    assert (s.vocab.policy, s.vocab.capacity, s.max_requests, s.topk) == ("context", 64, 4, 3)
+    path = tmp_path / "ids.txt"
+    path.write_text("7 3 9 1")
+    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
+    for policy in ("static", "hybrid"):
+        monkeypatch.setenv(plugin.ENV_POLICY, policy)
+        monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "3")
+        s = vllm_config.settings(100, max_num_seqs=4)
+        from nanospec_fx.policies import resolve
+        state = resolve(s.vocab)  # the core's reading of the options: the listed order is the frequency ranking
+        assert state.seed_ids.tolist() == [7, 3, 9] and state.policy == policy
+        assert (state.observes, s.topk) == ((False, 0) if policy == "static" else (True, 3))
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "zero")
+    with pytest.raises(ValueError, match="NANOSPEC_VLLM_CAPACITY='zero' must be an integer"):
+        vllm_config.settings(100, max_num_seqs=4)
+
+
+def test_old_policy_name_is_accepted_with_a_deprecation_warning(monkeypatch):
+    _clear_settings(monkeypatch)
+    monkeypatch.setenv(plugin.ENV_POLICY, "dynamic")
+    with pytest.warns(DeprecationWarning, match="'dynamic' is the old name of 'context'"):
+        assert vllm_config.settings(100, max_num_seqs=2).vocab.policy == "context"
+
+
+def test_activity_says_inactive_once_after_the_steps(recwarn):
+    activity = Activity()
+    for _ in range(3):
+        activity.step("V2Runner", limit=4, remedy="Set X=0.")
+    assert activity.status() == "pending" and not recwarn.list
+    from nanospec_fx.warning import NanoSpecWarning
+
+    with pytest.warns(NanoSpecWarning, match="plugin is inactive: 4 model steps ran on V2Runner.*Set X=0"):
+        activity.step("V2Runner", limit=4, remedy="Set X=0.")
+    assert activity.as_dict()["status"] == "inactive"
+    active = Activity()
+    active.hooked()
+    for _ in range(5):
+        active.step("Runner", limit=4, remedy="")
+    assert active.status() == "active"
 
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
 def _scenario(tmp_path_factory, name: str) -> dict:
