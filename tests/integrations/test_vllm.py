@@ -129,18 +129,22 @@ def test_old_policy_name_is_accepted_with_a_deprecation_warning(monkeypatch):
 def test_activity_says_inactive_once_after_the_steps(recwarn):
     activity = Activity()
     for _ in range(3):
-        activity.step("V2Runner", limit=4, remedy="Set X=0.")
+        activity.step("V2Runner", limit=4, remedy=lambda: pytest.fail("asked before the limit"))
     assert activity.status() == "pending" and not recwarn.list
     from nanospec_fx.warning import NanoSpecWarning
 
     with pytest.warns(NanoSpecWarning, match="plugin is inactive: 4 model steps ran on V2Runner.*Set X=0"):
-        activity.step("V2Runner", limit=4, remedy="Set X=0.")
+        activity.step("V2Runner", limit=4, remedy=lambda: "Set X=0.")
     assert activity.as_dict()["status"] == "inactive"
     active = Activity()
     active.hooked()
     for _ in range(5):
-        active.step("Runner", limit=4, remedy="")
+        active.step("Runner", limit=4, remedy=lambda: pytest.fail("an active runner has no remedy"))
     assert active.status() == "active"
+    explained = Activity()
+    explained.explained("method 'ngram'")
+    explained.step("Runner", limit=1, remedy=lambda: pytest.fail("explained already"))
+    assert explained.as_dict()["status"] == "inactive" and explained.reason == "method 'ngram'"
 
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
 def _scenario(tmp_path_factory, name: str) -> dict:
@@ -190,6 +194,52 @@ def test_finished_requests_release_their_rows(methods, method):
     assert head["assigned"] == requests + 1  # + the one-token request run after, to let vLLM report the finish
     assert head["released"] == requests and len(head["holding"]) == 1
     assert all(s is not None for s in head["sets"])
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_plugin_reports_itself_active(methods, method):
+    (status,) = methods[method]["status"]
+    assert status["status"] == "active" and status["hook_calls"] > 0
+    assert not any("plugin is inactive" in w for w in methods[method]["warnings"])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_unreached_drafter_hook_is_reported_inactive(methods):
+    """The plugin's drafter hook bypassed (vLLM's own propose_draft_token_ids): after the first steps the plugin says
+    once that it is inactive, naming the runner, and its status says so; the output is the target's."""
+    run = methods["bypassed"]
+    (status,) = run["status"]
+    assert status["status"] == "inactive" and status["hook_calls"] == 0 and status["runner"] == "CPUModelRunner"
+    said = [w for w in run["warnings"] if "plugin is inactive" in w]
+    assert len(said) == 1 and "ran on CPUModelRunner" in said[0] and "propose_draft_token_ids was never" in said[0]
+    assert run["outputs"] == [o[:16] for o in methods["target"]["outputs"]] and run["drafted"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_no_drafter_and_unsupported_drafter_are_reported_inactive(methods):
+    (target,) = methods["target"]["status"]
+    assert target["status"] == "inactive" and "No speculative decoding is configured" in target["reason"]
+    (ngram,) = methods["ngram"]["status"]
+    assert ngram["status"] == "inactive" and "'ngram'" in ngram["reason"]
+    assert not any("plugin is inactive" in w for w in methods["ngram"]["warnings"])  # its one warning said why
+
+
+def test_switching_to_the_v1_runner_is_said_once(monkeypatch):
+    from nanospec_fx.integrations.vllm import v0_32
+    from nanospec_fx.warning import NanoSpecWarning
+
+    monkeypatch.delenv(v0_32.ENV_RUNNER, raising=False)
+    with pytest.warns(NanoSpecWarning, match="set VLLM_USE_V2_MODEL_RUNNER=0: vLLM uses its V1 model runner"):
+        v0_32.choose_v1_runner()
+    assert os.environ[v0_32.ENV_RUNNER] == "0"
+    v0_32.choose_v1_runner()  # the user's (or our) 0: nothing to say
+    monkeypatch.setenv(v0_32.ENV_RUNNER, "1")
+    with pytest.warns(NanoSpecWarning, match="VLLM_USE_V2_MODEL_RUNNER=1: the plugin hooks vLLM's V1 model runner"):
+        v0_32.choose_v1_runner()
 
 
 def _target_greedy(target_dir: str, prompt: list[int], length: int, k: int) -> tuple[list[int], list[set[int]]]:

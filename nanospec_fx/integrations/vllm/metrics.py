@@ -1,8 +1,8 @@
 """What the plugin reports: its heads' counters, record files, and whether it is active at all.
 
-"Never silently inactive": the adapters count the model steps of this process (a hook every runner reaches) and the
-calls of the drafter hooks; once ``NANOSPEC_VLLM_ACTIVE_AFTER`` steps ran with no drafter hook call, :func:`status`
-says ``inactive`` and one warning names the runner and the remedy. No vLLM here.
+"Never silently inactive": the adapters count each model runner's steps (at a hook every runner reaches) and its
+drafter steps through a NanoSpec head; once ``NANOSPEC_VLLM_ACTIVE_AFTER`` steps ran with none, :func:`status` says
+``inactive`` and one warning names the runner and the remedy. No vLLM here.
 """
 from __future__ import annotations
 
@@ -33,32 +33,39 @@ def heads() -> list:
 
 
 class Activity:
-    """This process's evidence that the hooks run: model steps seen, drafter hook calls, and the verdict."""
+    """One model runner's evidence that the hooks run: model steps seen, drafter hook calls, and the verdict."""
 
     def __init__(self):
-        self.steps = 0  # model steps this process ran (any runner)
-        self.hook_calls = 0  # calls of the drafter hooks (the V1 runner's propose step)
+        self.steps = 0  # model steps with scheduled tokens (any runner)
+        self.hook_calls = 0  # drafter steps through a NanoSpec head
         self.runner: str | None = None  # the model runner's class, as seen at a step
         self.reason: str | None = None  # why the plugin is inactive (None: active or not known yet)
 
     def status(self) -> str:
-        """``active`` (a drafter hook ran), ``inactive`` (:attr:`reason` says why) or ``pending`` (too few steps)."""
-        if self.reason is not None:
-            return "inactive"
-        return "active" if self.hook_calls else "pending"
+        """``active`` (a drafter step went through a NanoSpec head), ``inactive`` (:attr:`reason` says why) or
+        ``pending`` (too few steps yet)."""
+        if self.hook_calls:
+            return "active"
+        return "pending" if self.reason is None else "inactive"
 
     def hooked(self) -> None:
         self.hook_calls += 1
 
-    def step(self, runner_name: str, limit: int, remedy: str) -> None:
-        """One model step ran on ``runner_name``; after ``limit`` steps with no drafter hook call, say so once."""
+    def explained(self, reason: str) -> None:
+        """Inactive for a reason a warning has given already (an unsupported drafter)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def step(self, runner_name: str, limit: int, remedy) -> None:
+        """One model step ran on ``runner_name``; after ``limit`` steps with no drafter step through a NanoSpec
+        head, say so once (``remedy()``: what the user can do)."""
         self.steps += 1
         self.runner = runner_name
         if self.hook_calls or self.reason is not None or self.steps < limit:
             return
         self.reason = (f"NANOSPEC_VLLM=1 but the plugin is inactive: {self.steps} model steps ran on "
-                       f"{runner_name} and none reached its drafter hooks, so no drafter uses a NanoSpec head "
-                       f"(vLLM runs unchanged). {remedy}")
+                       f"{runner_name} and no drafter step went through a NanoSpec head (vLLM runs unchanged). "
+                       f"{remedy()}")
         warn(self.reason)
 
     def as_dict(self) -> dict:
@@ -66,12 +73,23 @@ class Activity:
                 "reason": self.reason}
 
 
-ACTIVITY = Activity()
+_ACTIVITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def status() -> dict:
-    """This process's plugin status (``status``: active / inactive / pending, with the steps and hook calls)."""
-    return ACTIVITY.as_dict()
+def activity_of(runner) -> Activity:
+    """The :class:`Activity` of one model runner (created on first use; gone with the runner)."""
+    with _LOCK:
+        activity = _ACTIVITIES.get(runner)
+        if activity is None:
+            activity = _ACTIVITIES[runner] = Activity()
+        return activity
+
+
+def status() -> list[dict]:
+    """The plugin's status on each live model runner of this process (``status``: active / inactive / pending,
+    with the steps counted, the drafter steps through a NanoSpec head, the runner's class and the reason)."""
+    with _LOCK:
+        return [a.as_dict() for a in _ACTIVITIES.values()]
 
 
 def snapshot(head) -> dict:
@@ -82,7 +100,7 @@ def snapshot(head) -> dict:
             head.compact_calls, "dense_calls": head.dense_calls, "assigned": head.assigned, "released":
             head.released, "checked": head.checked, "disabled": head.disabled, "sharded": head.group_name
             is not None, "holding": [str(r) for r in head.vocabs.request_ids],
-            "released_sets": head.released_sets, "active_sizes": head.active_sizes, "plugin": status()}
+            "released_sets": head.released_sets, "active_sizes": head.active_sizes}
 
 
 def write_record(head) -> None:

@@ -46,6 +46,8 @@ CONTRACT: tuple[Symbol, ...] = (
                 "discard_request_mask"),
     method(WORKER, "Worker", "execute_model", "scheduler_output"),
     *attributes(WORKER, "Worker", "model_runner"),
+    *attributes("vllm/v1/worker/worker_base.py", "WorkerBase", "vllm_config"),
+    *attributes("vllm/config/vllm.py", "VllmConfig", "speculative_config"),
     *attributes(BATCH, "InputBatch", "req_ids", "req_id_to_index"),
     *attributes(BATCH, "CachedRequestState", "prompt_token_ids", "output_token_ids"),
     *attributes(SCHED, "SchedulerOutput", "finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs",
@@ -257,10 +259,11 @@ def around_propose(original, runner, scheduler_output, sampled_token_ids, *args,
             runner._nanospec_warned = True  # supported methods that could not be set up warned at load
             warn(f"speculative method {method!r} has no drafter LM head to compact (supported: "
                  f"{', '.join(SUPPORTED_METHODS)}); vLLM runs it unchanged")
+        metrics.activity_of(runner).explained(f"the drafter (method {method!r}) has no NanoSpec head (warned above)")
         return original(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
     import torch
 
-    metrics.ACTIVITY.hooked()
+    metrics.activity_of(runner).hooked()
     req_ids = head.sync_rows(list(runner.input_batch.req_ids), seen_tokens(runner))
     if req_ids is None:  # rows ran out: this step's compute_logits calls use the full head (counted dense)
         return original(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -285,28 +288,24 @@ def around_propose(original, runner, scheduler_output, sampled_token_ids, *args,
 def count_step(original, worker, scheduler_output, *args, **kwargs):
     """Every model step of any runner: after ``NANOSPEC_VLLM_ACTIVE_AFTER`` steps with tokens scheduled and no
     drafter step through a NanoSpec head, the plugin says it is inactive, naming the runner and the remedy."""
-    activity = metrics.ACTIVITY
-    if (activity.hook_calls == 0 and activity.reason is None
-            and getattr(scheduler_output, "total_num_scheduled_tokens", 0)):
-        runner = getattr(worker, "model_runner", None)
-        activity.step(type(runner).__name__, config.active_after(), remedy(runner))
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+        activity = metrics.activity_of(runner)
+        if not activity.hook_calls and activity.reason is None:
+            activity.step(type(runner).__name__, config.active_after(), lambda: remedy(worker, runner))
     return original(worker, scheduler_output, *args, **kwargs)
 
 
-def remedy(runner) -> str:
-    """What a user whose drafter hooks are not reached can do, from the runner this process uses."""
+def remedy(worker, runner) -> str:
+    """What a user whose drafter hooks are not reached can do, from the runner this worker uses."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not isinstance(runner, GPUModelRunner):
         return (f"The plugin hooks vLLM's V1 model runner (GPUModelRunner and its CPU subclass); this is "
                 f"{type(runner).__module__}.{type(runner).__name__}. Set {ENV_RUNNER}=0 (a feature that requires "
                 f"Model Runner V2, e.g. HiSparse or watermarking, rules NanoSpec out)")
-    spec = getattr(runner, "speculative_config", None)
-    if spec is None:
-        return ("No speculative decoding is configured: start vLLM with --speculative-config using a drafter "
-                f"({', '.join(SUPPORTED_METHODS)})")
-    if head_of(runner) is None:
-        return (f"The drafter (method {getattr(spec, 'method', None)!r}) has no NanoSpec head; the warning at model "
-                "load says why")
-    return ("The runner's propose_draft_token_ids was never called (another code path drafts); run a supported "
-            "vLLM release or unset NANOSPEC_VLLM")
+    if getattr(worker.vllm_config, "speculative_config", None) is None:
+        return ("No speculative decoding is configured: start vLLM with --speculative-config naming a drafter "
+                f"({', '.join(SUPPORTED_METHODS)}), or unset NANOSPEC_VLLM")
+    return ("The runner's propose_draft_token_ids was never called with a NanoSpec head (another code path drafts "
+            "in this vLLM); run a supported vLLM release or unset NANOSPEC_VLLM")
