@@ -495,3 +495,36 @@ def test_tp_requests_keep_separate_sets(tensor_parallel):
             assert set(prompt) | set(out) <= active <= set(prompt) | set(continuation)
             others = set().union(*(PROMPTS[j] for j in range(len(PROMPTS)) if j != i)) - set(prompt) - set(continuation)
             assert others and not others & active
+
+
+@pytest.mark.parametrize("policy", ["context", "static", "hybrid"])
+def test_engine_agnostic_head_over_the_cores_sets(tmp_path, monkeypatch, policy):
+    """NanoSpecHead with no vLLM: each batch row's logits are the head's at its request's active tokens (what it was
+    fed, and the listed ones for static/hybrid; static: only those), -inf elsewhere; outside a draft step the
+    dense compute_logits runs."""
+    from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs
+
+    _clear_settings(monkeypatch)
+    vocab, hidden = 40, 8
+    weight = torch.randn(vocab + 8, hidden, generator=torch.Generator().manual_seed(0))  # padded past the vocabulary
+    listed = [30, 2, 17]
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, listed)))
+    monkeypatch.setenv(plugin.ENV_POLICY, policy)
+    monkeypatch.setenv(plugin.ENV_STATIC, str(tmp_path / "ids.txt"))
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "8")
+    settings = vllm_config.settings(vocab, max_num_seqs=2)
+    dense = lambda h: h @ weight[:vocab].T  # noqa: E731
+    head = NanoSpecHead(build_vocabs(weight, settings, vocab), dense, settings, target_vocab_size=vocab)
+    fed = {"a": [5, 6], "b": [6, 9, 11]}
+    req_ids = head.sync_rows(list(fed), fed.get)
+    head.rows = head.rows_for(req_ids + ["a"])
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
+    out = head(x)
+    for i, rid in enumerate(["a", "b", "a"]):
+        active = (set() if policy == "context" else set(listed)) | (set() if policy == "static" else set(fed[rid]))
+        mask = torch.tensor([t in active for t in range(vocab)])
+        torch.testing.assert_close(out[i][mask], (x[i] @ weight[:vocab].T)[mask])
+        assert torch.isneginf(out[i][~mask]).all()
+    head.rows = None
+    torch.testing.assert_close(head(x), dense(x))
+    assert (head.compact_calls, head.dense_calls, head.checked, head.disabled) == (1, 1, True, False)
