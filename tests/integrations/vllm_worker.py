@@ -161,9 +161,11 @@ def methods(dirs):
     spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
     out["draft_model_topk0"] = run(dirs, spec, PROMPTS, 24)
     del os.environ["NANOSPEC_VLLM_TOPK"]
+    out["bypassed"] = _bypassed(dirs)
+    # last: ngram imports numba (llvmlite), and vLLM 0.32's CPU worker then fails to start another engine in this
+    # process (its Triton-override scan calls vars() on llvmlite's _lib_fn_wrapper)
     out["ngram"] = run(dirs, {"method": "ngram", "num_speculative_tokens": NUM_SPEC, "prompt_lookup_max": 2},
                        PROMPTS, 8)
-    out["bypassed"] = _bypassed(dirs)
     import vllm
 
     import nanospec_fx.vllm_plugin as plugin
