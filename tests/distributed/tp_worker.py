@@ -382,7 +382,7 @@ def vllm_head(rank: int, world: int) -> dict:
     head (one decision everywhere, no hang) and the rank whose own check passed says why."""
     from types import SimpleNamespace as NS
 
-    from nanospec_fx.vllm_plugin import NanoSpecHead
+    from nanospec_fx.integrations.vllm import metrics, v0_32
 
     rows, shard_rows = 90, 48  # vLLM pads the head to a multiple of 64 rows, split in 2 shards
     full = torch.randn(world * shard_rows, H, generator=torch.Generator().manual_seed(0))
@@ -402,7 +402,8 @@ def vllm_head(rank: int, world: int) -> dict:
             logits = torch.cat(parts, -1)[:, :rows]
             return logits + 1.0 if rank == shifted_rank else logits
 
-        head = NanoSpecHead(model, dense, max_requests=2, capacity=16, topk=0)
+        os.environ.update(NANOSPEC_VLLM_CAPACITY="16", NANOSPEC_VLLM_TOPK="0")
+        head = v0_32.head_for(model, dense, max_num_seqs=2)  # the vLLM adapter's reading of the model
         for request, ids in sets.items():
             head.vocabs.assign(request)
             head.vocabs.observe(request, ids)
@@ -422,7 +423,7 @@ def vllm_head(rank: int, world: int) -> dict:
                 assert torch.equal(out, expected)
         said = [str(w.message) for w in caught]
         report[case] = {"disabled": head.disabled, "compact_calls": head.compact_calls,
-                        "dense_calls": head.dense_calls, "sharded": head.snapshot()["sharded"],
+                        "dense_calls": head.dense_calls, "sharded": metrics.snapshot(head)["sharded"],
                         "other_rank_warned": any("another tensor-parallel rank" in w for w in said)}
     assert report["rank_1_differs"]["other_rank_warned"] == (rank == 0)
     report["rank_1_differs"].pop("other_rank_warned")

@@ -1,4 +1,4 @@
-"""The vLLM plugin (nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
+"""The vLLM plugin (nanospec_fx/integrations/vllm/, entry point nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
 
 The first tests need no vLLM (they run in every environment); the others run vLLM in a subprocess
 (tests/integrations/vllm_worker.py) and are skipped where ``vllm`` is not importable. The oracles: vLLM running
@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import nanospec_fx.integrations.vllm as integration
 import nanospec_fx.vllm_plugin as plugin
+from nanospec_fx.integrations.vllm import config as vllm_config
+from nanospec_fx.integrations.vllm.metrics import Activity
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -29,21 +32,25 @@ METHODS = ("draft_model", "eagle", "eagle3")
 # ----------------------------------------------------------------------------- without vLLM
 def test_switch_off_installs_nothing(monkeypatch):
     monkeypatch.delenv(plugin.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(plugin, "install", lambda: pytest.fail("installed without the switch"))
+    monkeypatch.setattr(integration, "install", lambda: pytest.fail("installed without the switch"))
     plugin.register()
     monkeypatch.setenv(plugin.ENV_SWITCH, "0")
     plugin.register()
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "unknown", ""])
+NEXT = "0.%d.0" % (max(integration.ADAPTERS)[1] + 1)  # the first release with no adapter yet
+
+
+@pytest.mark.parametrize("version", ["0.31.2", NEXT, "1.0.0", "unknown", ""])
 def test_unsupported_version_is_an_error(version):
-    with pytest.raises(RuntimeError, match=r"not supported.*tested with vLLM 0\.32\.x.*unset NANOSPEC_VLLM"):
+    with pytest.raises(RuntimeError, match=r"not supported.*adapters for vLLM 0\.32\.x.*unset NANOSPEC_VLLM"):
         plugin.check_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu"])
-def test_supported_versions(version):
-    plugin.check_version(version)
+@pytest.mark.parametrize("version, adapter", [("0.32.0", "v0_32"), ("0.32.1", "v0_32"), ("0.32.0+cpu", "v0_32"),
+                                              ("0.33.0", "v0_33"), ("0.33.2", "v0_33")])
+def test_supported_versions_pick_their_adapter(version, adapter):
+    assert plugin.check_version(version).__name__ == f"nanospec_fx.integrations.vllm.{adapter}"
 
 
 def test_entry_point_and_no_vllm_dependency():
@@ -56,16 +63,17 @@ def test_entry_point_and_no_vllm_dependency():
 
 
 def test_import_nanospec_fx_does_not_load_the_plugin():
-    code = "import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, 'vllm' in sys.modules)"
+    code = ("import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, "
+            "'nanospec_fx.integrations.vllm' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
-    assert out == ["False", "False"]
+    assert out == ["False", "False", "False"]
 
 
 def test_static_policy_reads_the_list(tmp_path, monkeypatch):
     for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE):
         monkeypatch.delenv(name, raising=False)
-    assert plugin.static_tokens(100) is None  # dynamic by default
+    assert plugin.static_tokens(100) is None  # context by default
     monkeypatch.setenv(plugin.ENV_POLICY, "static")
     with pytest.raises(ValueError, match="needs NANOSPEC_VLLM_STATIC"):
         plugin.static_tokens(100)
@@ -83,8 +91,63 @@ def test_static_policy_reads_the_list(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="integer token ids"):
         plugin.static_tokens(100)
     monkeypatch.setenv(plugin.ENV_POLICY, "frequent")
-    with pytest.raises(ValueError, match="expected one of dynamic, static"):
+    with pytest.raises(ValueError, match="expected one of context, static, hybrid"):
         plugin.static_tokens(100)
+
+
+def _clear_settings(monkeypatch):
+    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE, plugin.ENV_CAPACITY, plugin.ENV_TOPK,
+                 plugin.ENV_MAX_REQUESTS, plugin.ENV_RECORD, plugin.ENV_RECORD_DIR):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_settings_are_the_cores_vocab_config(tmp_path, monkeypatch):
+    _clear_settings(monkeypatch)
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "64")
+    s = vllm_config.settings(100, max_num_seqs=4)
+    assert (s.vocab.policy, s.vocab.capacity, s.max_requests, s.topk) == ("context", 64, 4, 3)
+    path = tmp_path / "ids.txt"
+    path.write_text("7 3 9 1")
+    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
+    for policy in ("static", "hybrid"):
+        monkeypatch.setenv(plugin.ENV_POLICY, policy)
+        monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "3")
+        s = vllm_config.settings(100, max_num_seqs=4)
+        from nanospec_fx.policies import resolve
+        state = resolve(s.vocab)  # the core's reading of the options: the listed order is the frequency ranking
+        assert state.seed_ids.tolist() == [7, 3, 9] and state.policy == policy
+        assert (state.observes, s.topk) == ((False, 0) if policy == "static" else (True, 3))
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "zero")
+    with pytest.raises(ValueError, match="NANOSPEC_VLLM_CAPACITY='zero' must be an integer"):
+        vllm_config.settings(100, max_num_seqs=4)
+
+
+def test_old_policy_name_is_accepted_with_a_deprecation_warning(monkeypatch):
+    _clear_settings(monkeypatch)
+    monkeypatch.setenv(plugin.ENV_POLICY, "dynamic")
+    with pytest.warns(DeprecationWarning, match="'dynamic' is the old name of 'context'"):
+        assert vllm_config.settings(100, max_num_seqs=2).vocab.policy == "context"
+
+
+def test_activity_says_inactive_once_after_the_steps(recwarn):
+    activity = Activity()
+    for _ in range(3):
+        activity.step("V2Runner", limit=4, remedy=lambda: pytest.fail("asked before the limit"))
+    assert activity.status() == "pending" and not recwarn.list
+    from nanospec_fx.warning import NanoSpecWarning
+
+    with pytest.warns(NanoSpecWarning, match="plugin is inactive: 4 model steps ran on V2Runner.*Set X=0"):
+        activity.step("V2Runner", limit=4, remedy=lambda: "Set X=0.")
+    assert activity.as_dict()["status"] == "inactive"
+    active = Activity()
+    active.hooked()
+    for _ in range(5):
+        active.step("Runner", limit=4, remedy=lambda: pytest.fail("an active runner has no remedy"))
+    assert active.status() == "active"
+    explained = Activity()
+    explained.explained("method 'ngram'")
+    explained.step("Runner", limit=1, remedy=lambda: pytest.fail("explained already"))
+    assert explained.as_dict()["status"] == "inactive" and explained.reason == "method 'ngram'"
 
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
 def _scenario(tmp_path_factory, name: str) -> dict:
@@ -134,6 +197,52 @@ def test_finished_requests_release_their_rows(methods, method):
     assert head["assigned"] == requests + 1  # + the one-token request run after, to let vLLM report the finish
     assert head["released"] == requests and len(head["holding"]) == 1
     assert all(s is not None for s in head["sets"])
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_plugin_reports_itself_active(methods, method):
+    (status,) = methods[method]["status"]
+    assert status["status"] == "active" and status["hook_calls"] > 0
+    assert not any("plugin is inactive" in w for w in methods[method]["warnings"])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_unreached_drafter_hook_is_reported_inactive(methods):
+    """The plugin's drafter hook bypassed (vLLM's own propose_draft_token_ids): after the first steps the plugin says
+    once that it is inactive, naming the runner, and its status says so; the output is the target's."""
+    run = methods["bypassed"]
+    (status,) = run["status"]
+    assert status["status"] == "inactive" and status["hook_calls"] == 0 and status["runner"] == "CPUModelRunner"
+    said = [w for w in run["warnings"] if "plugin is inactive" in w]
+    assert len(said) == 1 and "ran on CPUModelRunner" in said[0] and "propose_draft_token_ids was never" in said[0]
+    assert run["outputs"] == [o[:16] for o in methods["target"]["outputs"]] and run["drafted"] > 0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_no_drafter_and_unsupported_drafter_are_reported_inactive(methods):
+    (target,) = methods["target"]["status"]
+    assert target["status"] == "inactive" and "No speculative decoding is configured" in target["reason"]
+    (ngram,) = methods["ngram"]["status"]
+    assert ngram["status"] == "inactive" and "'ngram'" in ngram["reason"]
+    assert not any("plugin is inactive" in w for w in methods["ngram"]["warnings"])  # its one warning said why
+
+
+def test_switching_to_the_v1_runner_is_said_once(monkeypatch):
+    from nanospec_fx.integrations.vllm import v0_32
+    from nanospec_fx.warning import NanoSpecWarning
+
+    monkeypatch.delenv(v0_32.ENV_RUNNER, raising=False)
+    with pytest.warns(NanoSpecWarning, match="set VLLM_USE_V2_MODEL_RUNNER=0: vLLM uses its V1 model runner"):
+        v0_32.choose_v1_runner()
+    assert os.environ[v0_32.ENV_RUNNER] == "0"
+    v0_32.choose_v1_runner()  # the user's (or our) 0: nothing to say
+    monkeypatch.setenv(v0_32.ENV_RUNNER, "1")
+    with pytest.warns(NanoSpecWarning, match="VLLM_USE_V2_MODEL_RUNNER=1: the plugin hooks vLLM's V1 model runner"):
+        v0_32.choose_v1_runner()
 
 
 def _target_greedy(target_dir: str, prompt: list[int], length: int, k: int) -> tuple[list[int], list[set[int]]]:
@@ -389,3 +498,36 @@ def test_tp_requests_keep_separate_sets(tensor_parallel):
             assert set(prompt) | set(out) <= active <= set(prompt) | set(continuation)
             others = set().union(*(PROMPTS[j] for j in range(len(PROMPTS)) if j != i)) - set(prompt) - set(continuation)
             assert others and not others & active
+
+
+@pytest.mark.parametrize("policy", ["context", "static", "hybrid"])
+def test_engine_agnostic_head_over_the_cores_sets(tmp_path, monkeypatch, policy):
+    """NanoSpecHead with no vLLM: each batch row's logits are the head's at its request's active tokens (what it was
+    fed, and the listed ones for static/hybrid; static: only those), -inf elsewhere; outside a draft step the
+    dense compute_logits runs."""
+    from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs
+
+    _clear_settings(monkeypatch)
+    vocab, hidden = 40, 8
+    weight = torch.randn(vocab + 8, hidden, generator=torch.Generator().manual_seed(0))  # padded past the vocabulary
+    listed = [30, 2, 17]
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, listed)))
+    monkeypatch.setenv(plugin.ENV_POLICY, policy)
+    monkeypatch.setenv(plugin.ENV_STATIC, str(tmp_path / "ids.txt"))
+    monkeypatch.setenv(plugin.ENV_CAPACITY, "8")
+    settings = vllm_config.settings(vocab, max_num_seqs=2)
+    dense = lambda h: h @ weight[:vocab].T  # noqa: E731
+    head = NanoSpecHead(build_vocabs(weight, settings, vocab), dense, settings, target_vocab_size=vocab)
+    fed = {"a": [5, 6], "b": [6, 9, 11]}
+    req_ids = head.sync_rows(list(fed), fed.get)
+    head.rows = head.rows_for(req_ids + ["a"])
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
+    out = head(x)
+    for i, rid in enumerate(["a", "b", "a"]):
+        active = (set() if policy == "context" else set(listed)) | (set() if policy == "static" else set(fed[rid]))
+        mask = torch.tensor([t in active for t in range(vocab)])
+        torch.testing.assert_close(out[i][mask], (x[i] @ weight[:vocab].T)[mask])
+        assert torch.isneginf(out[i][~mask]).all()
+    head.rows = None
+    torch.testing.assert_close(head(x), dense(x))
+    assert (head.compact_calls, head.dense_calls, head.checked, head.disabled) == (1, 1, True, False)

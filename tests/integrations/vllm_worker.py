@@ -45,6 +45,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
         llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(temperature=0, max_tokens=1,
                                                                           detokenize=False))
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    status = plugin.status()[-1:]  # this engine's runner: the newest (earlier engines were collected)
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
               "checked": h.checked, "disabled": h.disabled,
               "static": h.vocabs.token_ids(plugin.STATIC_ROW).tolist() if h.static else None,
@@ -53,7 +54,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
               "preemptions": metrics.get("vllm:num_preemptions"),
               "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
-              "drafted": metrics.get("vllm:spec_decode_num_draft_tokens"),
+              "drafted": metrics.get("vllm:spec_decode_num_draft_tokens"), "status": status,
               "warnings": [str(w.message) for w in caught if "nanospec" in str(w.message)]}
     del llm
     gc.collect()
@@ -133,6 +134,20 @@ def _shifted_drafter(dirs) -> dict:
     return {"method": "draft_model", "model": str(shifted), "num_speculative_tokens": NUM_SPEC}
 
 
+def _bypassed(dirs) -> dict:
+    """A runner whose drafter hook is never reached (as on a runner the plugin does not hook): the plugin's patched
+    propose_draft_token_ids is put back to vLLM's own for one eagle run."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patched = GPUModelRunner.propose_draft_token_ids
+    GPUModelRunner.propose_draft_token_ids = patched.__wrapped__
+    try:
+        spec = {"method": "eagle", "model": str(dirs["eagle"]), "num_speculative_tokens": NUM_SPEC}
+        return run(dirs, spec, PROMPTS, 16)
+    finally:
+        GPUModelRunner.propose_draft_token_ids = patched
+
+
 def methods(dirs):
     out = {"target": run(dirs, None, PROMPTS, 24)}
     for method in ("draft_model", "eagle", "eagle3"):
@@ -146,6 +161,9 @@ def methods(dirs):
     spec = {"method": "draft_model", "model": str(dirs["draft_model"]), "num_speculative_tokens": NUM_SPEC}
     out["draft_model_topk0"] = run(dirs, spec, PROMPTS, 24)
     del os.environ["NANOSPEC_VLLM_TOPK"]
+    out["bypassed"] = _bypassed(dirs)
+    # last: ngram imports numba (llvmlite), and vLLM 0.32's CPU worker then fails to start another engine in this
+    # process (its Triton-override scan calls vars() on llvmlite's _lib_fn_wrapper)
     out["ngram"] = run(dirs, {"method": "ngram", "num_speculative_tokens": NUM_SPEC, "prompt_lookup_max": 2},
                        PROMPTS, 8)
     import vllm

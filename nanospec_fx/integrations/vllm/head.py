@@ -1,0 +1,164 @@
+"""The drafter's ``compute_logits`` over per-request active sets, engine-agnostic.
+
+:class:`NanoSpecHead` takes plain values (the head's weight, the logits post-ops, the dense ``compute_logits`` to
+fall back on) and a :class:`~nanospec_fx.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
+version adapters (``v0_32``, ``v0_33``) read them off vLLM's objects. No vLLM here.
+"""
+from __future__ import annotations
+
+from nanospec_fx.integrations.vllm.config import Settings
+from nanospec_fx.integrations.vllm.metrics import warn
+
+#: the one row every request shares under the static policy (never a vLLM request id)
+STATIC_ROW = ("nanospec", "static")
+
+
+def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
+    """The per-request sets over ``weight`` (its first ``vocab_size`` rows are the vocabulary; under tensor
+    parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.tensor_parallel.VocabShard`). The static
+    policy gets one frozen row that every request reads."""
+    from nanospec_fx.policies import resolve
+    from nanospec_fx.request_vocab import RequestVocabs
+
+    state = resolve(settings.vocab).keywords()
+    max_requests = 1 if state["policy"] == "static" else settings.max_requests
+    if shard is None:
+        vocabs = RequestVocabs(weight[:vocab_size], None, max_requests, **state)
+    else:
+        from nanospec_fx.tensor_parallel import ShardedRequestVocabs
+
+        vocabs = ShardedRequestVocabs(weight, max_requests, shard=shard, vocab_size=vocab_size, **state)
+    if state["policy"] == "static":
+        vocabs.assign(STATIC_ROW)
+    return vocabs
+
+
+class NanoSpecHead:
+    """``compute_logits`` over per-request active sets: row ``i`` of the hidden states against the set of the
+    request at batch row ``i`` (:attr:`rows`, set by the adapter for each draft step), ``-inf`` elsewhere.
+
+    Outside a draft step (``rows`` unset, e.g. warm-up), with an unexpected row count, or after the first compact
+    call differed from ``dense_compute_logits`` (a model whose logits are more than its head), the call runs
+    ``dense_compute_logits``: exact, counted in ``dense_calls``. Counters (plain ints, read by tests and metrics):
+    ``compact_calls``, ``dense_calls``, ``assigned`` and ``released`` (request rows); with ``settings.record``,
+    ``released_sets`` and ``active_sizes`` keep each released request's active token ids and their number.
+    """
+
+    def __init__(self, vocabs, dense_compute_logits, settings: Settings, *, scale: float = 1.0, soft_cap=None,
+                 logits_dtype=None, target_vocab_size: int, name: str = "drafter", group_name: str | None = None,
+                 rank: int = 0):
+        import torch
+
+        self.vocabs = vocabs
+        self.static = vocabs.policy == "static"  # one shared, frozen row: every request's set is the list
+        d2t = settings.vocab.draft_to_target
+        self.draft_to_target = None if d2t is None else torch.as_tensor(d2t).to(vocabs.device)
+        self.target_vocab_size = target_vocab_size
+        self.scale, self.soft_cap, self.head_dtype = scale, soft_cap, logits_dtype
+        self.dense_compute_logits = dense_compute_logits
+        self.model_name = name
+        self.group_name, self.rank = group_name, rank
+        self.topk = settings.topk
+        self.rows = None  # batch row -> request row for the drafter calls of the current step
+        self.compact_calls = self.dense_calls = self.assigned = self.released = 0
+        self.checked = False  # the first compact call is compared with the dense compute_logits
+        self.disabled = False  # it differed: the full head from then on
+        self.record, self.record_dir = settings.record, settings.record_dir
+        self.released_sets: dict[str, list[int]] = {}
+        self.active_sizes: list[int] = []  # |A| of each request at release (metrics)
+
+    # ----------------------------------------------------------------- compute_logits
+    def __call__(self, hidden_states, *args, **kwargs):
+        rows = self.rows
+        if (rows is None or self.disabled or args or kwargs or hidden_states.dim() != 2
+                or hidden_states.shape[0] != rows.numel()):
+            if rows is not None and not self.disabled:
+                warn(f"the drafter's compute_logits got {tuple(hidden_states.shape)} rows for a batch of "
+                     f"{rows.numel()} requests; this call uses the full head (exact, not compact)")
+            self.dense_calls += 1
+            return self.dense_compute_logits(hidden_states, *args, **kwargs)
+        logits = self._compact(hidden_states, rows)
+        if not self.checked:
+            self.checked = True
+            dense = self.dense_compute_logits(hidden_states)  # under tensor parallelism: gathered, on every rank
+            same = here = same_where_active(logits, dense)
+            if self.group_name is not None:  # one decision for all ranks, or their next collectives would differ
+                from nanospec_fx.tensor_parallel import all_ranks
+
+                same = all_ranks(self.group_name, here, logits.device)
+            if not same:
+                self.disabled = True
+                warn(f"another tensor-parallel rank found that {self.model_name}'s compute_logits differs from its "
+                     "compact head: every rank keeps the full head (output unchanged)" if here else
+                     f"{self.model_name}'s compute_logits computes more than vLLM's logits processor over the head "
+                     "(a bias, a post-op or another head): the drafter keeps its full head (output unchanged)")
+                self.dense_calls += 1
+                return dense
+        self.compact_calls += 1
+        return logits
+
+    def _compact(self, hidden_states, rows):
+        x = hidden_states.to(self.vocabs.weight.dtype)
+        logits = self.vocabs.logits(x, rows)
+        if self.soft_cap is not None:  # vLLM's LogitsProcessor post-ops, keeping -inf at inactive tokens
+            inactive = logits.isneginf()
+            logits = (self.soft_cap * (logits / self.soft_cap).tanh()).masked_fill(inactive, float("-inf"))
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        logits = logits.to(self.head_dtype or hidden_states.dtype)
+        if self.draft_to_target is None:
+            return logits
+        # EAGLE-3: vLLM's drafter returns logits over the target vocabulary, -inf outside the draft vocabulary.
+        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        full[:, self.draft_to_target] = logits
+        return full
+
+    # ----------------------------------------------------------------- request rows
+    def sync_rows(self, req_ids: list, seen_tokens) -> list | None:
+        """Give every request of the batch a row, seeded with ``seen_tokens(rid)`` (its prompt and outputs, or
+        None); return ``req_ids``, or None when the rows ran out (the step runs dense). Static policy: nothing to
+        assign, every request reads the shared row."""
+        from nanospec_fx.integrations.vllm.config import ENV_MAX_REQUESTS
+
+        if self.static:
+            return req_ids
+        for rid in req_ids:
+            if rid in self.vocabs:
+                continue
+            if self.vocabs.free_rows == 0:
+                warn(f"{len(req_ids)} requests in the batch but {self.vocabs.max_requests} request rows "
+                     f"({ENV_MAX_REQUESTS}); such steps use the full head (exact, not compact)")
+                return None
+            self.vocabs.assign(rid)
+            self.assigned += 1
+            seen = seen_tokens(rid)
+            if seen:
+                self.vocabs.observe(rid, seen, validate=False)
+        return req_ids
+
+    def rows_for(self, req_ids: list):
+        """The request row of each batch row (static policy: the shared row for all)."""
+        return self.vocabs.rows_for([STATIC_ROW] * len(req_ids) if self.static else req_ids)
+
+    def release(self, rid) -> None:
+        if rid not in self.vocabs or rid == STATIC_ROW:
+            return
+        if self.record:  # reads the set on the host: a device sync, so only when asked for
+            self.released_sets[rid] = sorted(self.vocabs.token_ids(rid).tolist())
+            self.active_sizes.append(self.vocabs.active_count(rid))
+        self.vocabs.release(rid)
+        self.released += 1
+
+
+def same_where_active(compact, dense) -> bool:
+    """Whether the compact logits equal the full ones at every active token (within the dtype's tolerance);
+    elsewhere they are -inf by construction."""
+    import torch
+
+    if compact.shape != dense.shape:
+        return False
+    active = torch.isfinite(compact)
+    ours, theirs = compact[active].float(), dense[active].float()
+    tol = 1e-3 if compact.dtype == torch.float32 else 3e-2
+    scale = float(theirs.abs().max()) if theirs.numel() else 1.0
+    return bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * max(1.0, scale)))
