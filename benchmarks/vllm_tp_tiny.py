@@ -57,6 +57,7 @@ def run_variant(variant: str, root: Path, tokens: int, spec_tokens: int, tp: int
                       VLLM_CPU_OMP_THREADS_BIND="|".join(str(i) for i in range(tp)))
     if variant == "nanospec":
         os.environ["NANOSPEC_VLLM"] = "1"
+        os.environ.setdefault("NANOSPEC_VLLM_HEAD", "compact")  # a tiny head: the cost model would keep it dense
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -97,7 +97,7 @@ def test_static_policy_reads_the_list(tmp_path, monkeypatch):
 
 def _clear_settings(monkeypatch):
     for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE, plugin.ENV_CAPACITY, plugin.ENV_TOPK,
-                 plugin.ENV_MAX_REQUESTS, plugin.ENV_RECORD, plugin.ENV_RECORD_DIR):
+                 plugin.ENV_MAX_REQUESTS, plugin.ENV_RECORD, plugin.ENV_RECORD_DIR, vllm_config.ENV_HEAD):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -120,6 +120,30 @@ def test_settings_are_the_cores_vocab_config(tmp_path, monkeypatch):
     monkeypatch.setenv(plugin.ENV_CAPACITY, "zero")
     with pytest.raises(ValueError, match="NANOSPEC_VLLM_CAPACITY='zero' must be an integer"):
         vllm_config.settings(100, max_num_seqs=4)
+
+
+def test_a_head_the_compact_path_cannot_speed_up_keeps_the_full_head_unless_forced(monkeypatch):
+    """The cost model decides at load: a small head (a few thousand rows) is read faster whole than served per
+    request, so the drafter keeps vLLM's full head with the reason said; NANOSPEC_VLLM_HEAD=compact forces it."""
+    from types import SimpleNamespace
+
+    from nanospec_fx.integrations.vllm import v0_32
+
+    _clear_settings(monkeypatch)
+
+    def drafter(rows, hidden):
+        return SimpleNamespace(logits_processor=SimpleNamespace(org_vocab_size=rows),
+                               lm_head=SimpleNamespace(weight=torch.zeros(rows, hidden)))
+
+    small, large = drafter(5003, 256), drafter(128256, 64)
+    reason = v0_32.not_worth_it(small)
+    assert reason and "5003 rows" in reason and "NANOSPEC_VLLM_HEAD=compact forces it" in reason
+    assert v0_32.not_worth_it(large) is None
+    monkeypatch.setenv(vllm_config.ENV_HEAD, "compact")
+    assert v0_32.not_worth_it(small) is None
+    monkeypatch.setenv(vllm_config.ENV_HEAD, "always")
+    with pytest.raises(ValueError, match="NANOSPEC_VLLM_HEAD='always'"):
+        v0_32.not_worth_it(small)
 
 
 def test_old_policy_name_is_accepted_with_a_deprecation_warning(monkeypatch):

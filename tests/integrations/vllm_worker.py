@@ -274,6 +274,7 @@ if __name__ == "__main__":
     if scenario != "eagle_export":  # it starts without the plugin
         os.environ["NANOSPEC_VLLM"] = "1"
     os.environ["NANOSPEC_VLLM_RECORD"] = "1"
+    os.environ["NANOSPEC_VLLM_HEAD"] = "compact"  # these heads are tiny: the cost model would keep them dense
     checkpoints = vllm_checkpoints.build(root / "checkpoints")
     scenarios = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export,
                  "tensor_parallel": tensor_parallel}

@@ -25,6 +25,7 @@ ENV_POLICY = "NANOSPEC_VLLM_POLICY"
 ENV_STATIC = "NANOSPEC_VLLM_STATIC"
 ENV_STATIC_SIZE = "NANOSPEC_VLLM_STATIC_SIZE"
 ENV_ACTIVE_AFTER = "NANOSPEC_VLLM_ACTIVE_AFTER"
+ENV_HEAD = "NANOSPEC_VLLM_HEAD"
 #: policy names of earlier releases -> the core's
 DEPRECATED_POLICIES = {"dynamic": "context"}
 DEFAULT_TOPK = 3
@@ -65,7 +66,7 @@ def settings(vocab_size: int, max_num_seqs: int, draft_to_target=None) -> Settin
     """The settings for a head over ``vocab_size`` token ids (a draft vocabulary's head: ``draft_to_target``, the
     target id of each head row). ``ValueError`` for a bad value: a misconfigured server must not start."""
     name = policy()
-    vocab = {"capacity": _int(ENV_CAPACITY, DEFAULT_CAPACITY), "policy": name}
+    vocab = {"capacity": capacity(), "policy": name}
     if name != "context":  # static / hybrid: the frequency ranking is the listed file
         ids = static_tokens(vocab_size, name)
         counts = [0] * vocab_size
@@ -79,6 +80,20 @@ def settings(vocab_size: int, max_num_seqs: int, draft_to_target=None) -> Settin
     return Settings(VocabConfig(**vocab), max_requests=_int(ENV_MAX_REQUESTS, max_num_seqs),
                     topk=0 if name == "static" else _int(ENV_TOPK, DEFAULT_TOPK, minimum=0),
                     record=os.environ.get(ENV_RECORD, "") == "1" or record_dir is not None, record_dir=record_dir)
+
+
+def capacity() -> int:
+    """``NANOSPEC_VLLM_CAPACITY``: active tokens per request."""
+    return _int(ENV_CAPACITY, DEFAULT_CAPACITY)
+
+
+def head_mode() -> str:
+    """``NANOSPEC_VLLM_HEAD``: ``auto`` (default: the compact head only where the cost model predicts it beats the full
+    head on this device) or ``compact`` (always, e.g. to test the plugin on a tiny model)."""
+    mode = os.environ.get(ENV_HEAD, "").strip().lower() or "auto"
+    if mode not in ("auto", "compact"):
+        raise ValueError(f"nanospec: {ENV_HEAD}={mode!r}; expected auto or compact")
+    return mode
 
 
 def active_after() -> int:

@@ -33,6 +33,20 @@ def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
     return vocabs
 
 
+def predicted_speedup(weight, vocab_rows: int, capacity: int) -> float:
+    """The cost model's full-head time / compact-head time for one draft row with a full set of ``capacity`` tokens
+    (:mod:`nanospec_fx.cost_model`, with the constants of the implementation that runs on ``weight``'s device).
+    Below 1 the compact head cannot win: a small head (a few thousand rows) is cheaper to read whole than to
+    serve per request."""
+    from nanospec_fx.cost_model import HeadCost
+    from nanospec_fx.kernels.dispatch import path_for
+
+    active = min(capacity, vocab_rows)
+    cost = HeadCost.for_path(vocab_rows, int(weight.shape[1]), weight.element_size(), False, path_for(weight.device),
+                             active)
+    return cost.predict(1, active)
+
+
 class NanoSpecHead:
     """``compute_logits`` over per-request active sets: row ``i`` of the hidden states against the set of the
     request at batch row ``i`` (:attr:`rows`, set by the adapter for each draft step), ``-inf`` elsewhere.

@@ -21,7 +21,7 @@ import threading
 
 from nanospec_fx.integrations.vllm import config, metrics
 from nanospec_fx.integrations.vllm.contract import Symbol, attributes, method
-from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs
+from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs, predicted_speedup
 from nanospec_fx.integrations.vllm.metrics import warn
 
 RELEASE = "0.32.0"  # the release whose source the contract is checked against
@@ -120,7 +120,7 @@ def after_load_model(original, proposer, *args, **kwargs):
     result = original(proposer, *args, **kwargs)
     method = proposer.method
     model = proposer.model.unwrap() if hasattr(proposer.model, "unwrap") else proposer.model
-    reason = unsupported(proposer, model)
+    reason = unsupported(proposer, model) or not_worth_it(model)
     if reason:
         warn(f"method {method!r}: {reason}; the drafter keeps vLLM's full head (output unchanged)")
         return result
@@ -189,6 +189,19 @@ def unsupported(proposer, model) -> str | None:
     if processor.logits_as_input:
         return "logits_as_input is not supported"
     return None
+
+
+def not_worth_it(model) -> str | None:
+    """Why the compact head would be slower than the full one here (None: it pays, or NANOSPEC_VLLM_HEAD=compact)."""
+    if config.head_mode() == "compact":
+        return None
+    rows, capacity = model.logits_processor.org_vocab_size, config.capacity()
+    speedup = predicted_speedup(model.lm_head.weight, rows, capacity)
+    if speedup >= 1:
+        return None
+    return (f"its head has {rows} rows: with {min(rows, capacity)} active tokens the compact head is predicted at "
+            f"{speedup:.2f}x the full head's speed on this device (nanospec_fx.cost_model); "
+            f"{config.ENV_HEAD}=compact forces it")
 
 
 def shard_layout_problem(lm_head, processor) -> str | None:
