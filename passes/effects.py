@@ -47,7 +47,8 @@ PURE_BUILTINS = {
     operator.getitem, operator.contains, operator.index, operator.truth, operator.is_, operator.is_not,
     operator.lshift, operator.rshift, getattr, len, isinstance, int, float, bool, abs, min, max, round,
     math.sqrt, math.ceil, math.floor, math.trunc, math.exp, math.log, math.log2, math.pow, math.prod,
-    torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite, torch.Size,
+    torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite, torch.sym_sum,
+    torch.Size,
     # functional forms with no ATen op of their name, made of pure ones
     torch.nn.functional.normalize, torch.nn.functional.softmin, torch.nn.functional.softsign,
     torch.nn.functional.tanhshrink, torch.nn.functional.local_response_norm,
@@ -56,7 +57,7 @@ PURE_BUILTINS = {
 PURE_METHODS = {
     "size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "is_contiguous", "is_floating_point",
     "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu", "cuda", "type",
-    "type_as", "view_as", "reshape_as", "expand_as", "contiguous", "__getitem__",
+    "type_as", "view_as", "reshape_as", "expand_as", "contiguous", "__getitem__", "new_tensor", "tolist",
 }
 # Namespaces whose Python-level functions are bindings of the ATen op of the same name (``torch.tanh``,
 # ``torch._C._nn.linear``, ``F.layer_norm``): their schema says whether they write or draw random numbers.
@@ -148,7 +149,8 @@ def _in_place_flag(node: fx.Node) -> bool:
 
 def _schema_pure(node: fx.Node, name: str | None) -> bool:
     """A call bound to ATen ops of ``name`` that writes none of its inputs here and draws no random numbers."""
-    return bool(name) and not name.endswith("_") and bool(_schemas(name)) and not _random(name) \
+    in_place = name is not None and name.endswith("_") and not name.endswith("__")  # ``add_``, not ``__and__``
+    return bool(name) and not in_place and bool(_schemas(name)) and not _random(name) \
         and not mutated_inputs(node)
 
 
@@ -168,6 +170,8 @@ def is_pure(node: fx.Node) -> bool:
         return not mutated_inputs(node) and (target in PURE_METHODS or _schema_pure(node, target))
     if target in WRITING_OPERATORS:
         return False
+    if target is torch.nn.functional.embedding:  # ``max_norm`` renormalises the rows it reads, in place
+        return node.kwargs.get("max_norm", node.args[3] if len(node.args) > 3 else None) is None
     if target in PURE_PYTHON or target in PURE_BUILTINS:
         return not _in_place_flag(node)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):

@@ -121,3 +121,26 @@ def test_python_call_with_an_effect_and_unused_result_is_kept():
         compiled(ids)
     assert nanospec_fx.active_vocab(model).rewrites, "the head was not rewritten"
     assert int(model.calls) == 2, "the call's effect was eliminated with its unused result"
+
+
+class VmapTarget(nn.Module):
+    """A target scored under torch.vmap over the batch: its head's top-k cannot be observed there."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(V, H), nn.Linear(H, V)
+
+    def forward(self, ids):
+        return torch.vmap(lambda i: self.head(self.embed(i).tanh()))(ids)
+
+
+def test_target_head_inside_vmap_is_not_observed_with_a_warning_and_runs_unchanged():
+    torch.manual_seed(0)
+    target, drafter = VmapTarget().eval(), VmapDrafter("body").eval()
+    state = nanospec_fx.attach(drafter, head="lm_head.weight", capacity=16)
+    observer = compile_nanospec(target, observe_topk=2, vocab=state)
+    ids = torch.tensor([[3, 7, 11], [5, 2, 9]])
+    with torch.no_grad(), pytest.warns(NanoSpecWarning, match=r"target's head .* not observed: it runs inside torch\.vmap"):
+        out = observer(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(out, target(ids), rtol=0, atol=0)

@@ -181,6 +181,18 @@ CASES.update({
                                                          mode="grad", capacity=4, batch=1, seq=1, seq2=1, n_ban=1), ()),
 })
 
+# -- issue 32, items 4-5: functorch transforms and Python calls whose only result is an effect (each crashed or
+# lost the effect before: dead-code elimination removed _vmap_increment_nesting / the call; observe ran on the
+# transform's batched ids; the head's compact ops ran on batched tensors)
+CASES.update({
+    "vmap_body": (R(body=("mlp", "vmap_mlp")), ()),
+    "vmap_lookup": (R(lookup="vmap_embedding"), ()),
+    "vmap_head": (R(head_vmap=True, chain=(("softcap", 2.0),)), ()),
+    "vmap_head_tied_log_softmax": (R(head="linear_tied", head_vmap=True, chain=(("log_softmax",),)), ()),
+    "effect_call_in_body": (R(body=("mlp", "effect_call")), ()),
+    "effect_call_vmap_body_grad": (R(body=("vmap_mlp", "effect_call"), mode="grad"), ()),
+})
+
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="open, on main too: inductor's decompose_auto_functionalized asserts on the "
