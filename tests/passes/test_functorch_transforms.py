@@ -144,3 +144,27 @@ def test_target_head_inside_vmap_is_not_observed_with_a_warning_and_runs_unchang
         out = observer(ids)
     with torch.no_grad():
         torch.testing.assert_close(out, target(ids), rtol=0, atol=0)
+
+
+class JvpDrafter(nn.Module):
+    """The head under forward-mode AD (``torch.func.jvp``): its logits and their tangent."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lm_head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        z, dz = torch.func.jvp(self.lm_head, (h,), (torch.ones_like(h),))
+        return z / T, dz
+
+
+def test_head_inside_jvp_runs_dense_with_a_warning_naming_it():
+    torch.manual_seed(0)
+    model = JvpDrafter().eval()
+    ids = torch.tensor([[3, 7, 11]])
+    with torch.no_grad(), pytest.warns(NanoSpecWarning, match=r"runs inside torch\.func\.jvp"):
+        out = compile_nanospec(model)(ids)
+    with torch.no_grad():
+        for got, want in zip(out, model(ids)):
+            torch.testing.assert_close(got, want)
