@@ -183,7 +183,16 @@ def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecO
     if not isinstance(outputs, (tuple, list)):
         return None
     extra, tables = [], []
+    regions = transforms.transform_regions(builder.graph)
     for pos, ids in lookups:
+        if isinstance(ids, fx.Node) and ids in regions:  # inside torch.vmap & co: the unbatched ids, if any
+            inside, ids = regions[ids], transforms.outside_value(ids, regions)
+            if ids is None:
+                warn_once(f"nanospec: the ids this head-less call looks up inside {inside} are computed inside the "
+                          "transform, so they are not kept for the next call's head (tokens only this call embeds "
+                          "stay inactive there); compute them outside the transform, or feed them with "
+                          "nanospec_fx.active_vocab(model).observe(ids)")
+                continue
         if not isinstance(ids, fx.Node):  # ids written in the code: a constant tensor
             with builder.graph.inserting_before(out):
                 ids = builder.graph.call_function(torch.tensor, (list(ids),), {"dtype": torch.int64})

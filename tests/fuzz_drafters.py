@@ -371,7 +371,7 @@ class FuzzDrafter(nn.Module):
         if kind in ("embedding", "max_norm"):
             return self.embed(ids)
         if kind == "vmap_embedding":
-            return torch.vmap(self.embed)(ids)
+            return torch.vmap(lambda i: self.embed(i))(ids)  # (vmap of the module itself breaks the graph)
         if kind == "f_embedding":
             return F.embedding(ids, W)
         if kind == "index":

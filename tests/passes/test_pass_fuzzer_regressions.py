@@ -187,6 +187,10 @@ CASES.update({
 CASES.update({
     "vmap_body": (R(body=("mlp", "vmap_mlp")), ()),
     "vmap_lookup": (R(lookup="vmap_embedding"), ()),
+    "vmap_lookup_head_first": (R(lookup="vmap_embedding", order="head_first"), ()),
+    "vmap_lookup_draft_loop": (R(lookup="vmap_embedding", draft_steps=2), ()),
+    # a padded table the head does not match: a head-less graph whose looked-up ids are kept for the next call
+    "vmap_lookup_padded_table": (R(lookup="vmap_embedding", embed_pad=16, feed_padded_ids=True), ()),
     "vmap_head": (R(head_vmap=True, chain=(("softcap", 2.0),)), ()),
     "vmap_head_tied_log_softmax": (R(head="linear_tied", head_vmap=True, chain=(("log_softmax",),)), ()),
     "effect_call_in_body": (R(body=("mlp", "effect_call")), ()),
