@@ -32,7 +32,7 @@ from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
     insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
+from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
@@ -216,7 +216,16 @@ def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecO
     if not isinstance(outputs, (tuple, list)):
         return None
     extra, tables = [], []
+    regions = transforms.transform_regions(builder.graph)
     for pos, ids in lookups:
+        if isinstance(ids, fx.Node) and ids in regions:  # inside torch.vmap & co: the unbatched ids, if any
+            inside, ids = regions[ids], transforms.outside_value(ids, regions)
+            if ids is None:
+                warn_once(f"nanospec: the ids this head-less call looks up inside {inside} are computed inside the "
+                          "transform, so they are not kept for the next call's head (tokens only this call embeds "
+                          "stay inactive there); compute them outside the transform, or feed them with "
+                          "nanospec_fx.active_vocab(model).observe(ids)")
+                continue
         if not isinstance(ids, fx.Node):  # ids written in the code: a constant tensor
             with builder.graph.inserting_before(out):
                 ids = builder.graph.call_function(torch.tensor, (list(ids),), {"dtype": torch.int64})
@@ -244,6 +253,9 @@ def _counted(compiled: Callable, gm: fx.GraphModule, example_inputs: list) -> Ca
 def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opts: NanoSpecOptions) -> str | None:
     """Why ``head`` cannot be rewritten in this graph for this call (None: nothing stops it yet)."""
     weight, bias = real.get(head.weight), _bias_tensor(head, real)
+    transform = _transform_at(gm.graph, head)
+    if transform:
+        return _inside_transform(transform)
     if weight is None or bias is False:
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
     if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
@@ -276,6 +288,18 @@ def _layout_clash(head: HeadMatch, heads: list[HeadMatch]) -> str | None:
         return None
     return (f"its weight is also read as stored ([V, H]) by the head {other.name} in this graph, and the one active "
             "vocabulary of a weight caches its rows in one layout")
+
+
+def _transform_at(graph: fx.Graph, head: HeadMatch) -> str | None:
+    """The functorch transform (``torch.vmap``...) a projection of ``head`` runs inside, if any."""
+    regions = transforms.transform_regions(graph)
+    return next((regions[n] for n in head.nodes if n in regions), None)
+
+
+def _inside_transform(transform: str) -> str:
+    return (f"it runs inside {transform}, which Dynamo inlines: its values there are the transform's wrapped "
+            "(batched) tensors, on which nanospec's ops cannot run. Move the head out of the transform: apply it "
+            "to the transform's output (torch.vmap(body)(x), then the head), which computes the same logits")
 
 
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
@@ -467,6 +491,10 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
         into = builder.add_state(state, None, None)
     observed = 0
     for head in heads:
+        transform = _transform_at(gm.graph, head)
+        if transform:
+            warn_once(f"nanospec: the target's head {head.name} is not observed: {_inside_transform(transform)}")
+            continue
         if head.vocab_size != state.vocab_size:
             raise OptionError(
                 f"nanospec: the target's head {head.name} has {head.vocab_size} outputs but the drafter's active "

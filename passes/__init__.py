@@ -7,7 +7,8 @@
 * ``observe_inputs`` - token ids fed to the drafter, and the target's top-k, join the active vocabulary
 * ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
 * ``grad_mode``      - whether autograd records where the head runs
-* ``effects``        - what a node writes and may alias (op schemas)
+* ``effects``        - what a node writes and may alias (op schemas); which nodes are known pure
+* ``transforms``     - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
 * ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
 * ``vocab_parallel_select`` - a local max/top-k whose (value, id) candidates are exchanged: a top-k of the full logits
 * ``vocab_parallel_heads`` - the vocabulary-parallel heads of a graph (either form), collapsed for ``rewrite_head``

@@ -6,13 +6,20 @@ from the ATen schemas of the same name (``aten::clamp_``: ``Tensor(a!) self``), 
 Python operators that have no schema. Anything unknown is assumed to alias its inputs, so the
 passes stay conservative (sound) on ops they have never seen.
 
+Purity is an allow-list, the same direction: a node is removable when unused only if it is known to
+compute a value and do nothing else (:func:`is_pure`: an op whose schema neither writes nor is random
+nor is registered as effectful, or a known pure Python builtin or shape read). Any other call, above
+all a Python-level one with no schema (``torch._C._functorch._vmap_increment_nesting``, a function
+allowed in the graph that writes a buffer), is kept even when its result is unused.
+
 Used by the head rewrite (a mutation or an alias of a compact logits value is a
-materialisation point) and by every dead-code elimination the backend runs (an op that writes
-an input survives even when its result is unused).
+materialisation point) and by every dead-code elimination the backend runs.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import operator
 from typing import Any
 
@@ -35,6 +42,29 @@ PURE_PYTHON = {
     torch._C._nn.linear, torch.nn.functional.embedding, torch.functional.einsum, torch.einsum,
 }
 VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
+# Schema-less targets Dynamo emits for shape and Python-value arithmetic: they compute a value, nothing else.
+PURE_BUILTINS = {
+    operator.getitem, operator.contains, operator.index, operator.truth, operator.is_, operator.is_not,
+    operator.lshift, operator.rshift, getattr, len, isinstance, int, float, bool, abs, min, max, round,
+    math.sqrt, math.ceil, math.floor, math.trunc, math.exp, math.log, math.log2, math.pow, math.prod,
+    torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_ite, torch.sym_sum,
+    torch.Size,
+    # functional forms with no ATen op of their name, made of pure ones
+    torch.nn.functional.normalize, torch.nn.functional.softmin, torch.nn.functional.softsign,
+    torch.nn.functional.tanhshrink, torch.nn.functional.local_response_norm,
+}
+# Tensor methods with no ATen schema of their name that only read metadata or return a cast/copy.
+PURE_METHODS = {
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "is_contiguous", "is_floating_point",
+    "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu", "cuda", "type",
+    "type_as", "view_as", "reshape_as", "expand_as", "contiguous", "__getitem__", "new_tensor", "tolist",
+}
+# Namespaces whose Python-level functions are bindings of the ATen op of the same name (``torch.tanh``,
+# ``torch._C._nn.linear``, ``F.layer_norm``): their schema says whether they write or draw random numbers.
+SCHEMA_NAMESPACES = {
+    "torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions",
+    "torch._C._linalg", "torch._C._special", "torch._C._fft", "torch.linalg", "torch.special", "torch.fft",
+}
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -97,9 +127,63 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     return nodes
 
 
+@functools.lru_cache(maxsize=None)
+def _random(name: str) -> bool:
+    """An ATen op of that name draws random numbers (``Tag.nondeterministic_seeded``: removing it moves the RNG)."""
+    packet = getattr(torch.ops.aten, name, None)
+    try:
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    except Exception:  # noqa: BLE001 - not an op packet
+        return True
+    return any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads)
+
+
+def _in_place_flag(node: fx.Node) -> bool:
+    """``F.relu(x, inplace=True)``: a functional form told to write its input (or maybe: not a constant)."""
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin with no signature, or args it does not take
+        return False
+    return bound.arguments.get("inplace", False) is not False
+
+
+def _schema_pure(node: fx.Node, name: str | None) -> bool:
+    """A call bound to ATen ops of ``name`` that writes none of its inputs here and draws no random numbers."""
+    in_place = name is not None and name.endswith("_") and not name.endswith("__")  # ``add_``, not ``__and__``
+    return bool(name) and not in_place and bool(_schemas(name)) and not _random(name) \
+        and not mutated_inputs(node)
+
+
+def is_pure(node: fx.Node) -> bool:
+    """Whether ``node`` is known to compute its result and do nothing else (an unused one may be removed).
+
+    An allow-list: ops whose schema neither writes nor has effects nor is random (FX's ``Node.is_impure``
+    first), known pure Python builtins and operators, and tensor methods / torch functions bound to such an
+    ATen op. Everything else - module calls, higher-order ops, Python functions with no schema - is not.
+    """
+    if node.op == "get_attr":
+        return True
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    target = node.target
+    if node.op == "call_method":
+        return not mutated_inputs(node) and (target in PURE_METHODS or _schema_pure(node, target))
+    if target in WRITING_OPERATORS:
+        return False
+    if target is torch.nn.functional.embedding:  # ``max_norm`` renormalises the rows it reads, in place
+        return node.kwargs.get("max_norm", node.args[3] if len(node.args) > 3 else None) is None
+    if target in PURE_PYTHON or target in PURE_BUILTINS:
+        return not _in_place_flag(node)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return not mutated_inputs(node)  # FX checked the schema, the registered effects and the random tag
+    return (getattr(target, "__module__", None) in SCHEMA_NAMESPACES and _schema_pure(node, _op_name(node))
+            and not _in_place_flag(node))
+
+
 def has_side_effect(node: fx.Node) -> bool:
-    """Whether removing ``node`` could change the program even when its result is unused."""
-    return node.is_impure() or bool(mutated_inputs(node))
+    """Whether removing ``node`` could change the program even when its result is unused: anything not known
+    to be pure (:func:`is_pure`), so a call nanospec has never seen is kept."""
+    return not is_pure(node)
 
 
 def may_alias_input(node: fx.Node) -> bool:
@@ -126,5 +210,6 @@ def may_alias_input(node: fx.Node) -> bool:
 
 
 def dead_code_eliminate(graph: fx.Graph) -> None:
-    """Dead-code elimination that keeps every node with a side effect (see :func:`has_side_effect`)."""
+    """Dead-code elimination that removes only unused nodes known to be pure (see :func:`is_pure`)."""
     graph.eliminate_dead_code(is_impure_node=has_side_effect)
+

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns
+from . import effects, patterns, transforms
 from .rewrite_head import DenseFallback, StateNodes, describe, set_example_value, where
 
 
@@ -368,8 +368,17 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     reads = _state_reads(graph, into.state)
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned
+    regions = transforms.transform_regions(graph)
     for lk in lookups:
         ids = lk.ids
+        if isinstance(ids, fx.Node) and ids in regions:  # inside torch.vmap & co: observe the unbatched ids
+            ids = transforms.outside_value(ids, regions)
+            if ids is None:
+                raise DenseFallback(
+                    f"the ids looked up at {where(lk.node)} are computed inside {regions[lk.ids]}, where nanospec "
+                    "cannot observe them (its ops have no rule for the transform's batched tensors); compute the ids "
+                    "outside the transform, or compile with options={'observe_inputs': False} and feed the set with "
+                    "nanospec_fx.active_vocab(model).observe(ids)")
         if not isinstance(ids, fx.Node):  # ids written in the code (``E[3]``, ``E[[1, 2]]``)
             with graph.inserting_before(first_read if first_read is not None else lk.node):
                 ids = graph.call_function(torch.tensor, (ids,), {"dtype": torch.int64})

@@ -50,7 +50,10 @@ inactive tokens, and every *use* of a chain value is exactly one of
 
 Unknown ops are assumed to alias and write nothing the schema does not say; in-place ops with
 no compact form are materialisation points, never dropped. Every dead-code elimination the
-backend runs keeps ops with side effects (``effects.has_side_effect``).
+backend runs removes only unused nodes known to be pure (``effects.is_pure``, an allow-list): an
+unknown call is kept. A use inside a functorch transform Dynamo inlined (``torch.vmap``:
+``transforms.py``) is a materialisation point (no compact op runs on its batched tensors), and a
+head inside one is left dense with a warning.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns
+from . import effects, patterns, transforms
 from .patterns import set_example_value
 from .row_weight import gathered_rows, row_weight
 
@@ -99,6 +99,7 @@ class _Region:
         self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
         self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
         self.side: set[fx.Node] = set()  # computed column by column from chain values, outside the chain (z > 0)
+        self.transforms: dict[fx.Node, str] = {}  # nodes inside torch.vmap & co (``transforms.transform_regions``)
         self.capacity = 0
         self._inactive: fx.Node | None = None
         self._mask_views: dict[tuple, fx.Node] = {}
@@ -208,6 +209,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
 
     region = _Region(graph, state, vocab, compact)
     region.capacity = capacity
+    region.transforms = transforms.transform_regions(graph)
     region.derived = derived | {compact}
     region.members[compact] = _Member(compact)
     nodes = list(graph.nodes)
@@ -231,7 +233,11 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
             _visit(region, n, compact_inputs, capacity, report, erased)
         else:
             dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
-            if dense_inputs:
+            if dense_inputs and n in region.transforms:  # reads the materialised logits: ends the chain
+                if set(effects.mutated_inputs(n)) & set(dense_inputs):
+                    raise DenseFallback(f"{describe(n)} ({where(n)}) writes the logits inside "
+                                        f"{region.transforms[n]}; write them outside the transform")
+            elif dense_inputs:
                 _visit_dense(region, n, dense_inputs)
         if reads_chain and n not in erased and n not in region.members and n not in region.dense_masks and (
                 patterns.is_comparison(n) or patterns.is_elementwise(n) or patterns.is_reshape_or_permute(n)):
@@ -320,6 +326,8 @@ def _visit(
     writes = [w for w in all_writes if w in region.members]
     if len(compact_inputs) == 1 and patterns.reads_row_size(n, a):
         return
+    if n in region.transforms:  # a read inside torch.vmap & co: no compact op may run on its wrapped tensors
+        return _exit(region, n, compact_inputs, writes, report)
     if len(writes) == len(all_writes) and _chain_operands_ok(region, n, compact_inputs, vocab, set(region.members)):
         _gather_vocab_operands(graph, n, set(region.members), vocab, region.safe_ids)
         target = writes[0] if writes else a
@@ -344,14 +352,21 @@ def _visit(
         if handled:
             report.consumers.extend(handled)
             return
-    if writes or effects.may_alias_input(n) and not _elementwise_into(n) or (
-            patterns.is_write_like(n) and n.args[0] is a):  # ``z.scatter(-1, ban, -inf)``: a step, on [..., V]
+    if patterns.is_write_like(n) and n.args[0] is a:  # ``z.scatter(-1, ban, -inf)``: a step, on [..., V]
+        return _materialise(region, n, compact_inputs, report)
+    _exit(region, n, compact_inputs, writes, report)
+
+
+def _exit(region: _Region, n: fx.Node, compact_inputs: list, writes: list, report: RewriteReport) -> None:
+    """``n`` ends the chain: it reads the materialised logits (its own scatter, or the alias class's when it
+    writes them or may return an alias of them)."""
+    if writes or effects.may_alias_input(n) and not _elementwise_into(n):
         _materialise(region, n, compact_inputs, report)
         return
     for c in compact_inputs:  # a plain reader: the value as of this point
         n.replace_input_with(c, region.scatter(c, n))
     report.exits.append(describe(n))
-    if _elementwise_into(n) and _chain_operands_ok(region, n, [n.args[0]], vocab, set()):
+    if _elementwise_into(n) and _chain_operands_ok(region, n, [n.args[0]], region.vocab, set()):
         _region_written_out(region, n, Mask(region.inactive(n)))  # ``torch.tanh(z, out=buf)``: buf is in the chain
 
 

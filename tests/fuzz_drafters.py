@@ -88,6 +88,13 @@ CATALOGUE = ELEMENTWISE | MUTATIONS | ROW_OPS | NORMALISE | VIEWS | CONSUMERS | 
 OUT_STEPS = {"out_self", "out_new_softcap"}  # out= calls: not with autograd
 
 BODY_OPS = ("mlp", "mlp_vocab_width", "clamp_fn_", "tanh_fn_", "out_mul", "counter", "graph_break")
+# -- issue 32, items 4-5: functorch transforms Dynamo inlines, and Python calls whose only result is an effect.
+TRANSFORM_BODY_OPS = (
+    "vmap_mlp",        # the body MLP under torch.vmap over the batch (the head outside: still rewritten)
+    "effect_call",     # a Python call in the graph (allow_in_graph, no schema) that writes a tensor the body reads
+)
+TRANSFORM_LOOKUPS = ("vmap_embedding",)  # the token lookup under torch.vmap: observed through the unbatched ids
+TRANSFORM_HEADS = ("linear", "linear_tied", "functional_tied", "matmul_bias", "einsum")  # may run under head_vmap
 EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
 # -- several heads (Medusa heads, MTP depths with heads of their own): ``extra_heads`` more nn.Linear(H, V) heads score
 # the same hidden state as the head, each output ``z_i / (i + 2)`` returned after the head's outputs. Each is a head
@@ -132,6 +139,7 @@ class Recipe:
     draft_steps: int = 0       # >0: a draft loop in forward (embed_first): k heads, each feeding a token back
     draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
     extra_heads: int = 0       # several heads: more nn.Linear(H, V) heads on the head's input, see EXTRA_HEADS
+    head_vmap: bool = False    # the head projection under torch.vmap over the batch: dense, with one warning
 
     @property
     def head_rows(self) -> int:
@@ -374,6 +382,8 @@ class FuzzDrafter(nn.Module):
         kind, W = self.recipe.lookup, self.embed.weight
         if kind in ("embedding", "max_norm"):
             return self.embed(ids)
+        if kind == "vmap_embedding":
+            return torch.vmap(lambda i: self.embed(i))(ids)  # (vmap of the module itself breaks the graph)
         if kind == "f_embedding":
             return F.embedding(ids, W)
         if kind == "index":
@@ -420,6 +430,12 @@ class FuzzDrafter(nn.Module):
                 h = buf
             elif op == "counter":
                 self.calls.add_(1)  # a side effect on module state
+            elif op == "vmap_mlp":
+                h = torch.vmap(lambda x: x + self.down(F.silu(self.up(x))))(h)
+            elif op == "effect_call":
+                scale = torch.ones_like(h[..., :1])
+                _halve_into(scale)  # result unused: eliminating the call leaves the scale at 1
+                h = h * scale
             elif op == "graph_break":
                 torch._dynamo.graph_break()
         return h
@@ -494,7 +510,7 @@ class FuzzDrafter(nn.Module):
             h = self._body(ids)
             if r.head_break:
                 self._break(r.head_break, h)
-            z = self._head(h)
+            z = torch.vmap(self._head)(h) if r.head_vmap else self._head(h)
             self._chain(z, ids, noise, mask, record, outputs)
             self._extra_heads(h, outputs, record)
         for extra in r.extra_outputs:
@@ -706,6 +722,12 @@ class FuzzDrafter(nn.Module):
         return z, in_chain
 
 
+@torch._dynamo.allow_in_graph
+def _halve_into(buf: torch.Tensor) -> None:
+    """Sets ``buf`` to 0.5: a call Dynamo keeps as one node with no schema, whose result nothing uses."""
+    buf.fill_(0.5)
+
+
 def _lookup_true(ids, W):
     return F.embedding(ids, W)
 
@@ -861,13 +883,13 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     dtype = "float32" if grad else draw(st.sampled_from(["float32", "float32", "float32", "bfloat16", "float16"]))
     autocast = not grad and dtype == "float32" and draw(st.integers(0, 9)) == 0
     capacity = draw(st.sampled_from([4, 16, 32, 64, 512]))
-    body_ops = [o for o in BODY_OPS if not (grad and o in ("out_mul",))]
+    body_ops = [o for o in BODY_OPS + TRANSFORM_BODY_OPS if not (grad and o in ("out_mul",))]
     body = tuple(draw(st.lists(st.sampled_from(body_ops), max_size=3)))
     if "mlp" not in body and "mlp_vocab_width" not in body:
         body = ("mlp",) + body
     if body.count("graph_break") > 1:
         body = tuple(o for i, o in enumerate(body) if o != "graph_break" or i == body.index("graph_break"))
-    lookup = draw(st.sampled_from(LOOKUPS + ("embedding",) * 4))
+    lookup = draw(st.sampled_from(LOOKUPS + TRANSFORM_LOOKUPS + ("embedding",) * 4))
     batch = draw(st.integers(1, 3))
     order = draw(st.sampled_from(["embed_first", "embed_first", "embed_first", "head_first", "head_first"]))
     draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
@@ -890,4 +912,5 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         hook=head in ("linear", "linear_tied") and draw(st.integers(0, 5)) == 0,
         draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
         extra_heads=extra_heads,
+        head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
     )

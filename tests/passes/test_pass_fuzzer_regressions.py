@@ -192,6 +192,22 @@ CASES.update({
     "wide_projection_after_a_body_break": (R(extra_outputs=("wide_proj",), body=("mlp", "graph_break")), ()),
 })
 
+# -- issue 32, items 4-5: functorch transforms and Python calls whose only result is an effect (each crashed or
+# lost the effect before: dead-code elimination removed _vmap_increment_nesting / the call; observe ran on the
+# transform's batched ids; the head's compact ops ran on batched tensors)
+CASES.update({
+    "vmap_body": (R(body=("mlp", "vmap_mlp")), ()),
+    "vmap_lookup": (R(lookup="vmap_embedding"), ()),
+    "vmap_lookup_head_first": (R(lookup="vmap_embedding", order="head_first"), ()),
+    "vmap_lookup_draft_loop": (R(lookup="vmap_embedding", draft_steps=2), ()),
+    # a padded table the head does not match: a head-less graph whose looked-up ids are kept for the next call
+    "vmap_lookup_padded_table": (R(lookup="vmap_embedding", embed_pad=16, feed_padded_ids=True), ()),
+    "vmap_head": (R(head_vmap=True, chain=(("softcap", 2.0),)), ()),
+    "vmap_head_tied_log_softmax": (R(head="linear_tied", head_vmap=True, chain=(("log_softmax",),)), ()),
+    "effect_call_in_body": (R(body=("mlp", "effect_call")), ()),
+    "effect_call_vmap_body_grad": (R(body=("vmap_mlp", "effect_call"), mode="grad"), ()),
+})
+
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="open, on main too: inductor's decompose_auto_functionalized asserts on the "
