@@ -58,3 +58,27 @@ def test_negative_indices_that_index_reads_are_not_a_failure():
             compiled(torch.tensor([[6, -V - 1]]))
     assert 6 not in nanospec_fx.active_vocab(model).token_ids().tolist()
     assert torch.isfinite(out[0, [3, 5]]).all()
+
+
+def test_property_a_rejected_call_never_changes_a_full_ring():
+    """Any batch of ids with one bad id (a pad, past V) at any position: the set is unchanged (hypothesis)."""
+    from hypothesis import given, settings, strategies as st
+
+    torch.manual_seed(0)
+    model = Drafter().eval()
+    compiled = compile_nanospec(model, capacity=6)
+    with torch.inference_mode():
+        compiled(torch.tensor([[40, 41, 42, 43, 44, 45]]))
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(0, V - 1), min_size=2, max_size=6), st.integers(0, 5),
+           st.sampled_from([-1, -7, V, V + 11]))
+    def check(good, where, bad):
+        ids = list(good)
+        ids.insert(where % (len(ids) + 1), bad)
+        before = nanospec_fx.active_vocab(model).token_ids().tolist()
+        with torch.inference_mode(), pytest.raises(IndexError):
+            compiled(torch.tensor([ids]))
+        assert nanospec_fx.active_vocab(model).token_ids().tolist() == before
+
+    check()

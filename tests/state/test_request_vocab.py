@@ -235,3 +235,31 @@ def test_padding_rows_observe_nothing(kernels):
     rows = torch.tensor([vocabs.row_of("a"), -1, 5, vocabs.row_of("b")])
     vocabs.observe_rows(rows, torch.tensor([[1, 2], [3, 4], [5, 6], [7, -1]]))
     assert vocabs.token_ids("a").tolist() == [1, 2] and vocabs.token_ids("b").tolist() == [7]
+
+
+def test_property_observe_rows_takes_only_matching_shapes():
+    """Any token_ids shape whose leading dim is not B raises and changes nothing; a matching one observes
+    each batch row's ids into its own request only (hypothesis)."""
+    from hypothesis import given, settings, strategies as st
+
+    weight, _ = _head(13)
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.integers(1, 4), st.integers(0, 3), st.integers(1, 3))
+    def check(batch, lead, width):
+        vocabs = RequestVocabs(weight, max_requests=4, capacity=16)
+        names = [f"r{i}" for i in range(batch)]
+        for n in names:
+            vocabs.assign(n)
+        rows = vocabs.rows_for(names)
+        tokens = torch.arange(lead * width).reshape(lead, width) % V
+        if lead != batch:
+            with pytest.raises(ValueError, match="token_ids must be"):
+                vocabs.observe_rows(rows, tokens)
+            assert all(vocabs.active_count(n) == 0 for n in names)
+        else:
+            vocabs.observe_rows(rows, tokens)
+            for i, n in enumerate(names):
+                assert sorted(vocabs.token_ids(n).tolist()) == sorted(set(tokens[i].tolist()))
+
+    check()
