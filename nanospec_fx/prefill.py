@@ -7,7 +7,7 @@ call read (its *owners*, held weakly). A rewritten head whose graph looks up tha
 its own call received every owner: that proves the prefill ran the same model, not another one that shares
 the embedding (drafters sharing the target's ``nn.Embedding``, two drafters on one table). Each head reads a
 log once, whole (its ids in embedding order, the last ``_KEEP`` of them), and then gets the log's later ids
-as they are recorded, so every head of the model sees the prompt, however many heads it has and whenever each
+as they are recorded (a head that ran before a log existed gets it that way from the start, if it owns it), so every head of the model sees the prompt, however many heads it has and whenever each
 first runs. A prefill that reads nothing but the table proves no owner: its ids go to every head that looks
 that table up. A freed table or owner drops its logs.
 """
@@ -20,6 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _LOGS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # table tensor -> list of _Log
+_HEADS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # table tensor -> {ActiveVocab: what its head's call read}
 _KEEP = 1 << 16  # ids a log keeps for heads that have not read it yet (the newest; bounded memory, no sync)
 
 
@@ -66,6 +67,9 @@ def record(table: torch.Tensor, ids: torch.Tensor, owners: list[torch.Tensor]) -
     if log is None:
         log = _Log(owners)
         _LOGS.setdefault(table, logs).append(log)
+        for state, tensors in list(_HEADS.get(table, {}).items()):  # heads that ran before: theirs if they own it
+            if log.owned_by({id(t) for t in tensors.keys()}):
+                log.readers.add(state)
     kept = ids.detach().flatten().to(torch.int64).clone()
     for state in list(log.readers):
         state.observe(kept, validate=False)
@@ -76,10 +80,15 @@ def claim(table: torch.Tensor, state, tensors: Callable[[], Iterable[torch.Tenso
     """The ids of every log of ``table`` that ``state``'s head has not read and whose owners are all among
     ``tensors()`` (the parameters and buffers of the head's call), in embedding order per log; ``state`` reads
     those logs' later ids as they are recorded. None: nothing new."""
+    heads = _HEADS.get(table)
+    if heads is None:
+        heads = _HEADS[table] = weakref.WeakKeyDictionary()
     logs = [log for log in _logs(table) if state not in log.readers]
-    if not logs:
+    if not logs and state in heads:
         return None
-    mine = {id(t) for t in tensors()}
+    read = list(tensors())
+    heads[state] = WeakIdKeyDictionary({t: True for t in read})  # a later prefill of its model goes straight in
+    mine = {id(t) for t in read}
     kept = []
     for log in logs:
         if log.owned_by(mine):
@@ -90,6 +99,7 @@ def claim(table: torch.Tensor, state, tensors: Callable[[], Iterable[torch.Tenso
 
 def clear() -> None:
     _LOGS.clear()
+    _HEADS.clear()
 
 
 class RecordingCall:
