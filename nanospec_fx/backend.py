@@ -156,9 +156,7 @@ def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, conf
     diagnosis.record_dense(_held_tensors(gm, example_inputs), said)
     if compiled is None:
         compiled = _compile(gm, example_inputs, opts, config_patches)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    position = next((i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
-                     and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))), None)
+    position = next(iter(_weight_positions(gm, example_inputs)), None)
     return _DenseCall(compiled, said, position, example_inputs[position]) if said and position is not None else compiled
 
 
@@ -180,11 +178,16 @@ class _DenseCall:
         return self.compiled(*args)
 
 
+def _weight_positions(gm: fx.GraphModule, example_inputs: list) -> list[int]:
+    """Inputs that are the model's parameters or buffers (what tells one instance's call from another's)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
+            and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))]
+
+
 def _held_tensors(gm: fx.GraphModule, example_inputs: list) -> list[torch.Tensor]:
     """The parameters and buffers a graph receives (what ties it to the model that runs it)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [v for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor)
-            and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))]
+    return [example_inputs[i] for i in _weight_positions(gm, example_inputs)]
 
 
 def _is_prefill(gm: fx.GraphModule) -> bool:
@@ -204,7 +207,8 @@ def _is_prefill(gm: fx.GraphModule) -> bool:
 def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions,
                        config_patches: dict) -> Callable | None:
     """A head-less whole call that looks up token ids in a table it receives (a prefill): compiled with the
-    ids as extra outputs, recorded under their table for the next head of the same model (:mod:`prefill`).
+    ids as extra outputs, recorded under their table and the call's other parameters and buffers, for the heads
+    of the same model (:mod:`prefill`).
     None when it looks up nothing."""
     builder = _GraphBuilder(gm)
     lookups = [(builder.user_input_position(table), ids) for _, ids, table, _ in embedding_lookups(builder.graph)]
@@ -233,7 +237,8 @@ def _recording_prefill(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecO
         extra.append(ids)
     out.args = (tuple(outputs) + tuple(extra),)
     builder.gm.recompile()
-    recording = RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables)
+    recording = RecordingCall(_compile(builder.gm, example_inputs, opts, config_patches), len(outputs), tables,
+                              _weight_positions(gm, example_inputs))
     return _counted(recording, gm, example_inputs)
 
 
@@ -349,13 +354,15 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 "Feed the set with nanospec_fx.active_vocab(model).observe(ids) or a target observer (options "
                 "observe_topk/vocab).")
         reports.append((state, report))
-        # Tables this graph observes lookups into: ids a prefill call of the same model embedded there join first
+        # Tables this graph observes lookups into: ids a prefill call of the same model (one whose parameters and
+        # buffers this call also receives) embedded there join first
         # (not for a vocabulary-parallel head: its observe is a collective every rank must make in step).
         tables = sorted({p for lk in (token_id_lookups(builder.graph, state.vocab_size) if observe and not sharded
                                       else []) if (p := builder.user_input_position(lk.table)) is not None})
         binding = _ShardedDrafterBinding if sharded else _DrafterBinding
         bindings.append(binding(state, builder.user_input_position(mapped.weight),
-                                builder.user_input_position(into.bias), into.state.ids, tables))
+                                builder.user_input_position(into.bias), into.state.ids, tables,
+                                _weight_positions(gm, example_inputs)))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         state.rewrites.append(report)
@@ -417,12 +424,21 @@ class _DrafterBinding(_Binding):
     """
 
     def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None,
-                 ids_node: fx.Node | None = None, table_positions: list[int] = ()):
+                 ids_node: fx.Node | None = None, table_positions: list[int] = (), weight_positions: list[int] = ()):
         self.weight_pos, self.bias_pos = weight_pos, bias_pos
         self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
         self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
+        self.weight_positions = weight_positions  # inputs that are the model's parameters and buffers
         self.track(state)
 
+    def observe_prefill(self, args: tuple) -> None:
+        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`): a
+        prefill call whose parameters and buffers all reach this call too (the same model, not another that
+        shares the table)."""
+        for position in self.table_positions:
+            ids = prefill_ids.claim(args[position], self.state, lambda: [args[p] for p in self.weight_positions])
+            if ids is not None:
+                self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state)
@@ -711,16 +727,11 @@ class _StatefulCall:
         return self.compiled(*args, *self.extra)
 
     def observe_prefill(self, args: tuple) -> None:
-        """Ids a head-less call of this model embedded in the tables this graph looks up (:mod:`nanospec_fx.prefill`),
-        into every head's set that reads them (claimed once for all of them: the first claim takes the ids)."""
-        readers: dict[int, list] = {}
+        """Prefill ids of this model, into every head's set that reads them (each head reads a prefill's log once,
+        whatever the order the heads run in: :mod:`nanospec_fx.prefill`)."""
         for b in self.bindings:
-            for position in getattr(b, "table_positions", ()):
-                readers.setdefault(position, []).append(b.state)
-        for position, states in readers.items():
-            ids = prefill_ids.claim(args[position], states)
-            for state in states if ids is not None else ():
-                state.observe(ids, validate=False)
+            if hasattr(b, "observe_prefill"):
+                b.observe_prefill(args)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:

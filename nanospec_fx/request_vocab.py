@@ -173,12 +173,21 @@ class RequestVocabs(FollowsWeightWrites):
         self._observe(row, tokens)
 
     def observe_rows(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Batched, sync-free observe: ``token_ids [B, n]`` (-1: padding) of batch row b join request row
-        ``rows[b]``; the ids of several batch rows of one request are observed as one call, in batch order."""
-        tokens = as_token_ids(token_ids).to(self.device)
-        rows = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        """Batched, sync-free observe: ``token_ids [B, n]`` (or ``[B]``; -1: padding) of batch row b join request
+        row ``rows[b]`` (int [B]); the ids of several batch rows of one request are observed as one call, in batch
+        order. A batch row whose row is outside ``[0, max_requests)`` (a padding row, -1) observes nothing.
+        ``ValueError`` when the shapes disagree (checked on the host, from metadata only): reshaping would hand
+        one request's ids to another."""
+        rows = _row_indices(rows, "rows")
+        tokens = as_token_ids(token_ids)
+        if tokens.dim() not in (1, 2) or tokens.shape[0] != rows.numel():
+            raise ValueError(f"token_ids must be [B] or [B, n] with B = {rows.numel()} (one entry of rows per batch "
+                             f"row), got shape {tuple(tokens.shape)}")
         if rows.numel():
-            self._observe(rows, tokens.reshape(rows.numel(), -1))
+            rows, tokens = rows.to(self.device), tokens.to(self.device).reshape(rows.numel(), -1)
+            real = (rows >= 0) & (rows < self.max_requests)  # padding rows: nothing joins any request
+            self._observe(torch.where(real, rows, torch.zeros_like(rows)),
+                          torch.where(real[:, None], tokens, torch.full_like(tokens, -1)))
 
     def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
         if not (self.observes or seeding):
@@ -273,7 +282,7 @@ class RequestVocabs(FollowsWeightWrites):
         return self.cache_b if self.bias is not None else None
 
     def _rows(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        rows = torch.as_tensor(rows, dtype=torch.int64, device=x.device)
+        rows = _row_indices(rows, "rows", flat=False).to(x.device)
         if tuple(rows.shape) != tuple(x.shape[:-1]):
             raise ValueError(f"rows must have the shape of x's leading dims {tuple(x.shape[:-1])}, got "
                              f"{tuple(rows.shape)}")
@@ -295,3 +304,14 @@ class RequestVocabs(FollowsWeightWrites):
         self._clear_row(row)
         if self.seed_ids is not None:
             self._observe(torch.tensor([row], dtype=torch.int64).to(self.device), self.seed_ids.reshape(1, -1), True)
+
+
+def _row_indices(rows: Any, name: str, flat: bool = True) -> torch.Tensor:
+    """``rows`` as int64 (1-D when ``flat``); ``TypeError`` for floats or bools (truncating them would pick
+    another request's row) and ``ValueError`` for a 1-D argument of another rank: metadata checks, no sync."""
+    rows = torch.as_tensor(rows)
+    if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+        raise TypeError(f"{name} must be integer request rows, got dtype {rows.dtype}")
+    if flat and rows.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B] (one request row per batch row), got shape {tuple(rows.shape)}")
+    return rows.to(torch.int64)

@@ -27,8 +27,10 @@ The contract these passes implement (README, "The contract"):
   reads the set (ids computed from a head's output: before every later read). Where a pass cannot prove
   this (an unreadable lookup, a graph that is only a piece of the call, a write to the head weight, grad
   mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning. Ids a
-  head-less whole call (a prefill) looks up are kept with their table (``nanospec_fx.prefill``) and observed by
-  the next head of a graph that looks up that table.
+  head-less whole call (a prefill) looks up are kept with their table and the call's other parameters and
+  buffers (``nanospec_fx.prefill``), and observed by each head of a graph that looks up that table and receives
+  all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call
+  that raises on a bad id observes nothing).
 """
 from .find_head import HeadMatch, HeadSelectionError, find_heads
 from .grad_mode import grad_enabled_at

@@ -389,8 +389,23 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
             ids = _copy_before(graph, ids, first_read, lk.node)
             at = first_read
         with graph.inserting_before(at):
-            insert_observe(graph, ids, into)
+            insert_observe(graph, ids if into.sharded else _only_if_looked_up(graph, ids, lk), into)
     return len(lookups)
+
+
+def _only_if_looked_up(graph: fx.Graph, ids: fx.Node, lk: Lookup) -> fx.Node:
+    """``ids`` when every one of them is a row the lookup can read, else all -1 (the observe op skips them):
+    a call whose lookup raises on an id (-1 padding, an id past the table) then leaves the set as it was,
+    instead of having observed its valid ids first. On the device, no sync: a reduction and a select."""
+    low = -lk.rows if lk.node.target is operator.getitem else 0  # ``E[ids]`` reads E[-1] too
+    ge = graph.call_function(torch.ge, (ids, low))
+    lt = graph.call_function(torch.lt, (ids, lk.rows))
+    ok = graph.call_function(torch.all, (graph.call_function(torch.logical_and, (ge, lt)),))
+    wide = graph.call_method("to", (ids, torch.int64))
+    kept = graph.call_function(torch.where, (ok, wide, -1))
+    for n in (ge, lt, ok.args[0], ok, wide, kept):
+        set_example_value(n)
+    return kept
 
 
 def _state_reads(graph: fx.Graph, state: StateNodes) -> list[fx.Node]:

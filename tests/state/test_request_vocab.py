@@ -203,3 +203,63 @@ def test_built_from_the_backends_vocabulary_options(kernels):
     static.assign("s")
     static.observe("s", [1])  # frozen: ignored
     assert sorted(static.token_ids("s").tolist()) == [4, 9]
+
+
+def test_observe_rows_refuses_ids_that_do_not_match_the_rows(kernels):
+    """ids [2, 3] for 3 rows used to be reshaped to [3, 2]: requests received each other's tokens."""
+    weight, _ = _head(11)
+    vocabs = RequestVocabs(weight, max_requests=3, capacity=8)
+    for rid in ("a", "b", "c"):
+        vocabs.assign(rid)
+    rows = vocabs.rows_for(["a", "b", "c"])
+    for bad in (torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 2]), torch.zeros(3, 1, 2, dtype=torch.long)):
+        with pytest.raises(ValueError, match="token_ids must be"):
+            vocabs.observe_rows(rows, bad)
+    with pytest.raises(ValueError, match="1-D"):
+        vocabs.observe_rows(rows.reshape(3, 1), torch.tensor([[1], [2], [3]]))
+    with pytest.raises(TypeError, match="integer request rows"):
+        vocabs.observe_rows(rows.float(), torch.tensor([[1], [2], [3]]))
+    with pytest.raises(TypeError, match="integer request rows"):
+        vocabs.logits(torch.randn(3, H), rows.float() + 0.5)
+    assert all(vocabs.active_count(r) == 0 for r in ("a", "b", "c"))  # nothing joined on any refusal
+    vocabs.observe_rows(rows, torch.tensor([7, 8, 9]))  # one id per batch row: [B]
+    assert [vocabs.token_ids(r).tolist() for r in ("a", "b", "c")] == [[7], [8], [9]]
+
+
+def test_padding_rows_observe_nothing(kernels):
+    """A batch padded with row -1 (or a row past max_requests): its ids join no request (-1 used to wrap to the
+    last row)."""
+    weight, _ = _head(12)
+    vocabs = RequestVocabs(weight, max_requests=2, capacity=8)
+    vocabs.assign("a"), vocabs.assign("b")
+    rows = torch.tensor([vocabs.row_of("a"), -1, 5, vocabs.row_of("b")])
+    vocabs.observe_rows(rows, torch.tensor([[1, 2], [3, 4], [5, 6], [7, -1]]))
+    assert vocabs.token_ids("a").tolist() == [1, 2] and vocabs.token_ids("b").tolist() == [7]
+
+
+def test_property_observe_rows_takes_only_matching_shapes():
+    """Any token_ids shape whose leading dim is not B raises and changes nothing; a matching one observes
+    each batch row's ids into its own request only (hypothesis)."""
+    from hypothesis import given, settings, strategies as st
+
+    weight, _ = _head(13)
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.integers(1, 4), st.integers(0, 3), st.integers(1, 3))
+    def check(batch, lead, width):
+        vocabs = RequestVocabs(weight, max_requests=4, capacity=16)
+        names = [f"r{i}" for i in range(batch)]
+        for n in names:
+            vocabs.assign(n)
+        rows = vocabs.rows_for(names)
+        tokens = torch.arange(lead * width).reshape(lead, width) % V
+        if lead != batch:
+            with pytest.raises(ValueError, match="token_ids must be"):
+                vocabs.observe_rows(rows, tokens)
+            assert all(vocabs.active_count(n) == 0 for n in names)
+        else:
+            vocabs.observe_rows(rows, tokens)
+            for i, n in enumerate(names):
+                assert sorted(vocabs.token_ids(n).tolist()) == sorted(set(tokens[i].tolist()))
+
+    check()
