@@ -71,9 +71,10 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-# The check columns every row fetch carries (see :func:`fetch_checked`): an id's low 24 bits as three 8-bit limbs, their
-# squares, and one flag column. Every sum over up to 24 ranks is an exact float32 integer (flags: 2**rank).
-ID_LIMBS = 3
+# The check columns every row fetch carries (see :func:`fetch_checked`): the low 24 bits of the id and of the state's
+# digest, each as three 8-bit limbs, their squares, and one flag column. Every sum over up to 24 ranks is an exact
+# float32 integer (flags: 2**rank).
+ID_LIMBS = 6
 CHECK_COLUMNS = 2 * ID_LIMBS + 1
 
 
@@ -83,28 +84,30 @@ class RanksDiverged(RuntimeError):
 
 
 def fetch_checked(token_ids: torch.Tensor, shard_weight: torch.Tensor, shard: VocabShard,
-                  flag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  flag: torch.Tensor | None = None, digest: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head rows ``[N, H]`` of ``token_ids`` from their owner shards, and a verdict ``[2]`` (int64): whether
-    the ranks fetched different ids, and the bit mask (``2**rank``) of the ranks whose ``flag`` was set.
+    the ranks fetched different ids (or hold different sets: ``digest``, e.g. :func:`state_digest`), and the bit
+    mask (``2**rank``) of the ranks whose ``flag`` was set.
 
-    One all-reduce of ``[N, H + 7]``: each rank contributes its own rows (zeros elsewhere, so every sum is one
-    owner's row plus exact zeros), and check columns: the id's three 8-bit limbs ``a``, their squares and the
-    flag. Summed over the ``W`` ranks, ``W * sum(a**2) == sum(a)**2`` holds iff every rank had the same limb
-    (Cauchy-Schwarz), so every rank reads the same verdict from the same sums: all raise together or none does.
-    Half-precision rows travel as float32 (the limbs' sums must be exact); float32/64 rows keep their dtype.
-    Ids outside ``[0, V)`` get zero rows. Traceable into an FX graph (plain arguments only; ``_c10d_functional``
-    ops, which also run eagerly).
+    One all-reduce of ``[N, H + 13]``: each rank contributes its own rows (zeros elsewhere, so every sum is one
+    owner's row plus exact zeros), and check columns: the three 8-bit limbs ``a`` of the id and of the digest,
+    their squares and the flag. Summed over the ``W`` ranks, ``W * sum(a**2) == sum(a)**2`` holds iff every rank
+    had the same limb (Cauchy-Schwarz), so every rank reads the same verdict from the same sums: all raise
+    together or none does. Half-precision rows travel as float32 (the limbs' sums must be exact); float32/64 rows
+    keep their dtype. Ids outside ``[0, V)`` get zero rows. Traceable into an FX graph (plain arguments only;
+    ``_c10d_functional`` ops, which also run eagerly).
     """
     local = token_ids - shard.offset
     owned = (local >= 0) & (local < shard.shard_rows)
     rows = shard_weight.index_select(0, torch.clamp(local, 0, shard.shard_rows - 1))
     mine = torch.where(owned.unsqueeze(-1), rows, torch.zeros_like(rows))
     wide = mine + mine.new_zeros(1, dtype=torch.float32)  # float32 at least, no .dtype read (traceable)
-    x = torch.bitwise_and(token_ids, 0xFFFFFF)
-    limbs = torch.stack([torch.bitwise_and(torch.bitwise_right_shift(x, 8 * k), 255) for k in range(ID_LIMBS)], -1)
-    mark = torch.zeros_like(x)
-    if flag is not None:
-        mark = mark + flag.to(torch.int64) * 2 ** min(shard.rank, 23)
+    zero = torch.zeros_like(token_ids)
+    values = torch.stack([token_ids, zero if digest is None else zero + digest], -1)
+    x = torch.bitwise_and(values, 0xFFFFFF)
+    limbs = torch.cat([torch.bitwise_and(torch.bitwise_right_shift(x, 8 * k), 255) for k in range(3)], -1)
+    mark = zero if flag is None else zero + flag.to(torch.int64) * 2 ** min(shard.rank, 23)
     checks = torch.cat([limbs, limbs * limbs, mark.unsqueeze(-1)], -1).type_as(wide)
     summed = torch.ops._c10d_functional.all_reduce.default(torch.cat([wide, checks], -1), "sum", shard.group_name)
     summed = torch.ops._c10d_functional.wait_tensor.default(summed)
@@ -114,6 +117,12 @@ def fetch_checked(token_ids: torch.Tensor, shard_weight: torch.Tensor, shard: Vo
     mask = torch.cat([sums[:, -1], sums.new_zeros(1)]).max()  # the same on every row (0 with no row)
     verdict = torch.stack([diverged.to(torch.int64), mask.to(torch.int64)])
     return summed[:, :-CHECK_COLUMNS].type_as(mine), verdict
+
+
+def state_digest(ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """A cheap summary of a replicated set (its slots' ids and ring cursor), the same on every rank while the
+    sets are: a fetch checks it with the ids (a ``reset()`` or another set on one rank only shows there)."""
+    return ids.to(torch.int64).sum() * 7 + cursor.to(torch.int64).sum()
 
 
 def raise_if_diverged(verdict, shard: VocabShard, what: str = "observe") -> None:
@@ -129,8 +138,9 @@ def raise_if_diverged(verdict, shard: VocabShard, what: str = "observe") -> None
             f"{ranks} of {shard.world_size} (every rank raises this; no rank changed its active set)")
     if diverged:
         raise RanksDiverged(
-            f"nanospec: the ranks of a tensor-parallel group fetched head rows for different token ids in one {what} "
-            "(each rank must observe the same ids in the same order: the drafter's inputs, the target's picks). "
+            f"nanospec: the ranks of a tensor-parallel group fetched head rows for different token ids in one {what}, "
+            "or hold different active sets (each rank must observe the same ids in the same order: the drafter's "
+            "inputs, the target's picks, and reset or configure its set when the others do). "
             "Their replicated active sets would differ silently, so every rank raises this; call reset() on every "
             "rank (nanospec_fx.active_vocab(model).reset()) and feed identical ids.")
 
@@ -186,7 +196,7 @@ def observe_shard(token_ids, shard_weight, shard_bias, zero_rows, zero_bias, che
     bookkeeping (identical on every rank) and the rows written to their slots. The fetches' verdicts are added
     to ``check`` (``[2]``, int64), which the call reads after the graph ran (it cannot raise inside it)."""
     x = token_ids.reshape(-1).to(torch.int64)
-    rows, verdict = fetch_checked(x, shard_weight, shard)
+    rows, verdict = fetch_checked(x, shard_weight, shard, digest=state_digest(ids, cursor))
     if shard_bias is not None:
         bias_rows, bias_verdict = fetch_checked(x, shard_bias.unsqueeze(-1), shard)
         verdict = verdict + bias_verdict
@@ -312,7 +322,8 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
         flag = self._take_invalid()
         with torch.no_grad():
             x = self.rows_of(token_ids).reshape(-1).to(torch.int64)
-            rows, verdict = fetch_checked(x, local_shard(self.weight), self.shard, flag)
+            rows, verdict = fetch_checked(x, local_shard(self.weight), self.shard, flag,
+                                          state_digest(self.ids, self.cursor))
             if self.bias is not None:
                 bias_rows, bias_verdict = fetch_checked(x, local_shard(self.bias).unsqueeze(-1), self.shard)
                 verdict[0] += bias_verdict[0]
@@ -378,7 +389,8 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
             # the rows first (a checked all-reduce; the request rows join the check), then the bookkeeping: on a
             # divergence every rank raises with its sets unchanged
             checked = torch.cat([head_rows.reshape(-1), rows.reshape(-1).to(head_rows.dtype)])
-            fetched, verdict = fetch_checked(checked, self.weight.detach(), self.shard, flag)
+            fetched, verdict = fetch_checked(checked, self.weight.detach(), self.shard, flag,
+                                             state_digest(self.ids, self.cursor))
             raise_if_diverged(verdict.tolist(), self.shard)
             fetched = fetched[:head_rows.numel()]
             ops_per_request.observe_per_request(head_rows, rows, self.zero_rows, None, *self.tensors(),

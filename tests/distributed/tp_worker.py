@@ -124,7 +124,7 @@ def disagree(rank: int, world: int) -> dict:
     drafter = VocabParallelDrafter(V, H, world, rank)
     compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
     with torch.no_grad():
-        compiled(torch.randint(0, V, (1, 2)))  # the drafter's state, the same on both ranks
+        compiled(torch.tensor([[5, 70]]))  # the drafter's state, the same on both ranks (the same ids: see diverge)
     observer = torch.compile(ExchangeDrafter(V, H, world, rank, seed=5), backend="nanospec", options={
         "observe_topk": 3, "vocab": drafter, "inductor": False, "observe_inputs": rank == 1})
     report["target_error"] = _compile_error(lambda: observer(torch.randint(0, V, (2, 3))), grad=False)
@@ -465,6 +465,13 @@ def diverge(rank: int, world: int) -> dict:
     report["other_ids"] = _raised(lambda: state.observe(ids + rank), RuntimeError)
     report["out_of_range"] = _raised(lambda: state.observe(torch.tensor([5, V + 3 if rank == 1 else 6])), ValueError)
     assert state.token_ids().tolist() == before and _all_equal(before), "no rank changed its set"
+    if rank == 1:  # a reset on one rank only: the next fetch's ids agree, the sets do not
+        state.reset()
+    report["reset_alone"] = _raised(lambda: state.observe(ids), RuntimeError)
+    if rank == 0:
+        state.reset()
+    state.observe(fed)
+    assert state.token_ids().tolist() == before
     # different ids of the same count in a compiled step: the step raises on every rank (the set differs now)
     step = torch.tensor([[20, 21, 22]]) + 30 * rank
     with torch.no_grad():
@@ -481,7 +488,7 @@ def diverge(rank: int, world: int) -> dict:
     # the first compile sees other input shapes on the ranks: their fetches would differ in size
     model, compiled = _compiled_drafter(rank, world)
     with torch.no_grad():
-        report["shapes"] = _raised(lambda: compiled(torch.randint(0, V, (1, 3 + rank))), RuntimeError)
+        report["shapes"] = _raised(lambda: compiled(torch.arange(3 + rank).view(1, -1)), RuntimeError)
     # an error other than a dense fallback while one rank rewrites: it still meets the second consensus
     import nanospec_fx.backend as backend
 
@@ -493,7 +500,7 @@ def diverge(rank: int, world: int) -> dict:
             raise KeyError("a bug in a pass")
         backend.snapshot_state_reads = broken
     with torch.no_grad():
-        report["rewrite_error"] = _raised(lambda: compiled(torch.randint(0, V, (1, 3))), Exception)
+        report["rewrite_error"] = _raised(lambda: compiled(torch.tensor([[1, 2, 3]])), Exception)
     if rank == 1:
         backend.snapshot_state_reads = original
     return report
