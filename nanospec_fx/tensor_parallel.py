@@ -10,6 +10,10 @@ on every rank, with **no logits collective**.
 Why the sets stay identical: every rank observes the same ids in the same order (the drafter's inputs are
 replicated under tensor parallelism, and ``state.observe`` is called SPMD), and ``observe`` is deterministic
 (same ids, same state -> same slots), so slot order is identical too (tested across two gloo processes).
+Nothing forces it, so it is checked where it is cheap: every row fetch carries check columns of its ids and of a
+digest of the set in its own all-reduce, and every rank raises the same error when they differ
+(:func:`fetch_checked`); what a rank decides alone before a collective (a compile, a refresh) is agreed through the
+group's store with a timeout (:func:`store_exchange`), so a rank left alone ends in a clear error, not a hang.
 
 Rows are inserted at the state level in plain torch (``kernels/`` has no "insert ids with these rows" op):
 ``nanospec.observe`` does the slot bookkeeping with a stride-0 zero table as its weight (no ``[V, H]``
@@ -231,7 +235,8 @@ class AgreesOnRanks:
         try:
             super()._check_range(tokens)
         except ValueError:
-            if not self.observes:  # a frozen set runs no collective: raise here
+            # seeds checked while building, or a frozen set: no collective follows, raise here
+            if not hasattr(self, "_seen_versions") or not self.observes:
                 raise
             self._invalid = True
 
