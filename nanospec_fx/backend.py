@@ -124,6 +124,9 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             said.append(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
             rewritable = [r for r in rewritable if r[0] is not head]
             continue
+        except Exception as error:  # still meet the others' second consensus: they would wait for it
+            _agree(heads, rewritable, said, opts, failure=f"{type(error).__name__}: {error}")
+            raise
         _agree(heads, rewritable, said, opts)
         for message in said:
             warn_once(message)
@@ -133,17 +136,26 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     return _dense(gm, example_inputs, opts, config_patches, said)
 
 
-def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: NanoSpecOptions) -> None:
-    """Every rank of a vocabulary-parallel head's group took the same decision, or all raise (no hang)."""
+def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: NanoSpecOptions,
+           failure: str | None = None) -> None:
+    """Every rank of a vocabulary-parallel head's group took the same decision, or all raise (no hang). The
+    decision names the observers and their ids' shapes (each runs a fetch of that many rows), or the error the
+    rewrite raised (``failure``: every rank then raises, the ranks' decisions listed where they differ)."""
     for head in heads:
         if isinstance(head, vocab_parallel.GatheredHead):
             from nanospec_fx import tensor_parallel
 
             rewritten = any(r[0] is head for r in rewritable)
             observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
-            decision = (f"{head.name} rewritten with {opts.vocab_config}"
-                        + (f", {observers} input observer(s)" if observers is not None else "") if rewritten
-                        else f"{head.name} dense ({'; '.join(said) or 'no reason given'})")
+            shapes = getattr(head, "observer_shapes", None)
+            if failure is not None:
+                decision = f"{head.name} failed to compile ({failure})"
+            elif rewritten:
+                decision = (f"{head.name} rewritten with {opts.vocab_config}"
+                            + (f", {observers} input observer(s)" if observers is not None else "")
+                            + (f" of ids shaped {', '.join(shapes)}" if shapes else ""))
+            else:
+                decision = f"{head.name} dense ({'; '.join(said) or 'no reason given'})"
             tensor_parallel.agree(head.group_name, decision)
 
 
@@ -341,9 +353,10 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         if sharded:
             head.observers = report.observers
         if sharded:
-            zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+            zero = builder.add_inputs(state.graph_input_names())
             builder.set_input_values(zero, state.graph_inputs())
             tensor_parallel.shard_observers(builder.graph, into, zero, state.shard)
+            head.observer_shapes = into.observer_shapes
         snapshot_state_reads(builder.graph, into.state,
                              grad=grad_enabled_at(builder.graph, list(builder.graph.nodes), torch.is_grad_enabled()))
         if observe and not report.observers and token_tables(builder.gm):
@@ -466,6 +479,9 @@ class _ShardedDrafterBinding(_DrafterBinding):
     def tensors(self) -> list[torch.Tensor]:
         return _state_inputs(self.state) + self.state.graph_inputs()
 
+    def after(self) -> None:
+        self.state.raise_if_diverged()
+
 
 # ----------------------------------------------------------------------------- target role
 def _compile_target_observer(
@@ -542,7 +558,7 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
     if shard is not None:
         from nanospec_fx import tensor_parallel
 
-        zero = builder.add_inputs(["zero_rows"] + (["zero_bias"] if state.zero_bias is not None else []))
+        zero = builder.add_inputs(state.graph_input_names())
         builder.set_input_values(zero, state.graph_inputs())
         tensor_parallel.shard_observers(builder.graph, into, zero, shard)
         return builder.compile(example_inputs, [_ShardedTargetBinding(state)], opts, config_patches)
@@ -605,6 +621,9 @@ class _ShardedTargetBinding(_TargetBinding):
 
         s = self.state
         return [local_shard(t) for t in (s.weight, s.bias) if t is not None] + _state_inputs(s) + s.graph_inputs()
+
+    def after(self) -> None:
+        self.state.raise_if_diverged()
 
 
 def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
@@ -721,10 +740,24 @@ class _StatefulCall:
         self.extra = [t for b in bindings for t in b.tensors()]
 
     def __call__(self, *args: Any) -> Any:
-        if any([b.update(args) for b in self.bindings]):
-            self.extra = [t for b in self.bindings for t in b.tensors()]
-        self.observe_prefill(args)
-        return self.compiled(*args, *self.extra)
+        sharded = [b for b in self.bindings if hasattr(b, "after")]
+        if not sharded:
+            if any([b.update(args) for b in self.bindings]):
+                self.extra = [t for b in self.bindings for t in b.tensors()]
+            self.observe_prefill(args)
+            return self.compiled(*args, *self.extra)
+        try:  # a vocabulary-parallel head: its collectives' failures and its fetches' checks are the group's
+            if any([b.update(args) for b in self.bindings]):
+                self.extra = [t for b in self.bindings for t in b.tensors()]
+            out = self.compiled(*args, *self.extra)
+        except Exception as error:
+            from nanospec_fx.tensor_parallel import explain_failure
+
+            explain_failure(sharded[0].state.shard.group_name, error)  # another rank's nanospec error, if any
+            raise
+        for b in sharded:
+            b.after()
+        return out
 
     def observe_prefill(self, args: tuple) -> None:
         """Prefill ids of this model, into every head's set that reads them (each head reads a prefill's log once,

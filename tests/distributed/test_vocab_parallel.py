@@ -238,3 +238,27 @@ def test_vllm_head_one_decision_on_every_rank():
     assert first == second == {
         "agree": {"disabled": False, "compact_calls": 2, "dense_calls": 0, "sharded": True, "other_rank_warned": False},
         "rank_1_differs": {"disabled": True, "compact_calls": 0, "dense_calls": 2, "sharded": True}}
+
+
+@pytest.mark.slow
+def test_ranks_whose_ids_or_local_decisions_differ_all_raise_the_same_error():
+    """See tp_worker.diverge: the same ids in another order, other ids of the same count (eagerly and in a compiled
+    step), an id out of range on one rank, a reset() on one rank only, other input shapes at the first compile, an unexpected error in the
+    rewrite on one rank. Before, these gave wrong rows silently, a gloo abort or a hang."""
+    first, second = _run_ranks("diverge", timeout=240)
+    assert first == second  # the same error on every rank
+    for case in ("reordered", "other_ids", "reset_alone", "compiled_other_ids", "sticky"):
+        assert "fetched head rows for different token ids" in first[case], first[case]
+    assert "outside [0, 96)" in first["out_of_range"] and "rank(s) [1] of 2" in first["out_of_range"]
+    assert "ids shaped (1, 3); rank 1" in first["shapes"] and "ids shaped (1, 4))" in first["shapes"]
+    assert "rank 1: head_weight failed to compile (KeyError" in first["rewrite_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, cause", [("recompile_alone", "exchange 3 of 'compile'"),
+                                             ("stale_alone", "exchange 1 of 'refresh'")])
+def test_a_rank_that_recompiles_or_refreshes_alone_ends_in_the_same_error_not_a_hang(scenario, cause):
+    """See tp_worker.recompile_alone / stale_alone (a 20 s collective and store timeout): rank 1 waits in the
+    store, rank 0 in its step's collective; both raise the message rank 1 left, neither hangs nor aborts."""
+    first, second = _run_ranks(scenario, timeout=240)
+    assert first == second and cause in first["error"] and "rank(s) [0] did not within 20 s" in first["error"]

@@ -2,6 +2,7 @@
 of the scenario holds on this rank; prints ``RESULT <json>`` for the parent to compare across ranks."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -123,7 +124,7 @@ def disagree(rank: int, world: int) -> dict:
     drafter = VocabParallelDrafter(V, H, world, rank)
     compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
     with torch.no_grad():
-        compiled(torch.randint(0, V, (1, 2)))  # the drafter's state, the same on both ranks
+        compiled(torch.tensor([[5, 70]]))  # the drafter's state, the same on both ranks (the same ids: see diverge)
     observer = torch.compile(ExchangeDrafter(V, H, world, rank, seed=5), backend="nanospec", options={
         "observe_topk": 3, "vocab": drafter, "inductor": False, "observe_inputs": rank == 1})
     report["target_error"] = _compile_error(lambda: observer(torch.randint(0, V, (2, 3))), grad=False)
@@ -430,15 +431,117 @@ def vllm_head(rank: int, world: int) -> dict:
     return report
 
 
+def _raised(call, kind=Exception) -> str:
+    """The first line of the nanospec error ``call`` raises on this rank (it must raise ``kind``)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
+    except kind as error:
+        text = str(error)
+        assert "nanospec:" in text, text
+        return text[text.index("nanospec:"):].splitlines()[0]
+    raise AssertionError("no error on this rank")
+
+
+def _compiled_drafter(rank: int, world: int, bias: bool = False):
+    torch._dynamo.reset()
+    model = VocabParallelDrafter(V, H, world, rank, bias=bias)
+    return model, torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+
+
+def diverge(rank: int, world: int) -> dict:
+    """Ranks whose collectives would stay in step but whose ids differ (a silent difference before), and local
+    decisions taken on one rank only: each case ends in the same error on every rank, the group still usable,
+    the sets unchanged and identical (or, where every rank takes the same decision, identical correct results)."""
+    report = {}
+    model, compiled = _compiled_drafter(rank, world, bias=True)
+    fed = torch.tensor([3, 50, 7, 90])
+    with torch.no_grad():
+        out = compiled(fed.view(1, 4))
+    state = _check_step(model, fed.view(1, 4), out, fed.tolist())
+    before = state.token_ids().tolist()
+    ids = torch.tensor([11, 60, 12, 70])
+    report["reordered"] = _raised(lambda: state.observe(ids if rank == 0 else ids.flip(0)), RuntimeError)
+    report["other_ids"] = _raised(lambda: state.observe(ids + rank), RuntimeError)
+    report["out_of_range"] = _raised(lambda: state.observe(torch.tensor([5, V + 3 if rank == 1 else 6])), ValueError)
+    assert state.token_ids().tolist() == before and _all_equal(before), "no rank changed its set"
+    if rank == 1:  # a reset on one rank only: the next fetch's ids agree, the sets do not
+        state.reset()
+    report["reset_alone"] = _raised(lambda: state.observe(ids), RuntimeError)
+    if rank == 0:
+        state.reset()
+    state.observe(fed)
+    assert state.token_ids().tolist() == before
+    # different ids of the same count in a compiled step: the step raises on every rank (the set differs now)
+    step = torch.tensor([[20, 21, 22]]) + 30 * rank
+    with torch.no_grad():
+        report["compiled_other_ids"] = _raised(lambda: compiled(step), RuntimeError)
+        report["sticky"] = _raised(lambda: compiled(fed.view(1, 4)), RuntimeError)  # until reset() everywhere
+        state.reset()
+        out = compiled(fed.view(1, 4))
+    _check_step(model, fed.view(1, 4), out, fed.tolist())
+    # the head written on every rank together: every rank refreshes (agreed through the store), exact results
+    with torch.no_grad():
+        model.head_weight.mul_(2)
+        out = compiled(fed.view(1, 4))
+    _check_step(model, fed.view(1, 4), out, fed.tolist())
+    # the first compile sees other input shapes on the ranks: their fetches would differ in size
+    model, compiled = _compiled_drafter(rank, world)
+    with torch.no_grad():
+        report["shapes"] = _raised(lambda: compiled(torch.arange(3 + rank).view(1, -1)), RuntimeError)
+    # an error other than a dense fallback while one rank rewrites: it still meets the second consensus
+    import nanospec_fx.backend as backend
+
+    model, compiled = _compiled_drafter(rank, world)
+    if rank == 1:
+        original = backend.snapshot_state_reads
+
+        def broken(*args, **kwargs):
+            raise KeyError("a bug in a pass")
+        backend.snapshot_state_reads = broken
+    with torch.no_grad():
+        report["rewrite_error"] = _raised(lambda: compiled(torch.tensor([[1, 2, 3]])), Exception)
+    if rank == 1:
+        backend.snapshot_state_reads = original
+    return report
+
+
+def recompile_alone(rank: int, world: int) -> dict:
+    """Rank 1 recompiles alone (another batch size fails a guard there) while rank 0 runs its next step: both end
+    in the same error after the (short) timeout, not a hang, and not gloo's abort."""
+    model, compiled = _compiled_drafter(rank, world)
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 2, 3]]))
+        return {"error": _raised(lambda: compiled(torch.tensor([[4, 5, 6]] if rank == 0 else [[4, 5, 6, 7]])),
+                                 RuntimeError)}
+
+
+def stale_alone(rank: int, world: int) -> dict:
+    """Rank 1 alone writes its head shard in place: its refresh does not run alone (it would meet rank 0's step
+    fetch); both ranks end in the same error after the (short) timeout."""
+    model, compiled = _compiled_drafter(rank, world)
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 2, 3]]))
+        if rank == 1:
+            model.head_weight.mul_(2)
+        return {"error": _raised(lambda: compiled(torch.tensor([[4, 5, 6]])), RuntimeError)}
+
+
 SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
-             "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head}
+             "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head, "diverge": diverge,
+             "recompile_alone": recompile_alone, "stale_alone": stale_alone}
+# Scenarios that must end in an error, never a hang: a short collective and store timeout (seconds)
+SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20}
 
 
 def main() -> None:
     scenario, rank, world, store_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
     # A file store: no port to pick, so no port another process can take between picking and binding.
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    timeout = SHORT_TIMEOUT.get(scenario)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
     code = 0
     try:
         result = SCENARIOS[scenario](rank, world)
