@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from nanospec_fx import RequestVocabs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check.sh runs this with PYTHONSAFEPATH=1
+from gpu_bench import graphed  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -74,22 +78,16 @@ def scenario(dev: str, dtype: torch.dtype, requests: int, k: int, args, check) -
         rows_buf.copy_(rows)
         tok_buf.copy_(toks)
         x_buf.copy_(x)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
+        outs: list = []
+        replay_graph = graphed(lambda: outs.append(step()), dev)  # the last call is the captured one
+        static_out = outs[-1]
         # Back to empty sets, in place (the graph keeps these addresses): warm-up and capture observed ids.
         rv.ids.fill_(-1)
         rv.slot_of.fill_(-1)
         rv.cursor.zero_()
 
         def replay():
-            graph.replay()
+            replay_graph()
             return static_out
 
     eager = RequestVocabs(W, None, max_requests=requests + 1, capacity=capacity)
