@@ -85,3 +85,31 @@ def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path):
         assert "_get_candidate_generator" not in vars(target)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_mtp_pair_with_two_mtp_layers_handed_in_keeps_greedy_output():
+    """Depth 2: DeepSeek-V3's load pattern matches one MTP layer index, so the two layers are passed as mtp=."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        config = transformers.DeepseekV3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=2,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, num_mtp_layers=2,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.2,
+            dtype="float32", num_hidden_layers=2, first_k_dense_replace=2, num_key_value_heads=2, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        target = transformers.DeepseekV3ForCausalLM(config).eval()
+        layers = MtpModel(target, 2).eval()
+        ids = torch.randint(1, V, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            plain = target.generate(ids, max_new_tokens=10, do_sample=False)
+        state = mtp_pair(target, mtp=layers, capacity=64, inductor=False)
+        with torch.inference_mode():
+            out = target.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=True)
+        assert torch.equal(out, plain)
+        assert 0 < len(state) <= 64
+        mtp_detach(target)
+    finally:
+        torch.set_num_threads(threads)
