@@ -181,7 +181,7 @@ def test_transformers_probe_does_not_load_a_second_copy_of_the_ops():
     probe = ("import os, sys, nanospec_fx; from transformers.utils.import_utils import is_kernels_available; "
              "is_kernels_available(); import transformers.integrations.hub_kernels; "
              "print([n for n, m in sys.modules.items() if n.split('.')[0] == 'kernels' "
-             "and os.path.abspath(getattr(m, '__file__', None) or '').startswith(os.getcwd() + os.sep)])")
+             "and os.path.abspath(getattr(m, '__file__', None) or '').startswith(os.path.join(os.getcwd(), 'kernels', ''))])")
     out = run_python(probe).stdout
     assert out.split() == ["[]"]
 
