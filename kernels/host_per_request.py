@@ -28,25 +28,16 @@ def _groups(rows: torch.Tensor) -> dict[int, torch.Tensor | int]:
 
 
 def _take(x2: torch.Tensor, members) -> torch.Tensor:
-    """Rows ``members`` of ``x2`` ([1, D] for a single row; all of them for None)."""
-    if members is None:
-        return x2
+    """Rows ``members`` of ``x2`` ([1, D] for a single row)."""
     return x2[members:members + 1] if isinstance(members, int) else x2.index_select(0, members)
 
 
-def _put(out: torch.Tensor, members, columns, values: torch.Tensor) -> None:
-    """``out[members][:, columns] = values`` (``columns``: a slice or distinct int64 ids)."""
+def _put(out: torch.Tensor, members, width: int, values: torch.Tensor) -> None:
+    """``out[members, :width] = values``."""
     if isinstance(members, int):
-        out[members, columns] = values[0]
-    elif isinstance(columns, slice):
-        if members is None:
-            out[:, columns] = values
-        else:
-            out.index_put_((members[:, None], torch.arange(columns.stop, device=out.device)[None, :]), values)
-    elif members is None:
-        out.scatter_(1, columns.expand(values.shape), values)
+        out[members, :width] = values[0]
     else:
-        out.index_put_((members[:, None], columns[None, :]), values)
+        out.index_put_((members[:, None], torch.arange(width, device=out.device)[None, :]), values)
 
 
 def _check(rows: torch.Tensor, requests: int) -> None:
@@ -117,14 +108,6 @@ def observe_per_request(
         cache_b[r_, dest] = bias.index_select(0, tok).to(cache_b.dtype)
     cursor[torch.tensor(list(ends), dtype=torch.int64, device=dev)] = torch.tensor(
         list(ends.values()), dtype=cursor.dtype, device=dev)
-
-
-def _plan(rows: torch.Tensor, cursor: torch.Tensor, capacity: int):
-    """(request row, its batch rows or None when it has them all, active count) per request in the batch."""
-    counts = cursor.tolist()
-    groups = _groups(rows)
-    whole = len(groups) == 1
-    return [(q, None if whole else members, min(counts[q], capacity)) for q, members in groups.items()]
 
 
 class _Batch:
@@ -234,8 +217,8 @@ def compact_topk_per_request(
     tokens = c2.new_empty((c2.shape[0], k), dtype=torch.int64)
     for q, members in _groups(r).items():
         v, t = host.compact_topk(_take(c2, members), ids[q], cursor[q:q + 1], k, largest)
-        _put(values, members, slice(0, k), v)
-        _put(tokens, members, slice(0, k), t)
+        _put(values, members, k, v)
+        _put(tokens, members, k, t)
     return values.reshape(*compact.shape[:-1], k), tokens.reshape(*compact.shape[:-1], k)
 
 
