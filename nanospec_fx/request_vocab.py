@@ -6,7 +6,7 @@ cursor and cache of head rows (``[R, C, H]``) - and every head call takes ``rows
 batch row, so each row is computed against its own request's set. Why gathered rows per request and not one
 union of the sets with a mask per row: docs/per-request.md (measured).
 
-It is plain eager code on top of the ``*_per_request`` custom ops: usable where no ``torch.compile`` graph is
+It is plain eager code on top of the nanospec custom ops with their ``rows`` argument: usable where no ``torch.compile`` graph is
 seen (vLLM calls a drafter's ``compute_logits`` eagerly). Rows are assigned and released on the host (cheap
 Python bookkeeping); observe and the head never sync with the device. The shared set of
 :class:`~nanospec_fx.ActiveVocab` (one set for the batch, the ``torch.compile`` path) is unchanged.
@@ -17,7 +17,7 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from nanospec_fx.kernels import ops_per_request as ops
+from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
 from nanospec_fx.policies import resolve, token_to_row
 from nanospec_fx.state import (
@@ -194,29 +194,28 @@ class RequestVocabs(FollowsWeightWrites):
             return
         self.refresh_if_stale()
         with torch.no_grad():
-            ops.observe_per_request(self._rows_of_tokens(tokens), rows, self.weight, self.bias, *self.tensors(),
-                                    self.num_pinned)
+            ops.observe(self._rows_of_tokens(tokens), self.weight, self.bias, *self.tensors(), self.num_pinned, rows)
 
     # ----------------------------------------------------------------- head
     def compact_logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[..., capacity]: row i's logits over its request's slots (slot order), -inf past that request's count."""
         self._before_head()
-        return ops.compact_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.cursor)
+        return ops.compact_logits(x, self.cache_w, self._cache_b(), self.cursor, self._rows(rows, x))
 
     def scatter(self, compact: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compact logits [..., capacity] -> [..., vocab_size], -inf at every token its request does not hold."""
         rows = self._rows(rows, compact)
-        return ops.scatter_logits_per_request(compact, rows, self.ids, self.cursor, self.vocab_size)
+        return ops.scatter_logits(compact, self.ids, self.cursor, self.vocab_size, rows)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere."""
         self._before_head()
-        return ops.head_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.ids, self.cursor,
-                                           self.vocab_size)
+        return ops.head_logits(x, self.cache_w, self._cache_b(), self.ids, self.cursor, self.vocab_size,
+                               self._rows(rows, x))
 
     def topk_compact(self, compact: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of compact logits over each row's request's set -> (values [..., k], head rows [..., k])."""
-        return ops.compact_topk_per_request(compact, self._rows(rows, compact), self.ids, self.cursor, k, largest)
+        return ops.compact_topk(compact, self.ids, self.cursor, k, largest, self._rows(rows, compact))
 
     def topk(self, x: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of the head over each row's request's set, never building [..., V]. Ties: smaller id first;
@@ -226,7 +225,7 @@ class RequestVocabs(FollowsWeightWrites):
     def argmax(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """int64 [...]: the head row of the largest active logit of each row (ties: smaller; 0 for an empty set)."""
         compact = self.compact_logits(x, rows)
-        return ops.compact_argmax_per_request(compact, self._rows(rows, compact), self.ids, self.cursor)
+        return ops.compact_argmax(compact, self.ids, self.cursor, self._rows(rows, compact))
 
     # ----------------------------------------------------------------- inspection (host reads)
     def tensors(self) -> list[torch.Tensor]:
