@@ -37,7 +37,7 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
-from .schema import check_num_pinned, mutated, schema_of
+from .schema import arguments, check_num_pinned, mutated, schema_of
 
 
 def _want_triton_op() -> bool:
@@ -94,16 +94,8 @@ _BYTE_FLOATS = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "flo
 
 
 def _observe(
-    token_ids: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    ids: torch.Tensor,
-    slot_of: torch.Tensor,
-    cursor: torch.Tensor,
-    cache_w: torch.Tensor,
-    cache_b: torch.Tensor,
-    num_pinned: int,
-    rows: torch.Tensor | None = None,
+    token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
 ) -> None:
     """Add ``token_ids`` to the active vocabulary held in the state tensors (in place); with ``rows``, the ids
     ``[B, n]`` (-1 ignored) of batch row b to request row ``rows[b]``.
@@ -250,65 +242,36 @@ def _gather_slots(grad_full: torch.Tensor, ids: torch.Tensor, cursor: torch.Tens
     return torch.where(_active(cursor, ids.numel()), g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
-def _compact_logits_setup(ctx, inputs, output):
-    x, cache_w, cache_b, cursor, rows = inputs
-    ctx.per_request = rows is not None
-    ctx.save_for_backward(cache_w, cursor)
-
-
-def _compact_logits_backward(ctx, grad):
-    _shared_only(ctx)
-    cache_w, cursor = ctx.saved_tensors
-    return _grad_x(grad, cache_w, cursor), None, None, None, None
-
-
-def _head_logits_setup(ctx, inputs, output):
-    x, cache_w, cache_b, ids, cursor, vocab_size, rows = inputs
-    ctx.per_request = rows is not None
-    ctx.save_for_backward(cache_w, ids, cursor)
-
-
-def _head_logits_backward(ctx, grad):
-    _shared_only(ctx)
-    cache_w, ids, cursor = ctx.saved_tensors
-    return _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor), None, None, None, None, None, None
-
-
-def _scatter_logits_setup(ctx, inputs, output):
-    compact, ids, cursor, vocab_size, rows = inputs
-    ctx.per_request = rows is not None
-    ctx.save_for_backward(ids, cursor)
-
-
-def _scatter_logits_backward(ctx, grad):
-    _shared_only(ctx)
-    ids, cursor = ctx.saved_tensors
-    return _gather_slots(grad, ids, cursor), None, None, None, None
-
-
-def _compact_topk_setup(ctx, inputs, output):
-    compact, ids, cursor, k, largest, rows = inputs
-    ctx.per_request = rows is not None
-    ctx.save_for_backward(ids, cursor, output[1])
-
-
-def _compact_topk_backward(ctx, grad_values, grad_tokens):
-    _shared_only(ctx)
-    ids, cursor, tokens = ctx.saved_tensors
+def _topk_grad(ids, cursor, tokens, grad_values, grad_tokens):
     if grad_values is None:
-        return None, None, None, None, None, None
+        return None
     # The slot of each selected token; padding entries (inactive ids) match no slot.
     hit = (tokens.unsqueeze(-1) == ids) & _active(cursor, ids.numel())
-    grad = (grad_values.unsqueeze(-1) * hit.to(grad_values.dtype)).sum(-2)
-    return grad, None, None, None, None, None
+    return (grad_values.unsqueeze(-1) * hit.to(grad_values.dtype)).sum(-2)
 
 
-torch.library.register_autograd(
-    "nanospec::compact_logits", _compact_logits_backward, setup_context=_compact_logits_setup)
-torch.library.register_autograd("nanospec::head_logits", _head_logits_backward, setup_context=_head_logits_setup)
-torch.library.register_autograd(
-    "nanospec::scatter_logits", _scatter_logits_backward, setup_context=_scatter_logits_setup)
-torch.library.register_autograd("nanospec::compact_topk", _compact_topk_backward, setup_context=_compact_topk_setup)
+def _register_gradient(op: str, saved: tuple[str, ...], grad_of_first: Callable, save_tokens: bool = False) -> None:
+    """Autograd of ``op``: ``grad_of_first(*saved inputs[, selected tokens], *output grads)`` is the gradient of its
+    first input (x or the logits); every other input gets None. ``saved`` names inputs as the schema declares them."""
+    names = arguments(op)
+
+    def setup(ctx, inputs, output):
+        given = dict(zip(names, inputs))
+        ctx.per_request = given["rows"] is not None
+        ctx.save_for_backward(*(given[n] for n in saved), *((output[1],) if save_tokens else ()))
+
+    def backward(ctx, *grads):
+        _shared_only(ctx)
+        return (grad_of_first(*ctx.saved_tensors, *grads),) + (None,) * (len(names) - 1)
+
+    torch.library.register_autograd(f"nanospec::{op}", backward, setup_context=setup)
+
+
+_register_gradient("compact_logits", ("cache_w", "cursor"), lambda cache_w, cursor, grad: _grad_x(grad, cache_w, cursor))
+_register_gradient("head_logits", ("cache_w", "ids", "cursor"),
+                   lambda cache_w, ids, cursor, grad: _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor))
+_register_gradient("scatter_logits", ("ids", "cursor"), lambda ids, cursor, grad: _gather_slots(grad, ids, cursor))
+_register_gradient("compact_topk", ("ids", "cursor"), _topk_grad, save_tokens=True)
 
 __all__ = [
     "observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax",

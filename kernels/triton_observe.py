@@ -170,16 +170,8 @@ def _observe_copy_kernel(
 
 
 def observe(
-    token_ids: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    ids: torch.Tensor,
-    slot_of: torch.Tensor,
-    cursor: torch.Tensor,
-    cache_w: torch.Tensor,
-    cache_b: torch.Tensor,
-    num_pinned: int,
-    rows: torch.Tensor | None = None,
+    token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`nanospec_fx.kernels.reference.observe`, fed-id renewal included
     (:func:`~nanospec_fx.kernels.reference.renew_fed_ids`: plain torch, fixed shapes, no sync)."""

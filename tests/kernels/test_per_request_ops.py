@@ -265,3 +265,16 @@ def test_drawn_shapes_against_the_masked_dense_head(case):
             empty = ~mask.any(-1)
             want_arg = torch.where(empty, 0, want.argmax(-1)) if rows.numel() else rows
             assert torch.equal(OPS.compact_argmax(compact, ids, cursor, rows), want_arg), mode
+
+
+def test_calls_with_rows_run_under_grad_and_refuse_a_backward():
+    """Per-request calls are inference only: with an input that needs a gradient they compute the same logits, and
+    a backward through them raises instead of returning the shared set's gradient formula."""
+    weight, bias = _head(12)
+    ids, slot_of, cursor, cache_w, cache_b = _state_by_hand(weight, bias, SETS)
+    rows = torch.tensor([0, 3, -1])
+    x = torch.randn(3, H, requires_grad=True)
+    got = OPS.head_logits(x, cache_w, cache_b, ids, cursor, V, rows)
+    torch.testing.assert_close(got.detach(), _oracle_logits(x.detach(), rows, weight, bias, SETS)[0], **TOL)
+    with pytest.raises(NotImplementedError, match="no autograd"):
+        got.masked_fill(torch.isinf(got), 0).sum().backward()
