@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanospec_fx.kernels import ops, schema  # noqa: F401  (importing ops registers torch.ops.nanospec)
+from helpers import request_state_by_hand
 
 V, H, C, ACTIVE = 20, 4, 8, 5
 REQUEST_SETS = [[3, 17, 0, 11], [], [5, 6, 7, 8, 9, 10, 12, 13]]  # per request: some, none, full (C = 8)
@@ -38,16 +39,7 @@ def _request_state(with_bias=True):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(V, H, generator=g)
     bias = torch.randn(V, generator=g) if with_bias else None
-    state = schema.new_request_state(len(REQUEST_SETS), V, H, C, torch.float32, "cpu")
-    ids, slot_of, cursor, cache_w, cache_b = state
-    for r, tokens in enumerate(REQUEST_SETS):
-        t = torch.tensor(tokens, dtype=torch.int64)
-        ids[r, : len(t)] = t
-        slot_of[r, t] = torch.arange(len(t), dtype=torch.int32)
-        cursor[r] = len(t)
-        cache_w[r, : len(t)] = weight[t]
-        if bias is not None:
-            cache_b[r, : len(t)] = bias[t]
+    state = request_state_by_hand(weight, bias, REQUEST_SETS, C)
     return weight, bias, state
 
 

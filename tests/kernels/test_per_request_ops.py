@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from nanospec_fx.kernels import ops, reference, schema  # noqa: F401  (ops registers torch.ops.nanospec)
 from nanospec_fx.kernels.triton_util import INTERPRET
+from helpers import request_state_by_hand
 
 OPS = torch.ops.nanospec
 NEG = float("-inf")
@@ -41,16 +42,7 @@ def _head(seed=0, with_bias=True):
 
 def _state_by_hand(weight, bias, sets: list[list[int]]):
     """Per-request state whose request r holds ``sets[r]`` in slot order (written directly, not observed)."""
-    ids, slot_of, cursor, cache_w, cache_b = schema.new_request_state(R, V, H, C, weight.dtype, "cpu")
-    for r, tokens in enumerate(sets):
-        t = torch.tensor(tokens, dtype=torch.int64)
-        ids[r, : len(tokens)] = t
-        slot_of[r, t] = torch.arange(len(tokens), dtype=torch.int32)
-        cursor[r] = len(tokens)
-        cache_w[r, : len(tokens)] = weight[t]
-        if bias is not None:
-            cache_b[r, : len(tokens)] = bias[t]
-    return [ids, slot_of, cursor, cache_w, cache_b]
+    return request_state_by_hand(weight, bias, sets, C)
 
 
 SETS = [[3, 17, 0, 11, 6], [36, 5], [], [8, 1, 30, 2, 29, 14, 22, 4, 9]]  # request 2 empty, request 3 full
@@ -234,14 +226,7 @@ def test_drawn_shapes_against_the_masked_dense_head(case):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(vocab, hidden, generator=g)
     bias = torch.randn(vocab, generator=g) if with_bias else None
-    state = schema.new_request_state(len(sets), vocab, hidden, capacity, torch.float32, "cpu")
-    ids, slot_of, cursor, cache_w, cache_b = state
-    for r, tokens in enumerate(sets):
-        t = torch.tensor(tokens, dtype=torch.int64)
-        ids[r, : len(t)], slot_of[r, t], cursor[r] = t, torch.arange(len(t), dtype=torch.int32), len(t)
-        cache_w[r, : len(t)] = weight[t]
-        if bias is not None:
-            cache_b[r, : len(t)] = bias[t]
+    ids, slot_of, cursor, cache_w, cache_b = request_state_by_hand(weight, bias, sets, capacity)
     rows = torch.tensor(rows, dtype=torch.int64)
     x = torch.randn(rows.numel(), hidden, generator=g)
     dense = x @ weight.T + (bias if bias is not None else 0)
