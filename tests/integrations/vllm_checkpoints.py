@@ -101,3 +101,45 @@ if __name__ == "__main__":
     import sys
 
     print(build(sys.argv[1]))
+
+
+def _qwen_config(model_type: str, architectures: list[str], layers: int, **extra) -> dict:
+    return _llama_config(layers, **extra) | {"model_type": model_type, "architectures": architectures}
+
+
+def build_mtp(root: str | Path, seed: int = 0) -> dict[str, Path]:
+    """``mimo``: a MiMo target (Qwen2 layers, ``architectures: ["MiMoForCausalLM"]``) with one MTP layer under
+    ``model.mtp_layers.0.*``, the layout vLLM's ``mtp`` method reads from the target's own checkpoint (the MTP layer
+    shares the target's embedding and head). ``dflash``: a one-layer DFlash drafter (``DFlashDraftModel``, Qwen3
+    attention with q/k norms) over the target of :func:`build` (aux layers 0, 1, 2), with no head of its own: vLLM
+    shares the target's."""
+    root, g = Path(root), torch.Generator().manual_seed(seed + 1)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    head = torch.randn(VOCAB, HIDDEN, generator=g) * 2.0 / HIDDEN ** 0.5
+
+    def qwen2_layer(prefix):
+        layer = _layer(prefix, g)
+        for p in ("q", "k", "v"):  # Qwen2's attention has q/k/v biases
+            layer[f"{prefix}.self_attn.{p}_proj.bias"] = torch.randn(HIDDEN, generator=g) * 0.1
+        return layer
+
+    mimo = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(HIDDEN), "lm_head.weight": head}
+    for i in range(TARGET_LAYERS):
+        mimo |= qwen2_layer(f"model.layers.{i}")
+    mtp = "model.mtp_layers.0"
+    mimo |= qwen2_layer(mtp) | {
+        f"{mtp}.token_layernorm.weight": torch.ones(HIDDEN), f"{mtp}.hidden_layernorm.weight": torch.ones(HIDDEN),
+        f"{mtp}.final_layernorm.weight": torch.ones(HIDDEN),
+        f"{mtp}.input_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / (2 * HIDDEN) ** 0.5,
+    }
+    dirs = {"mimo": _save(root / "mimo", _qwen_config("qwen2", ["MiMoForCausalLM"], TARGET_LAYERS,
+                                                      num_nextn_predict_layers=1), mimo)}
+
+    layer = _layer("layers.0", g) | {"layers.0.self_attn.q_norm.weight": torch.ones(HIDDEN // HEADS),
+                                     "layers.0.self_attn.k_norm.weight": torch.ones(HIDDEN // HEADS)}
+    dflash = {"fc.weight": torch.randn(HIDDEN, 3 * HIDDEN, generator=g) / (3 * HIDDEN) ** 0.5,
+              "hidden_norm.weight": torch.ones(HIDDEN), "norm.weight": torch.ones(HIDDEN)} | layer
+    config = _qwen_config("qwen3", ["DFlashDraftModel"], 1, dflash_config={
+        "mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1, 2]})
+    dirs["dflash"] = _save(root / "dflash", config, dflash)
+    return dirs
