@@ -120,3 +120,58 @@ def test_what_the_head_cannot_serve_runs_dense(bad):
 def test_slot_rows_need_a_padding_row():
     with pytest.raises(ValueError, match="4 request slots need 5 request rows"):
         SlotRows(RequestVocabs(torch.randn(VOCAB, HIDDEN), None, SLOTS, capacity=8), SLOTS)
+
+
+def test_v2_hooks_on_a_simulated_step(monkeypatch):
+    """v0_33's V2 hooks driven by stand-ins shaped like 0.33.0's objects (read in its source; no vLLM here): the
+    speculator's load puts a CompactLMHead in the drafter's lm_head slot (the target's head object untouched), a new
+    request's slot gets a row seeded with its prompt, the rejection sampler's logits give their top-k and
+    postprocess_sampled the sampled tokens (up to num_sampled) to the request in each row's slot, the drafter's
+    logits processor then reads masked logits through the slot buffer, and a removed request frees its row."""
+    from nanospec_fx.integrations.vllm import v0_33
+    from nanospec_fx.integrations.vllm.config import ENV_HEAD, ENV_TOPK
+
+    monkeypatch.setenv(ENV_HEAD, "compact")
+    monkeypatch.setenv(ENV_TOPK, "1")
+    g = torch.Generator().manual_seed(0)
+    target_head = SimpleNamespace(weight=torch.randn(PADDED, HIDDEN, generator=g), tp_size=1, org_vocab_size=VOCAB,
+                                  quant_method=None, shard_indices=None)
+    model = torch.nn.Module()
+    model.lm_head = target_head
+    model.logits_processor = SimpleNamespace(org_vocab_size=VOCAB, logits_as_input=False, head_dtype=None)
+    model.config = SimpleNamespace(vocab_size=VOCAB)
+    speculator = SimpleNamespace(model=model, speculative_config=SimpleNamespace(method="eagle"), max_num_reqs=SLOTS,
+                                 idx_mapping=torch.full((SLOTS,), -1, dtype=torch.int32),
+                                 use_local_argmax_reduction=False)
+    v0_33.after_speculator_load(lambda *a, **k: None, speculator, object())
+    head = model.lm_head
+    assert isinstance(head, CompactLMHead) and head.weight is target_head.weight
+    class Runner:  # V2's GPUModelRunner: what the hooks read of it
+        pass
+
+    runner = Runner()
+    runner.speculator, runner.req_states = speculator, SimpleNamespace(req_id_to_index={})
+
+    def add(original, req_id, slot, prompt):
+        runner.req_states.req_id_to_index[req_id] = slot
+        new = SimpleNamespace(req_id=req_id, prefill_token_ids=prompt)
+        v0_33.after_add_requests(lambda *a, **k: None, runner, SimpleNamespace(scheduled_new_reqs=[new]))
+
+    add(None, "r1", 3, [4, 5])
+    add(None, "r2", 0, [9])
+    # the verify step of batch [r2, r1]: 2 logits rows for r2 (1 draft), 1 for r1; expanded_idx_mapping names slots
+    logits = torch.full((3, PADDED), -5.0)
+    logits[0, 11], logits[1, 12], logits[2, 13] = 1.0, 1.0, 1.0
+    v0_33.before_rejection_sample(lambda *a, **k: None, None, logits,
+                                  SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 0, 3])))
+    v0_33.before_postprocess_sampled(lambda *a, **k: None, runner, torch.tensor([0, 3]),
+                                     torch.tensor([[20, 21], [22, 23]]), torch.tensor([2, 1]), torch.tensor([0, 0]))
+    speculator.idx_mapping.copy_(torch.tensor([3, 0, -1, -1], dtype=torch.int32))
+    x = torch.randn(2, HIDDEN, generator=g)
+    torch.testing.assert_close(_processor_logits(head, x),
+                               _masked_dense(target_head.weight, x, [[4, 5, 13, 22], [9, 11, 12, 20, 21]]))
+    v0_33.before_remove_request(lambda *a, **k: None, runner, "r1")
+    assert "r1" not in head.vocabs and "r2" in head.vocabs
+    from nanospec_fx.integrations.vllm.metrics import activity_of
+
+    assert activity_of(runner).status() == "active"  # a sampled step went through the V2 head

@@ -122,11 +122,13 @@ def after_speculator_load(original, speculator, target_model, *args, **kwargs):
     return result
 
 
-def _head(runner):
+def _head(runner, step: bool = False):
+    """The runner's V2 head (None: none installed); ``step``: a decoding step reached it (the plugin is active)."""
     head = getattr(getattr(runner, "speculator", None), "_nanospec_head", None)
     if head is not None:
         _HEADS[id(runner)] = head
-        metrics.activity_of(runner).hooked()
+        if step:
+            metrics.activity_of(runner).hooked()
     return head
 
 
@@ -152,7 +154,7 @@ def before_remove_request(original, runner, req_id, *args, **kwargs):
 
 def before_postprocess_sampled(original, runner, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args,
                                **kwargs):
-    head = _head(runner)
+    head = _head(runner, step=True)
     if head is not None:  # device ops: the accepted tokens and the bonus token of each request
         import torch
 
