@@ -641,3 +641,29 @@ def test_head_parts_find_each_mtp_layout():
     deepseek.model.layers = nn.ModuleDict(layers)
     assert head_parts(deepseek) == (head, processor, layers["3"].shared_head)
     assert head_parts(nn.Module()) == (None, None, None)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 MTP (MLA, shared_head)
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    return _scenario(tmp_path_factory, "deepseek_mtp")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_deepseek_mtp_shared_head_is_compact_and_output_unchanged(deepseek_mtp):
+    """vLLM's `mtp` method on a DeepSeek-V3 target: the MTP layer's compute_logits norms with its shared_head, then
+    scores the target's head. With the plugin the head runs that norm then the compact head (it passed the first-call
+    check against DeepSeekMTP.compute_logits), on every draft step, and the output is vLLM's own MTP output. The
+    oracle is vLLM's MTP run without the plugin, not the target alone: on the CPU build vLLM's MTP output itself
+    differs from the target alone on this random model (its verify pass takes another MLA path than decoding)."""
+    from vllm_worker import PROMPTS
+
+    run, alone = deepseek_mtp["plugin"], deepseek_mtp["no_plugin"]
+    assert alone["heads"] == [] and alone["drafted"] > 0
+    assert run["outputs"] == alone["outputs"] and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["model"] == "DeepSeekMTP" and head["prepared"] and head["checked"] and not head["disabled"]
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0
+    for prompt, out, active in zip(PROMPTS, run["outputs"], head["sets"]):
+        assert set(prompt) | set(out) <= set(active)

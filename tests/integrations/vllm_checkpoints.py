@@ -143,3 +143,33 @@ def build_mtp(root: str | Path, seed: int = 0) -> dict[str, Path]:
         "mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1, 2]})
     dirs["dflash"] = _save(root / "dflash", config, dflash)
     return dirs
+
+
+def build_deepseek_mtp(root: str | Path, seed: int = 0) -> Path:
+    """A DeepSeek-V3 target with one MTP layer (``model.layers.{L}.*``: ``enorm``, ``hnorm``, ``eh_proj``, a decoder
+    block and ``shared_head.{norm,head}``), the layout vLLM's ``deepseek_mtp`` reads from the target's checkpoint.
+    Written with transformers' ``DeepseekV3ForCausalLM`` built one layer deeper (that layer's block is the MTP
+    block). MLA sizes as vLLM's CPU MLA decode kernel needs (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576);
+    dense MLPs (``first_k_dense_replace`` past every layer). ``shared_head.norm`` is not the identity, so a head
+    that skipped it would fail the first-call check."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    root, layers = Path(root) / "deepseek_mtp", 2
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=32,
+                  num_hidden_layers=layers + 1, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                  q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=100,
+                  n_group=1, topk_group=1, max_position_embeddings=512, rope_scaling=None, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    tensors = {k: v.contiguous() for k, v in DeepseekV3ForCausalLM(DeepseekV3Config(**config)).state_dict().items()}
+    g = torch.Generator().manual_seed(seed + 3)
+    mtp = f"model.layers.{layers}"
+    tensors |= {f"{mtp}.enorm.weight": torch.ones(HIDDEN), f"{mtp}.hnorm.weight": torch.ones(HIDDEN),
+                f"{mtp}.eh_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / (2 * HIDDEN) ** 0.5,
+                f"{mtp}.shared_head.norm.weight": 1.0 + torch.rand(HIDDEN, generator=g),
+                f"{mtp}.shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    saved = json.loads(DeepseekV3Config(**config).to_json_string()) | {
+        "num_hidden_layers": layers, "num_nextn_predict_layers": 1, "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3", "torch_dtype": "float32"}
+    return _save(root, saved, tensors)

@@ -183,6 +183,31 @@ def methods(dirs):
     return out
 
 
+def deepseek_mtp(dirs):
+    """vLLM's `mtp` method on a DeepSeek-V3 target (MLA, the MTP layer's shared_head: norm then the target's head):
+    the target alone, the MTP drafter without the plugin (vLLM's own output: the oracle), then with it."""
+    dirs = dirs | {"deepseek": vllm_checkpoints.build_deepseek_mtp(dirs["target"].parent)}
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    out = {"target": run(dirs, None, PROMPTS, 16, target="deepseek")}
+    os.environ["NANOSPEC_VLLM"] = "0"  # register() ran at start: take the hooks back out for the plugin-less run
+    out["no_plugin"] = _without_plugin(lambda: run(dirs, spec, PROMPTS, 16, target="deepseek"))
+    os.environ["NANOSPEC_VLLM"] = "1"
+    out["plugin"] = run(dirs, spec, PROMPTS, 16, target="deepseek")
+    return out
+
+
+def _without_plugin(call):
+    """Run ``call`` with vLLM's own proposer load_model (the plugin's hook put back to the original)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    patched = SpecDecodeBaseProposer.load_model
+    SpecDecodeBaseProposer.load_model = patched.__wrapped__
+    try:
+        return call()
+    finally:
+        SpecDecodeBaseProposer.load_model = patched
+
+
 def preemption(dirs):
     """Four requests in a KV cache of three 32-token blocks: vLLM preempts (and later resumes) requests."""
     prompts = [[5 + i, 17, 300 + i, 42, 99, 7 + i] for i in range(4)]
@@ -281,6 +306,6 @@ if __name__ == "__main__":
     os.environ["NANOSPEC_VLLM_HEAD"] = "compact"  # these heads are tiny: the cost model would keep them dense
     checkpoints = vllm_checkpoints.build(root / "checkpoints") | vllm_checkpoints.build_mtp(root / "checkpoints")
     scenarios = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export,
-                 "tensor_parallel": tensor_parallel}
+                 "tensor_parallel": tensor_parallel, "deepseek_mtp": deepseek_mtp}
     result = scenarios[scenario](checkpoints)
     (root / f"{scenario}.json").write_text(json.dumps(result))
