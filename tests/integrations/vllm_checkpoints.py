@@ -2,8 +2,9 @@
 
 vLLM's CPU attention needs ``head_dim >= 32``; an EAGLE-3 drafter of a small target needs
 ``eagle_aux_hidden_state_layer_ids`` without duplicates. No tokenizer: the tests pass token ids
-(``skip_tokenizer_init=True``). Plain torch + safetensors + json, no vLLM import, so the test
-process can build them before it starts the engine in a subprocess.
+(``skip_tokenizer_init=True``). Plain torch + safetensors + json (transformers' DeepSeek-V3 for
+:func:`build_deepseek_mtp`), no vLLM import, so the test process can build them before it starts the
+engine in a subprocess.
 """
 from __future__ import annotations
 
