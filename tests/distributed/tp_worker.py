@@ -450,16 +450,21 @@ def _compiled_drafter(rank: int, world: int, bias: bool = False):
     return model, torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
 
 
+def _fed_drafter(rank: int, world: int):
+    """A compiled drafter with a bias after one checked step of ``fed``: (model, compiled, fed, its state)."""
+    model, compiled = _compiled_drafter(rank, world, bias=True)
+    fed = torch.tensor([3, 50, 7, 90])
+    with torch.no_grad():
+        out = compiled(fed.view(1, 4))
+    return model, compiled, fed, _check_step(model, fed.view(1, 4), out, fed.tolist())
+
+
 def diverge(rank: int, world: int) -> dict:
     """Ranks whose collectives would stay in step but whose ids differ (a silent difference before), and local
     decisions taken on one rank only: each case ends in the same error on every rank, the group still usable,
     the sets unchanged and identical (or, where every rank takes the same decision, identical correct results)."""
     report = {}
-    model, compiled = _compiled_drafter(rank, world, bias=True)
-    fed = torch.tensor([3, 50, 7, 90])
-    with torch.no_grad():
-        out = compiled(fed.view(1, 4))
-    state = _check_step(model, fed.view(1, 4), out, fed.tolist())
+    model, compiled, fed, state = _fed_drafter(rank, world)
     before = state.token_ids().tolist()
     ids = torch.tensor([11, 60, 12, 70])
     report["reordered"] = _raised(lambda: state.observe(ids if rank == 0 else ids.flip(0)), RuntimeError)
@@ -535,11 +540,7 @@ def id_counts(rank: int, world: int) -> dict:
     from nanospec_fx.tensor_parallel import RanksDiverged, ShardedRequestVocabs, VocabShard
 
     report = {}
-    model, compiled = _compiled_drafter(rank, world, bias=True)
-    fed = torch.tensor([3, 50, 7, 90])
-    with torch.no_grad():
-        out = compiled(fed.view(1, 4))
-    state = _check_step(model, fed.view(1, 4), out, fed.tolist())
+    model, compiled, fed, state = _fed_drafter(rank, world)
     before = state.token_ids().tolist()
     report["drafter"] = _raised(lambda: state.observe(torch.arange(10, 13 + rank)), RanksDiverged)
     report["drafter_empty"] = _raised(lambda: state.observe(torch.arange(10, 10 + 2 * rank)), RanksDiverged)
