@@ -7,15 +7,8 @@ library when one is installed further down ``sys.path``, and is empty otherwise 
 would register the ``nanospec::*`` ops twice).
 """
 if __name__ == "nanospec_fx.kernels":
-    import types as _types
-
     from . import ops, reference
     from .dispatch import kernel_mode
-
-    # Transitional: tensor_parallel.py still calls the per-request observe by its old name; the one ``observe`` op
-    # takes ``rows`` last. Remove with that call site (issue 31).
-    ops_per_request = _types.SimpleNamespace(
-        observe_per_request=lambda token_ids, rows, *rest: ops.observe(token_ids, *rest, rows))
 
     __all__ = ["ops", "reference", "kernel_mode"]
 elif __name__ == "kernels":

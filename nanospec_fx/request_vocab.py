@@ -192,30 +192,33 @@ class RequestVocabs(VocabState):
             return
         self.refresh_if_stale()
         with torch.no_grad():
-            ops.observe(self._rows_of_tokens(tokens), self.weight, self.bias, *self.tensors(), self.num_pinned, rows)
+            ops.observe(token_ids=self._rows_of_tokens(tokens), weight=self.weight, bias=self.bias,
+                        **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
 
     # ----------------------------------------------------------------- head
     def compact_logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[..., capacity]: row i's logits over its request's slots (slot order), -inf past that request's count.
         ``rows``: the shape of x's leading dims; a row outside ``[0, max_requests)`` (padding) is all -inf."""
         self._before_head()
-        return ops.compact_logits(x, self.cache_w, self._cache_b(), self.cursor, self._rows(rows, x))
+        return ops.compact_logits(x=x, cache_w=self.cache_w, cache_b=self._cache_b(), cursor=self.cursor,
+                                  rows=self._rows(rows, x))
 
     def scatter(self, compact: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compact logits [..., capacity] -> [..., vocab_size], -inf at every token its request does not hold."""
         rows = self._rows(rows, compact)
-        return ops.scatter_logits(compact, self.ids, self.cursor, self.rows, rows)
+        return ops.scatter_logits(compact=compact, ids=self.ids, cursor=self.cursor, vocab_size=self.rows, rows=rows)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere (all
         -inf for a padding row, outside ``[0, max_requests)``)."""
         self._before_head()
-        return ops.head_logits(x, self.cache_w, self._cache_b(), self.ids, self.cursor, self.rows,
-                               self._rows(rows, x))
+        return ops.head_logits(x=x, cache_w=self.cache_w, cache_b=self._cache_b(), ids=self.ids, cursor=self.cursor,
+                               vocab_size=self.rows, rows=self._rows(rows, x))
 
     def topk_compact(self, compact: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of compact logits over each row's request's set -> (values [..., k], head rows [..., k])."""
-        return ops.compact_topk(compact, self.ids, self.cursor, k, largest, self._rows(rows, compact))
+        return ops.compact_topk(compact=compact, ids=self.ids, cursor=self.cursor, k=k, largest=largest,
+                                rows=self._rows(rows, compact))
 
     def topk(self, x: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of the head over each row's request's set, never building [..., V]. Ties: smaller id first;
@@ -227,7 +230,7 @@ class RequestVocabs(VocabState):
         """int64 [...]: the head row of the largest active logit of each row (ties: smaller; 0 for an empty set and
         for a padding row, outside ``[0, max_requests)``)."""
         compact = self.compact_logits(x, rows)
-        return ops.compact_argmax(compact, self.ids, self.cursor, self._rows(rows, compact))
+        return ops.compact_argmax(compact=compact, ids=self.ids, cursor=self.cursor, rows=self._rows(rows, compact))
 
     # ----------------------------------------------------------------- inspection (host reads)
     @property

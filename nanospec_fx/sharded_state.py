@@ -22,7 +22,7 @@ from nanospec_fx.collectives import (
     VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged, state_digest,
 )
 from nanospec_fx.consensus import store_exchange
-from nanospec_fx.kernels import ops, ops_per_request
+from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE
 from nanospec_fx.request_vocab import RequestVocabs
 from nanospec_fx.state import ActiveVocab, registered_state, state_for
@@ -260,8 +260,8 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
                                              state_digest(self.ids, self.cursor))
             raise_if_diverged(verdict.tolist(), self.shard)
             fetched = fetched[:head_rows.numel()]
-            ops_per_request.observe_per_request(token_ids=head_rows, rows=rows, weight=self.zero_rows, bias=None,
-                                                **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned)
+            ops.observe(token_ids=head_rows, weight=self.zero_rows, bias=None,
+                        **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
             write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
 
     def refresh(self) -> None:

@@ -323,7 +323,8 @@ class ActiveVocab(VocabState):
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            ops.observe(self.rows_of(token_ids), self.head_rows, self.bias, *self.tensors(), self.num_pinned)
+            ops.observe(token_ids=self.rows_of(token_ids), weight=self.head_rows, bias=self.bias,
+                        **dict(zip(STATE_TENSORS, self.tensors())), num_pinned=self.num_pinned)
 
     def _seed(self) -> None:
         if self.seed_ids is not None:

@@ -120,25 +120,24 @@ def _names_nanospec_ops(tree: ast.AST) -> list[int]:
 
 def test_no_module_names_a_nanospec_op_outside_the_builder():
     """passes/ builds op calls with op_call (by declared names); nanospec_fx/ calls the registered ops of
-    kernels.ops / kernels.ops_per_request. Neither reaches ``torch.ops.nanospec``, where a call is written by
+    kernels.ops. Neither reaches ``torch.ops.nanospec``, where a call is written by
     position (a traced ``torch.ops.nanospec.observe.default(x, w, ...)`` is what this once caught)."""
     for path in _package_modules():
         lines = _names_nanospec_ops(ast.parse(path.read_text(), str(path)))
         assert not lines, f"{path.relative_to(ROOT)}:{lines} names a nanospec op outside the builder"
 
 
-# Eager calls still written by position: the state's own op calls (kernels with a request axis are being reworked,
-# issue 31 item 2), and the timed calls of calibration and the head benchmarks. Nothing else may join this list.
-POSITIONAL_CALLERS = {"state.py", "request_vocab.py", "calibration.py", "head.py", "draft.py"}
+# Eager calls still written by position: the timed calls of calibration and the head benchmarks. Nothing else may
+# join this list.
+POSITIONAL_CALLERS = {"calibration.py", "head.py", "draft.py"}
 
 
 def _positional_op_calls(tree: ast.AST) -> list[int]:
-    """Lines of eager calls of a declared op (``ops.<op>(...)``, ``ops_per_request.<op>(...)``) with a positional
-    argument."""
-    declared = set(schema.OPS) | set(schema.REQUEST_OPS)
+    """Lines of eager calls of a declared op (``ops.<op>(...)``) with a positional argument."""
+    declared = set(schema.OPS)
     return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr in declared and isinstance(n.func.value, ast.Name)
-            and n.func.value.id in ("ops", "ops_per_request") and n.args]
+            and n.func.value.id == "ops" and n.args]
 
 
 def test_eager_op_calls_pass_their_arguments_by_name():
