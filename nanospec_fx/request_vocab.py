@@ -52,6 +52,10 @@ class RequestVocabs(VocabState):
             :func:`token_to_row_from_d2t`). Observed ids are token ids; logits, top-k and argmax are over head rows.
     """
 
+    #: Whether every observe is a collective every rank of a group must make (a sharded set): then an empty batch
+    #: still calls it, so a rank with nothing to observe meets the others instead of leaving them waiting.
+    observes_meet_the_ranks = False
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -181,8 +185,9 @@ class RequestVocabs(VocabState):
         if tokens.dim() not in (1, 2) or tokens.shape[0] != rows.numel():
             raise ValueError(f"token_ids must be [B] or [B, n] with B = {rows.numel()} (one entry of rows per batch "
                              f"row), got shape {tuple(tokens.shape)}")
-        if rows.numel():
-            rows, tokens = rows.to(self.device), tokens.to(self.device).reshape(rows.numel(), -1)
+        if rows.numel() or self.observes_meet_the_ranks:  # a sharded set's observe is a collective: every rank calls
+            tokens = tokens.reshape(rows.numel(), tokens.shape[1] if tokens.dim() == 2 else 1)
+            rows, tokens = rows.to(self.device), tokens.to(self.device)
             real = (rows >= 0) & (rows < self.max_requests)  # padding rows: nothing joins any request
             self._observe(torch.where(real, rows, torch.zeros_like(rows)),
                           torch.where(real[:, None], tokens, torch.full_like(tokens, -1)))

@@ -93,6 +93,7 @@ class AgreesOnRanks:
 
     shard: VocabShard
     _invalid = False
+    observes_meet_the_ranks = True
 
     def _check_range(self, tokens: torch.Tensor) -> None:
         try:
@@ -251,7 +252,7 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
         self.refresh_if_stale()
         flag = self._take_invalid()
         with torch.no_grad():
-            head_rows = self._rows_of_tokens(tokens).reshape(rows.numel(), -1)
+            head_rows = self._rows_of_tokens(tokens).reshape(tokens.shape)
             # the rows first (a checked all-reduce; the request rows join the check), then the bookkeeping: on a
             # divergence every rank raises with its sets unchanged
             checked = torch.cat([head_rows.reshape(-1), rows.reshape(-1).to(head_rows.dtype)])
@@ -259,10 +260,11 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
             fetched, verdict = fetch_checked(checked, self.weight.detach(), self.shard, flag,
                                              state_digest(self.ids, self.cursor))
             raise_if_diverged(verdict.tolist(), self.shard)
-            fetched = fetched[:head_rows.numel()]
-            ops.observe(token_ids=head_rows, weight=self.zero_rows, bias=None,
-                        **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
-            write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
+            if head_rows.numel():  # an empty batch took part in the collectives only
+                fetched = fetched[:head_rows.numel()]
+                ops.observe(token_ids=head_rows, weight=self.zero_rows, bias=None,
+                            **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
+                write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
 
     def refresh(self) -> None:
         """Re-copy every cached row from the owner shards (one ``[C, H]`` all-reduce per request row: on every

@@ -264,6 +264,8 @@ def test_ranks_that_observe_different_numbers_of_ids_all_raise_the_same_error():
     assert "different numbers of token ids" in first["drafter"] and "(rank 0: 3, rank 1: 4)" in first["drafter"]
     assert "(rank 0: 0, rank 1: 2)" in first["drafter_empty"]
     assert "(rank 0: 1 x 2, rank 1: 1 x 3)" in first["requests"]  # one request row of 2 or 3 ids
+    assert "(rank 0: 0 x" in first["requests_empty"] and "rank 1: 1 x 2)" in first["requests_empty"]  # an empty
+    # batch on rank 0 meets rank 1's observe (it used to return early: rank 1 waited until the timeout)
 
 
 @pytest.mark.slow

@@ -558,6 +558,11 @@ def id_counts(rank: int, world: int) -> dict:
     vocabs.observe("a", [5, 6])
     report["requests"] = _raised(lambda: vocabs.observe("a", list(range(20, 22 + rank))), RanksDiverged)
     assert vocabs.token_ids("a").tolist() == [5, 6], "no rank changed its set"
+    # a batch with no rows on rank 0 (its engine scheduled nothing) and one on rank 1: rank 0 still meets rank 1
+    report["requests_empty"] = _raised(
+        lambda: vocabs.observe_rows(torch.zeros(rank, dtype=torch.long), torch.full((rank, 2), 8)), RanksDiverged)
+    assert vocabs.token_ids("a").tolist() == [5, 6], "no rank changed its set"
+    vocabs.observe_rows(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long))  # empty on both
     vocabs.observe("a", [7])
     assert _all_equal(vocabs.token_ids("a").tolist()) and vocabs.token_ids("a").tolist() == [5, 6, 7]
     return report
