@@ -3,8 +3,9 @@
 Dynamo graphs call Python-level targets (``torch.clamp_``, ``"masked_fill_"`` methods,
 ``operator.setitem``, ``operator.itruediv``) rather than ATen overloads. Their effects are read
 from the ATen schemas of the same name (``aten::clamp_``: ``Tensor(a!) self``), plus the
-Python operators that have no schema. Anything unknown is assumed to alias its inputs, so the
-passes stay conservative (sound) on ops they have never seen.
+Python operators that have no schema. Anything unknown is assumed to alias its inputs and to write every
+tensor it receives (:func:`mutated_inputs`), so the passes stay conservative (sound) on calls they have never
+seen.
 
 Purity is an allow-list, the same direction: a node is removable when unused only if it is known to
 compute a value and do nothing else (:func:`is_pure`: an op whose schema neither writes nor is random
@@ -59,6 +60,10 @@ PURE_METHODS = {
     "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu", "cuda", "type",
     "type_as", "view_as", "reshape_as", "expand_as", "contiguous", "__getitem__", "new_tensor", "tolist",
 }
+# functorch's wrap/unwrap calls Dynamo emits around a transform's body (``torch._C._functorch`` or
+# ``torch._functorch.*``): they return a wrapper of their input and write nothing.
+FUNCTORCH_WRAPPERS = {"_add_batch_dim", "_remove_batch_dim", "_wrap_for_grad", "_unwrap_for_grad",
+                      "_wrap_functional_tensor", "_unwrap_functional_tensor"}
 # Namespaces whose Python-level functions are bindings of the ATen op of the same name (``torch.tanh``,
 # ``torch._C._nn.linear``, ``F.layer_norm``): their schema says whether they write or draw random numbers.
 SCHEMA_NAMESPACES = {
@@ -96,14 +101,29 @@ def _node_schemas(node: fx.Node) -> tuple:
 
 
 def mutated_inputs(node: fx.Node) -> list[fx.Node]:
-    """The input nodes ``node`` writes in place (``self`` of ``x.add_()``, ``out=``, setitem's target)."""
-    if node.op not in ("call_function", "call_method"):
+    """The input nodes ``node`` may write in place (``self`` of ``x.add_()``, ``out=``, setitem's target, the input
+    of ``F.relu(x, inplace=True)``).
+
+    The same direction as :func:`is_pure`: only calls whose effects are known are trusted, from their ATen schema
+    (tensor methods, OpOverloads, ``torch.*`` bindings) or from the lists above. Any other call - a Python function
+    allowed in the graph, a module call, a higher-order op, a binding with no schema of its name - may write every
+    tensor it receives (:func:`unknown_call`), so what relies on this (a weight or ids read after it, a logits
+    chain) takes its safe branch."""
+    if node.op not in ("call_function", "call_method", "call_module"):
         return []
     written: list[Any] = []
     if node.op == "call_function" and node.target in WRITING_OPERATORS:
         written.append(node.args[0])
-    elif node.op == "call_function" and node.target in PURE_PYTHON:
+    elif node.op == "call_function" and (node.target in PURE_PYTHON or node.target in PURE_BUILTINS):
+        if node.args and _in_place_flag(node):
+            written.append(node.args[0])
+        if node.target is torch.nn.functional.embedding and node.kwargs.get(
+                "max_norm", node.args[3] if len(node.args) > 3 else None) is not None:
+            written.append(node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None))
+    elif node.op == "call_method" and node.target in PURE_METHODS:
         pass
+    elif unknown_call(node):
+        written.extend(n for n in node.all_input_nodes if not isinstance(_value(n), NOT_TENSORS))
     else:
         for schema in _node_schemas(node):
             for i, arg in enumerate(schema.arguments):
@@ -119,12 +139,44 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
                     written.append(node.kwargs[arg.name])
         if "out" in node.kwargs:
             written.append(node.kwargs["out"])
+        if node.op == "call_function" and node.args and _in_place_flag(node):
+            written.append(node.args[0])
     nodes: list[fx.Node] = []
     for w in written:
         for n in (w if isinstance(w, (tuple, list)) else (w,)):
             if isinstance(n, fx.Node) and n not in nodes:
                 nodes.append(n)
     return nodes
+
+
+NOT_TENSORS = (int, float, bool, str, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device)
+
+
+def _value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def unknown_call(node: fx.Node) -> bool:
+    """A call whose effects nanospec cannot read: not an ATen op, a tensor method or a ``torch.*`` binding with a
+    schema of its name, nor a known pure Python target (a function allowed in the graph, a module call, a
+    higher-order op such as ``torch.cond``)."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target not in PURE_METHODS and not _schemas(node.target)
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in WRITING_OPERATORS or target in PURE_PYTHON or target in PURE_BUILTINS:
+        return False
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    if getattr(target, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):  # ``torch.Tensor.add_``
+        return not _schemas(target.__name__)
+    module = getattr(target, "__module__", None) or ""
+    if module.startswith(("torch._C._functorch", "torch._functorch")) and _op_name(node) in FUNCTORCH_WRAPPERS:
+        return False
+    return not (module in SCHEMA_NAMESPACES and _schemas(_op_name(node) or ""))
 
 
 @functools.lru_cache(maxsize=None)

@@ -241,6 +241,11 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
     params |= {n for n in graph.nodes if patterns.transposed_weight(n) in params}  # W.t() of a [H, V] head: W itself
     for node in graph.nodes:
         written = set(effects.mutated_inputs(node)) & params
+        if written and effects.unknown_call(node):
+            return (f"{describe(node)} ({where(node)}) receives the head's weight and is a call nanospec cannot see "
+                    "into (no op schema: a function allowed in the graph, a module or higher-order call), so it may "
+                    "write the weight in place after the active rows were cached. Call it outside the compiled "
+                    "function, or pass it something other than the head's weight")
         if written or any(lk.writes_table and lk.table in params for lk in _lookups_at(node)):
             return (f"{describe(node)} ({where(node)}) writes the head's weight in place (an embedding with max_norm "
                     "tied to the head renormalises the rows it looks up); untie them or drop max_norm")

@@ -101,6 +101,16 @@ EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
 # of its own (its own ActiveVocab); the oracle masks head i's output with ``extra_masks[i]`` (bool over the rows, or
 # None where that head runs dense), which the fuzzer sets from head i's state before each eager call.
 EXTRA_HEADS = (0, 1, 2)
+# -- issue 32, items 1, 2, 8: a second token lookup in one call (the same table with other ids, or another table with
+# as many rows), fed ``ids2``; a call that raises after valid ids (``bad_inputs``: one invalid id, last, in ``ids`` or
+# ``ids2``: the fuzzer checks that every state is exactly as before it); a pruned head over a draft vocabulary
+# (EAGLE-3: ``[R, H]`` head rows, a ``d2t`` buffer, the embedding ``V > R`` target ids), compiled without the option
+# ("buffer": dense with a warning) or with ``draft_to_target`` ("option": rewritten, the oracle maps head row i to
+# target token ``i + d2t[i]``).
+SECOND_LOOKUPS = ("", "same_table", "other_table")
+BAD_CALLS = ("", "pad", "past_table")
+D2T = ("", "buffer", "option")
+D2T_HEADS = ("linear", "matmul_bias", "einsum", "buffer")
 
 MODES = ("inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward")
 GRAD_MODES = ("grad", "enable_grad_inside")  # outputs carry gradients to the (trainable) body
@@ -140,6 +150,10 @@ class Recipe:
     draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
     extra_heads: int = 0       # several heads: more nn.Linear(H, V) heads on the head's input, see EXTRA_HEADS
     head_vmap: bool = False    # the head projection under torch.vmap over the batch: dense, with one warning
+    second_lookup: str = ""    # SECOND_LOOKUPS: a second token lookup of ``ids2`` in the body
+    bad_call: str = ""         # BAD_CALLS: after the first call, a call with one invalid id (eager raises)
+    bad_at: str = "ids"        # which input holds it: "ids" or "ids2"
+    d2t: str = ""              # D2T: the head has ``head_rows`` rows over a draft vocabulary of the embed_rows ids
 
     @property
     def head_rows(self) -> int:
@@ -240,6 +254,13 @@ class FuzzDrafter(nn.Module):
             self.register_buffer("id_buf", torch.zeros(4, 8, dtype=torch.int64), persistent=False)
         if r.position:
             self.pos = nn.Embedding(16, H)
+        if r.second_lookup == "other_table":
+            self.embed2 = nn.Embedding(r.embed_rows, H)
+            with torch.no_grad():
+                self.embed2.weight.copy_(randn(r.embed_rows, H))
+        if r.d2t:  # EAGLE-3: head row i predicts target id targets[i] = i + d2t[i] (a sorted draft vocabulary)
+            targets = torch.randperm(r.embed_rows, generator=g)[:Vh].sort().values
+            self.register_buffer("d2t", targets - torch.arange(Vh))
         width = Vh if "mlp_vocab_width" in r.body else 2 * H
         self.up = nn.Linear(H, width)
         self.down = nn.Linear(width, H)
@@ -337,10 +358,14 @@ class FuzzDrafter(nn.Module):
             return self.lm_head.parametrizations.weight.original
         return None
 
+    def draft_targets(self) -> torch.Tensor:
+        """The target id of each head row (``d2t`` recipes)."""
+        return torch.arange(self.d2t.numel()) + self.d2t
+
     def fed_ids(self, inputs: dict, outputs=None) -> torch.Tensor:
         """Every token id one call embeds (the contract's fed ids), from its inputs and outputs."""
         r = self.recipe
-        parts = [inputs["ids"].flatten()]
+        parts = [inputs["ids"].flatten()] + ([inputs["ids2"].flatten()] if "ids2" in inputs else [])
         if r.lookup == "python_ids":
             parts.append(torch.tensor(self.special))
         if r.draft_steps and outputs is not None:
@@ -410,9 +435,12 @@ class FuzzDrafter(nn.Module):
             return torch.cond(ids.sum() >= 0, _lookup_true, _lookup_false, (ids, W))
         raise ValueError(f"unknown lookup {kind!r}")
 
-    def _body(self, ids: torch.Tensor) -> torch.Tensor:
+    def _body(self, ids: torch.Tensor, ids2: torch.Tensor | None = None) -> torch.Tensor:
         r = self.recipe
         h = self._lookup(ids)
+        if r.second_lookup:
+            table = self.embed2 if r.second_lookup == "other_table" else self.embed
+            h = h + table(ids2).mean(-2, keepdim=True)
         if r.position:
             h = h + self.pos(torch.arange(ids.shape[-1], device=ids.device))
         for op in r.body:
@@ -462,7 +490,8 @@ class FuzzDrafter(nn.Module):
         self._break(kind, z)
 
     # ----------------------------------------------------------------- forward
-    def forward(self, ids, prev_hidden=None, noise=None, future=None, prefill=False, _mask=None, _record=None):
+    def forward(self, ids, prev_hidden=None, noise=None, future=None, ids2=None, prefill=False, _mask=None,
+                _record=None):
         r = self.recipe
         with contextlib.ExitStack() as stack:
             if r.mode == "enable_grad_inside":
@@ -470,20 +499,20 @@ class FuzzDrafter(nn.Module):
             elif r.mode == "no_grad_forward":
                 stack.enter_context(torch.no_grad())
             if prefill:  # a prefill call: embeds the prompt, scores nothing
-                return self._body(ids)
+                return self._body(ids, ids2)
             if r.draft_steps:
-                return self._draft_loop(ids, future, _mask, _record)
-            return self._forward(ids, prev_hidden, noise, _mask, _record)
+                return self._draft_loop(ids, ids2, future, _mask, _record)
+            return self._forward(ids, ids2, prev_hidden, noise, _mask, _record)
 
     def _masker(self, mask):
         def read(t):  # a chain tensor read by something outside the chain: -inf at inactive tokens
             return t if mask is None else t.masked_fill(~mask[: t.shape[-1]], float("-inf"))
         return read
 
-    def _draft_loop(self, ids, future, mask, record):
+    def _draft_loop(self, ids, ids2, future, mask, record):
         r = self.recipe
         read = self._masker(mask)
-        x = self._body(ids)[:, -1:]
+        x = self._body(ids, ids2)[:, -1:]
         tokens, z = [], None
         for i in range(r.draft_steps):
             z = read(self._head(x) / 0.7)  # chain: temperature; read by argmax and by the output
@@ -494,7 +523,7 @@ class FuzzDrafter(nn.Module):
             record += [("values", None, None), ("values", None, None)]
         return torch.cat(tokens, 1), z
 
-    def _forward(self, ids, prev_hidden, noise, mask, record):
+    def _forward(self, ids, ids2, prev_hidden, noise, mask, record):
         r = self.recipe
         outputs: list = []
         read = self._masker(mask)
@@ -505,9 +534,9 @@ class FuzzDrafter(nn.Module):
             self._extra_heads(x, outputs, record)
             if r.head_break:
                 self._break(r.head_break, read(z) if in_chain else z)
-            h = self._body(ids)
+            h = self._body(ids, ids2)
         else:
-            h = self._body(ids)
+            h = self._body(ids, ids2)
             if r.head_break:
                 self._break(r.head_break, h)
             z = torch.vmap(self._head)(h) if r.head_vmap else self._head(h)
@@ -761,6 +790,22 @@ def make_inputs(recipe: Recipe, call: int) -> dict:
         inputs["noise"] = -torch.log(-torch.log(u))
     if recipe.draft_steps and recipe.draft_feed == "input":
         inputs["future"] = torch.randint(0, recipe.vocab, (recipe.batch, recipe.draft_steps), generator=g)
+    if recipe.second_lookup:
+        inputs["ids2"] = torch.randint(0, recipe.vocab, (recipe.batch, 2), generator=g)
+    return inputs
+
+
+def bad_inputs(recipe: Recipe) -> dict:
+    """The first call's inputs with the last id of ``bad_at`` replaced by one no lookup of it can read: a ``-1`` pad
+    (``-embed_rows - 1`` for ``W[ids]``, which reads ``W[-1]``) or an id past the table."""
+    inputs = make_inputs(recipe, 0)
+    key = recipe.bad_at if recipe.second_lookup else "ids"
+    bad = inputs[key].clone()
+    if recipe.bad_call == "pad":
+        bad.view(-1)[-1] = -recipe.embed_rows - 1 if recipe.lookup == "index" and key == "ids" else -1
+    else:
+        bad.view(-1)[-1] = recipe.embed_rows + 2
+    inputs[key] = bad
     return inputs
 
 
@@ -895,6 +940,11 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
     chain = () if draft_steps else draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
     extra_heads = 0 if draft_steps or draw(st.integers(0, 5)) else draw(st.sampled_from(EXTRA_HEADS[1:]))
+    second_lookup = draw(st.sampled_from(SECOND_LOOKUPS + ("",) * 4))
+    bad_call = draw(st.sampled_from(BAD_CALLS + ("",) * 3))
+    d2t = draw(st.sampled_from(D2T + ("",) * 10)) if head in D2T_HEADS else ""
+    if d2t:  # a draft vocabulary of head_rows target ids among embed_rows: an untied head, no padding, no extra heads
+        head_pad, embed_pad, extra_heads = 0, draw(st.sampled_from([16, 40])), 0
     if draft_steps:
         dtype, autocast, capacity = "float32", False, 512  # argmax fed back: no near ties, no eviction inside a call
     seq = draw(st.integers(1, 4))
@@ -913,4 +963,6 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
         extra_heads=extra_heads,
         head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
+        second_lookup=second_lookup, bad_call=bad_call,
+        bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,
     )

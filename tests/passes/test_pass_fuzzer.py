@@ -36,7 +36,9 @@ from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from fuzz_drafters import GRAD_MODES, FuzzDrafter, Recipe, compute_dtype, make_inputs, recipes  # noqa: E402
+from fuzz_drafters import (  # noqa: E402
+    GRAD_MODES, FuzzDrafter, Recipe, bad_inputs, compute_dtype, make_inputs, recipes,
+)
 from nanospec_fx.backend import NanoSpecWarning  # noqa: E402
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
@@ -337,11 +339,18 @@ def _judge_one_call(judge: Judgement, model, compiled, twin, recipe: Recipe, inp
     else:
         try:
             weight = model.head_weight()
-            if state.vocab_size != recipe.head_rows or (weight is not None and state.weight is not weight):
+            mapped = recipe.d2t == "option"  # token ids are target ids; head row i is target id draft_targets()[i]
+            if state.vocab_size != (recipe.embed_rows if mapped else recipe.head_rows) or (
+                    weight is not None and state.weight is not weight):
                 raise Mismatch(f"{what}: the ActiveVocab is not the head's (its weight is {tuple(state.weight.shape)}, "
                                f"the head's {(recipe.head_rows, recipe.hidden)})")
-            _fed_ids_active(state, want)
-            oracle(state.contains(torch.arange(state.vocab_size)), "oracle", judge.problems)
+            if mapped:  # fed target ids with no head row cannot be active
+                targets = model.draft_targets()
+                _fed_ids_active(state, want[torch.isin(want, targets)])
+                oracle(state.contains(targets), "oracle", judge.problems)
+            else:
+                _fed_ids_active(state, want)
+                oracle(state.contains(torch.arange(state.vocab_size)), "oracle", judge.problems)
         except Mismatch as exc:
             judge.problems.append(str(exc))
     oracle(None, "dense", judge.dense_problems)
@@ -360,8 +369,44 @@ def _validate(twin, recipe: Recipe, inputs: dict) -> None:
 
 
 def _compile(model, recipe: Recipe, options: dict | None):
+    extra = {}
+    if recipe.d2t == "option":  # what the warning of a "buffer" recipe tells to pass
+        extra = {"draft_to_target": model.draft_targets(), "target_vocab_size": recipe.embed_rows}
     return torch.compile(model, backend="nanospec",
-                         options={"inductor": False, "capacity": recipe.capacity, **(options or {})})
+                         options={"inductor": False, "capacity": recipe.capacity, **extra, **(options or {})})
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
+
+
+def _judge_bad_call(judge: Judgement, model, compiled, twin, recipe: Recipe, reproduce: str) -> None:
+    """A call with one invalid id after valid ones (``bad_inputs``) that eager rejects: whether the compiled call raises
+    too or not (a compiled graph may skip reading an id it never needs), every state is exactly as it was before."""
+    inputs = bad_inputs(recipe)
+    twin.load_state_dict(_snapshot(model))
+    try:
+        _eager(twin, inputs, recipe)
+        return  # eager runs it (``torch.take`` wraps a negative index): not a rejected call
+    except Exception:  # noqa: BLE001 - the rejection this check is about
+        pass
+    states = [s for s in [_state(model), *_extra_states(model)] if s is not None]
+    before = [[t.clone() for t in s.tensors()] for s in states]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with _context(recipe):
+                torch.manual_seed(recipe.seed)
+                compiled(**inputs)
+        except Exception:  # noqa: BLE001 - eager raises too
+            pass
+    judge.warned += [str(w.message) for w in caught if issubclass(w.category, NanoSpecWarning)]
+    for i, (s, snap) in enumerate(zip(states, before)):
+        if not all(_same(t, c) for t, c in zip(s.tensors(), snap)):
+            raise AssertionError(f"SILENT: a call eager rejects ({recipe.bad_call} in {recipe.bad_at}) changed active "
+                                 f"set {i} ({s!r})\nreproduce: {reproduce}")
 
 
 def run_case(recipe: Recipe, options: dict | None = None) -> str:
@@ -377,6 +422,8 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
             _judge_call(judge, model, compiled, twin, recipe, inputs, f"call {call}")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nreproduce: run_case({recipe!r})") from None
+        if call == 0 and recipe.bad_call:
+            _judge_bad_call(judge, model, compiled, twin, recipe, f"run_case({recipe!r})")
         state = _state(model)
         if call == 0 and state is not None and recipe.extra_active:
             g = torch.Generator().manual_seed(recipe.seed + 99)
@@ -392,6 +439,7 @@ class Scenario:
     (torch._dynamo.reset()), or "save:<how>" (torch_save, deepcopy, pickle, state_dict_keep_vars, weight)."""
     drafters: tuple
     schedule: tuple
+    shared_embedding: bool = False  # every drafter whose table has drafter 0's shape uses drafter 0's nn.Embedding
 
 
 SAVES = ("torch_save", "deepcopy", "pickle", "state_dict_keep_vars", "weight")
@@ -420,6 +468,9 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
     drafter since the last reset must be active). Returns "matched" or "dense (warned: ...)"; raises on failure."""
     models = [FuzzDrafter(r) for r in scenario.drafters]
     twins = [FuzzDrafter(r) for r in scenario.drafters]
+    if scenario.shared_embedding:
+        _share_embedding(models)
+        _share_embedding(twins)
     for twin, r in zip(twins, scenario.drafters):
         _validate(twin, r, make_inputs(r, 0))
     torch._dynamo.reset()
@@ -462,6 +513,19 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
     return next((v for v in verdicts if v != "matched"), "matched")
 
 
+def _share_embedding(models: list) -> None:
+    """Drafters sharing one ``nn.Embedding`` (drafters on the target's embedding, two heads of one table): each drafter
+    whose table has drafter 0's shape and dtype takes drafter 0's module (a tied head its weight too)."""
+    base = models[0].embed
+    for m in models[1:]:
+        if (m.embed.weight.shape != base.weight.shape or m.embed.weight.dtype != base.weight.dtype
+                or m.recipe.lookup == "max_norm" or models[0].recipe.lookup == "max_norm"):
+            continue
+        m.embed = base
+        if m.recipe.head == "linear_tied":
+            m.lm_head.weight = base.weight
+
+
 @st.composite
 def scenarios(draw, max_steps: int = 3) -> Scenario:
     """Two or three drafters: instances of one recipe (other seeds) and/or other recipes, called alternately."""
@@ -482,7 +546,7 @@ def scenarios(draw, max_steps: int = 3) -> Scenario:
         if action == "save":
             action = "save:" + draw(st.sampled_from(SAVES))
         schedule.append((i, action))
-    return Scenario(drafters=tuple(drafters), schedule=tuple(schedule))
+    return Scenario(drafters=tuple(drafters), schedule=tuple(schedule), shared_embedding=draw(st.booleans()))
 
 
 # ----------------------------------------------------------------------------- the fuzz tests
@@ -560,6 +624,71 @@ def test_fuzz_triton_interpreter(recipe):
         event(run_case(recipe).split(" (")[0])
 
 
+# ------------------------------------------------------------------- per-request calls with mismatched shapes
+@st.composite
+def request_calls(draw):
+    """A RequestVocabs with some requests, then ``observe_rows(rows, token_ids)`` or a head call ``logits(x, rows)``
+    whose rows / ids / x shapes and dtypes may disagree (a batch row too many or too few, ``[n, B]`` for ``[B, n]``,
+    3-D ids, 2-D rows, float or bool rows)."""
+    b = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 3))
+    rows_shape = draw(st.sampled_from([(b,)] * 4 + [(b, 1), (1, b), ()]))
+    rows_dtype = draw(st.sampled_from(["int64"] * 4 + ["int32", "float32", "bool"]))
+    # mismatches a reshape would accept ([n, B], [B * n], [B * n, 1]) are the silent ones
+    ids_shape = draw(st.sampled_from([(b, n), (b, n), (b,), (n, b), (b * n,), (b * n, 1), (b + 1, n),
+                                      (max(b - 1, 0), n), (b, n, 1), ()]))
+    head_call = draw(st.booleans())
+    x_lead = draw(st.sampled_from([rows_shape, rows_shape, (b + 1,), (b, 2)]))
+    return b, n, rows_shape, rows_dtype, ids_shape, head_call, x_lead, draw(st.integers(0, 2**16))
+
+
+def run_request_call(case) -> str:
+    """The call must raise ``TypeError``/``ValueError`` and leave every tensor as it was exactly when the oracle (written
+    here from the documented shapes, not from the code) says the shapes or dtypes disagree; otherwise it runs, and
+    each request holds the ids of its own batch rows and none of another request's."""
+    b, n, rows_shape, rows_dtype, ids_shape, head_call, x_lead, seed = case
+    g = torch.Generator().manual_seed(seed)
+    V, H, R = 30, 8, 4
+    vocabs = nanospec_fx.RequestVocabs(torch.randn(V, H, generator=g), max_requests=R, capacity=16)
+    for i in range(R):
+        vocabs.assign(i)
+    rows = torch.randint(0, R, rows_shape, generator=g)
+    rows = rows.to(getattr(torch, rows_dtype)) if rows_dtype != "bool" else rows > 1
+    integer_rows = rows_dtype in ("int64", "int32")
+    if head_call:
+        x = torch.randn(*x_lead, H, generator=g)
+        valid = integer_rows and tuple(rows.shape) == tuple(x_lead)
+        call = lambda: vocabs.logits(x, rows)  # noqa: E731
+    else:
+        ids = torch.randint(0, V, ids_shape, generator=g)
+        valid = integer_rows and len(rows_shape) == 1 and len(ids_shape) in (1, 2) and ids_shape[0] == rows_shape[0]
+        call = lambda: vocabs.observe_rows(rows, ids)  # noqa: E731
+    before = [t.clone() for t in vocabs.tensors()]
+    if not valid:
+        with pytest.raises((TypeError, ValueError)):
+            call()
+        if not all(_same(t, c) for t, c in zip(vocabs.tensors(), before)):
+            raise AssertionError(f"a rejected per-request call changed the state: {case}")
+        return "rejected"
+    call()
+    if not head_call:
+        given = {r: set() for r in range(R)}
+        for r, tokens in zip(rows.tolist(), ids.reshape(rows.numel(), -1).tolist()):
+            given[r] |= set(tokens)
+        for r in range(R):
+            held = set(vocabs.token_ids(r).tolist())
+            if held != given[r]:
+                raise AssertionError(f"request {r} holds {sorted(held)}, its batch rows gave {sorted(given[r])}: {case}")
+    return "ran"
+
+
+@_settings(ci=40)
+@given(request_calls())
+def test_fuzz_request_shapes(case):
+    """Per-request entry points: a shape or dtype mismatch raises and changes nothing (no host sync needed)."""
+    event(run_request_call(case))
+
+
 # ----------------------------------------------------------------------------- shrinking
 def _run(case, options=None) -> str:
     return run_scenario(case, options) if isinstance(case, Scenario) else run_case(case, options)
@@ -602,7 +731,7 @@ def _smaller_recipes(recipe: Recipe) -> list:
 def _smaller(case) -> list:
     if not isinstance(case, Scenario):
         return _smaller_recipes(case)
-    out = []
+    out = [dataclasses.replace(case, shared_embedding=False)] if case.shared_embedding else []
     s = case.schedule
     out += [dataclasses.replace(case, schedule=s[:i] + s[i + 1:]) for i in range(len(s))]
     for j in range(len(case.drafters)):
