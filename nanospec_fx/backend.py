@@ -166,23 +166,27 @@ def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, conf
     diagnosis.record_dense(_held_tensors(gm, example_inputs), said)
     if compiled is None:
         compiled = _compile(gm, example_inputs, opts, config_patches)
-    position = next(iter(_weight_positions(gm, example_inputs)), None)
-    return _DenseCall(compiled, said, position, example_inputs[position]) if said and position is not None else compiled
+    positions = _weight_positions(gm, example_inputs)
+    return _DenseCall(compiled, said, positions, example_inputs) if said and positions else compiled
 
 
 class _DenseCall:
     """A graph that runs a head dense, shared by several instances of one class (Dynamo compiles it once):
-    each instance that runs it (told apart by its first parameter or buffer) is told so once."""
+    each instance that runs it is told so once. An instance is told apart by its parameters and buffers, all of
+    them: two drafters may share some (one ``nn.Embedding``), so a call with any tensor not seen before is another
+    model's."""
 
-    def __init__(self, compiled: Callable, said: list[str], position: int, first: torch.Tensor):
-        self.compiled, self.said, self.position = compiled, said, position
-        self.seen = WeakIdKeyDictionary({first: True})  # by identity: tensors compare by value
+    def __init__(self, compiled: Callable, said: list[str], positions: list[int], example_inputs: list):
+        self.compiled, self.said, self.positions = compiled, said, positions
+        # by identity: tensors compare by value
+        self.seen = WeakIdKeyDictionary({example_inputs[i]: True for i in positions})
 
     def __call__(self, *args: Any) -> Any:
-        key = args[self.position]
-        if key not in self.seen:
-            self.seen[key] = True
-            diagnosis.record_dense([key], self.said)
+        held = [args[i] for i in self.positions]
+        if any(t not in self.seen for t in held):
+            for t in held:
+                self.seen[t] = True
+            diagnosis.record_dense(held, self.said)
             for message in self.said:
                 warn_once(f"{message} (another model runs this compiled graph: the same holds for it)", stacklevel=2)
         return self.compiled(*args)

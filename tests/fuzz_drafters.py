@@ -369,8 +369,15 @@ class FuzzDrafter(nn.Module):
         if r.lookup == "python_ids":
             parts.append(torch.tensor(self.special))
         if r.draft_steps and outputs is not None:
-            parts.append((outputs[0] if isinstance(outputs, tuple) else outputs).flatten())
+            parts.append(self._target_ids(outputs[0] if isinstance(outputs, tuple) else outputs).flatten())
         return torch.cat(parts)
+
+    def _target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A draft loop's tokens as the ids it feeds back: head rows over a draft vocabulary are mapped to their target
+        ids (``tok + d2t[tok]``, as EAGLE-3 does before embedding them; feeding a head row as a target id would
+        activate rows that earlier steps of the call did not see, which the fuzzer's end-of-call oracle cannot
+        follow); token ids otherwise."""
+        return tokens + self.d2t[tokens] if self.recipe.d2t else tokens
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         r = self.recipe
@@ -518,7 +525,7 @@ class FuzzDrafter(nn.Module):
             z = read(self._head(x) / 0.7)  # chain: temperature; read by argmax and by the output
             tok = z.argmax(-1) if r.draft_feed == "argmax" else future[:, i: i + 1]
             tokens.append(tok)
-            x = x + self._lookup(tok)
+            x = x + self._lookup(self._target_ids(tok))
         if record is not None:
             record += [("values", None, None), ("values", None, None)]
         return torch.cat(tokens, 1), z

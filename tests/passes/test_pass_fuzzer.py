@@ -782,6 +782,7 @@ def main(argv: list[str]) -> None:
     seen: set = set()
     flavour = argv[2] if len(argv) > 2 else "reference"
     budget = float(argv[3]) if len(argv) > 3 else float("inf")
+    show = os.environ.get("NANOSPEC_FUZZ_SHOW")
 
     class _OutOfTime(Exception):
         pass
@@ -805,7 +806,10 @@ def main(argv: list[str]) -> None:
                 verdict = _run(case, options)
             stats[verdict.split(" ")[0]] += 1
             if verdict.startswith("dense"):
-                reasons[verdict[len("dense (warned: "):].removeprefix("nanospec: ")[:60]] += 1
+                reason = verdict[len("dense (warned: "):].removeprefix("nanospec: ")
+                reasons[reason[:60]] += 1
+                if show and show in reason:  # NANOSPEC_FUZZ_SHOW=TEXT: the cases dense for a reason, to study them
+                    print(f"--- dense: {reason[:200]}\n{case!r}\n", flush=True)
         except AssertionError as exc:
             stats["FAIL"] += 1
             if str(exc).startswith("SILENT"):

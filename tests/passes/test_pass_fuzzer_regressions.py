@@ -286,6 +286,16 @@ SCENARIOS = {
                                            schedule=((0, "call"), (0, f"save:{how}"), (0, "call"))), _SAVE)
        for how in ("torch_save", "pickle", "state_dict_keep_vars", "weight")},
     "deepcopy_after_call": (Scenario(drafters=(R(),), schedule=((0, "call"), (0, "save:deepcopy"), (0, "call"))), ()),
+    # found by a long run: two drafters sharing one nn.Embedding run one compiled graph whose head is dense (a lookup
+    # inside torch.cond); the second was told apart by its first parameter, the shared table, so it was never warned
+    "two_instances_sharing_an_embedding_dense_head": (Scenario(
+        drafters=(R(lookup="cond"), R(lookup="cond", seed=5)), schedule=((0, "call"), (1, "call")),
+        shared_embedding=True), ()),
+    # found by a long run (a fuzzer defect, not the pass's): a draft loop over a draft vocabulary fed its head rows
+    # back as target ids; the generator now maps them through d2t first, as EAGLE-3 does
+    "draft_loop_over_a_draft_vocabulary": (Scenario(drafters=(R(
+        vocab=183, hidden=8, body=(), embed_pad=16, batch=2, seq=1, seq2=1, draft_steps=3, second_lookup="other_table",
+        d2t="option"),), schedule=((0, "call"),)), ()),
 }
 
 
