@@ -2,48 +2,18 @@
 plain greedy, sampling that keeps the target's distribution (chi-square), a reset set per request."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.modeling_layers import MtpModel  # noqa: E402
 
 import nanospec_fx  # noqa: E402
+from nanospec_fx.eval.loaders import tiny_mtp_checkpoint  # noqa: E402
 from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
 from nanospec_fx.testing import chi_square_test, sequence_distribution  # noqa: E402
 
 V = 500
-
-
-def checkpoint(path, kind):
-    torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=2,
-                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                  num_mtp_layers=1, max_position_embeddings=128, pad_token_id=0, bos_token_id=None,
-                  eos_token_id=None, initializer_range=0.2, dtype="float32")
-    if kind == "deepseek_v3":
-        config = transformers.DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=61, num_key_value_heads=2,
-                                               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                               v_head_dim=8, **common)
-        model = transformers.DeepseekV3ForCausalLM(config)
-    else:
-        config = transformers.Glm4MoeConfig(num_hidden_layers=46, first_k_dense_replace=46, num_key_value_heads=1,
-                                            head_dim=16, **common)
-        model = transformers.Glm4MoeForCausalLM(config)
-    model.save_pretrained(path)
-    mtp = MtpModel(model, 1)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    n = config.num_hidden_layers
-    for key, value in mtp.state_dict().items():
-        if not key.startswith(("shared_head", "embed_tokens")):
-            torch.nn.init.normal_(value, std=0.2) if value.dim() > 1 else None
-            tensors[key.replace("layers.0.mtp_block.", "layers.0.").replace("layers.0.", f"model.layers.{n}.")] = \
-                value.contiguous()
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
@@ -52,7 +22,7 @@ def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path):
     torch.set_num_threads(1)
     try:
         torch._dynamo.reset()
-        target = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(tmp_path / kind, kind)).eval()
+        target = transformers.AutoModelForCausalLM.from_pretrained(tiny_mtp_checkpoint(tmp_path / kind, kind, vocab_size=V)).eval()
         ids = torch.randint(1, V, (1, 8), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             plain = target.generate(ids, max_new_tokens=10, do_sample=False)
