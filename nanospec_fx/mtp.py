@@ -25,8 +25,6 @@ import threading
 
 import torch.nn as nn
 
-from nanospec_fx.integrations import attach
-
 _LOCK = threading.Lock()
 
 
@@ -54,10 +52,11 @@ def is_dflash_drafter(drafter: nn.Module) -> bool:
             and getattr(config, "mask_token_id", None) is not None)
 
 
-def mtp_pair(target: nn.Module, mtp: nn.Module | None = None, *, observe_topk: int = 3, inductor: bool = True,
+def mtp_pair(target: nn.Module, state, mtp: nn.Module | None = None, *, observe_topk: int = 3, inductor: bool = True,
              **vocab_options):
     """Compile ``target``'s MTP layers (``MtpModel.from_pretrained(target)``, or ``mtp``) with nanospec in place
-    and make ``target.generate(..., use_mtp=True)`` draft with them; returns the head's ActiveVocab."""
+    and make ``target.generate(..., use_mtp=True)`` draft with them; ``state``: the ActiveVocab of the target's head
+    (``nanospec_fx.attach(target)``), returned. Called by ``nanospec_fx.speculative_pair(target, mtp=True)``."""
     from transformers.modeling_layers import MtpModel
 
     if mtp is None:
@@ -66,22 +65,21 @@ def mtp_pair(target: nn.Module, mtp: nn.Module | None = None, *, observe_topk: i
     elif not isinstance(mtp, MtpModel):
         raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
                         f"got {type(mtp).__name__}")
-    state = attach(target, **vocab_options)
     mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": "shared_head.weight"})
     _drafters(target)["mtp"] = (mtp, state, observe_topk)
     target._nanospec_mtp = mtp
     return state
 
 
-def dflash_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, inductor: bool = True,
+def dflash_pair(target: nn.Module, drafter: nn.Module, state, *, observe_topk: int = 3, inductor: bool = True,
                 **vocab_options):
     """Make ``target.generate(..., assistant_model=drafter, speculation_type="dflash")`` score the drafter's block
     with a compact head (a :class:`SharedHead` over the target's output embedding, compiled in place); the drafter
-    itself is left as it is. Returns the head's ActiveVocab."""
+    itself is left as it is. ``state``: the target head's ActiveVocab, returned. Called by
+    ``nanospec_fx.speculative_pair(target, drafter)`` for a DFlash drafter."""
     if not is_dflash_drafter(drafter):
         raise TypeError(f"{type(drafter).__name__} is not a DFlash drafter (its config needs target_layer_ids, "
                         "block_size and mask_token_id)")
-    state = attach(target, **vocab_options)
     head = SharedHead(target.get_output_embeddings())
     head.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": "head.weight"})
     _drafters(target)["dflash"] = (drafter, head, state, observe_topk)

@@ -68,7 +68,8 @@ def speculative_pair(target: nn.Module, drafter: nn.Module | None = None, *, mtp
         from nanospec_fx.mtp import mtp_pair
 
         _check_not_wrapped(target, "speculative_pair")
-        return mtp_pair(target, None if mtp is True else mtp, observe_topk=observe_topk, inductor=inductor,
+        state = attach(target, **vocab_options)
+        return mtp_pair(target, state, None if mtp is True else mtp, observe_topk=observe_topk, inductor=inductor,
                         **vocab_options)
     if drafter is None:
         raise TypeError("speculative_pair(target, drafter) needs a drafter, or mtp=True to draft with the target's "
@@ -78,7 +79,8 @@ def speculative_pair(target: nn.Module, drafter: nn.Module | None = None, *, mtp
     from nanospec_fx.mtp import dflash_pair, is_dflash_drafter
 
     if is_dflash_drafter(drafter):
-        return dflash_pair(target, drafter, observe_topk=observe_topk, inductor=inductor, **vocab_options)
+        return dflash_pair(target, drafter, attach(target, **vocab_options), observe_topk=observe_topk,
+                           inductor=inductor, **vocab_options)
     # paired before (and not detached): detach restores what was there before the first pair
     calls = {m: _PAIRS[m].call if m in _PAIRS else _call_of(m) for m in (target, drafter)}
     limit_before = next((_PAIRS[m].recompile_limit for m in (target, drafter) if m in _PAIRS),
