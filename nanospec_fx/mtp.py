@@ -1,12 +1,23 @@
-"""transformers' MTP drafting (``generate(use_mtp=True)``) with a compact head, the target left dense.
+"""Drafters that score the target's own head inside transformers' ``generate``: MTP layers and DFlash.
 
-    state = nanospec_fx.mtp.mtp_pair(target)         # builds and compiles the MTP layers once
-    target.generate(ids, use_mtp=True)               # drafting reads compact, verification dense
+    nanospec_fx.speculative_pair(target, mtp=True)      # then target.generate(ids, use_mtp=True)
+    nanospec_fx.speculative_pair(target, drafter)       # a DFlash drafter: then target.generate(ids,
+                                                        #   assistant_model=drafter, speculation_type="dflash")
 
-The MTP layers share the target's ``lm_head`` weight, so they share its ActiveVocab (one state per head
-weight). Only the MTP module is compiled with the nanospec backend; the target is not compiled at all:
-its top-k at the positions it verified is observed from the outputs transformers hands the MTP generator.
-Each ``generate`` call starts from a reset set (one request).
+Both drafters read the target's ``lm_head`` weight, so they share its ActiveVocab (one state per head weight).
+The target is not compiled: its forward is the verification and stays dense; its top-k at the positions it
+verified is observed from the outputs transformers hands the candidate generator, once per verification. What
+is compiled with the nanospec backend is the module whose call reads the shared head while drafting:
+
+* MTP: the MTP layers (``MtpModel``, built once), with ``head="shared_head.weight"``; the tokens fed to them
+  join the set through the input observer the pass inserts.
+* DFlash: transformers' ``DFlashTokenCandidateGenerator`` calls the target's output embedding itself on the
+  drafter's ``[B, K, H]`` output (the drafter, e.g. ``MuseGlimmerAssistantModel``, has no head). That call is
+  given a :class:`SharedHead` of its own, compiled in place: one compact head call of ``B*K`` rows per step,
+  while the target's forward still calls the dense module. The tokens the generator feeds (the committed
+  sequence) are observed before each drafting step.
+
+Each ``generate`` call builds a new candidate generator: the set is reset then (one call, one request).
 """
 from __future__ import annotations
 
@@ -14,29 +25,94 @@ import threading
 
 import torch.nn as nn
 
-from nanospec_fx.integrations import attach
-
 _LOCK = threading.Lock()
 
 
-def mtp_pair(target: nn.Module, mtp: nn.Module | None = None, *, observe_topk: int = 3, inductor: bool = True,
+class SharedHead(nn.Module):
+    """The target's output embedding as called by a drafter: a module of its own, so that compiling it (in place,
+    nanospec) makes the drafting reads compact while the target's own forward still calls the dense head."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    @property
+    def weight(self):  # the generator moves the hidden states to head.weight.device
+        return self.head.weight
+
+    def forward(self, hidden):
+        return self.head(hidden)
+
+
+def is_dflash_drafter(drafter: nn.Module) -> bool:
+    """A drafter that transformers runs with ``speculation_type="dflash"``: no head of its own, a block of
+    ``block_size`` positions drafted from the target's hidden states at ``target_layer_ids``."""
+    config = getattr(drafter, "config", None)
+    return (getattr(config, "target_layer_ids", None) is not None and getattr(config, "block_size", None) is not None
+            and getattr(config, "mask_token_id", None) is not None)
+
+
+def mtp_pair(target: nn.Module, state, mtp: nn.Module | None = None, *, observe_topk: int = 3, inductor: bool = True,
              **vocab_options):
     """Compile ``target``'s MTP layers (``MtpModel.from_pretrained(target)``, or ``mtp``) with nanospec in place
-    and make ``target.generate(..., use_mtp=True)`` draft with them; returns the head's ActiveVocab."""
+    and make ``target.generate(..., use_mtp=True)`` draft with them; ``state``: the ActiveVocab of the target's head
+    (``nanospec_fx.attach(target)``), returned. Called by ``nanospec_fx.speculative_pair(target, mtp=True)``."""
     from transformers.modeling_layers import MtpModel
 
     if mtp is None:
         device = next(target.get_decoder().layers[-1].parameters()).device
         mtp = MtpModel.from_pretrained(target, device_map={"": device}).eval()
-    state = attach(target, **vocab_options)
+    elif not isinstance(mtp, MtpModel):
+        raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
+                        f"got {type(mtp).__name__}")
     mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": "shared_head.weight"})
-    original = type(target)._get_candidate_generator
+    _drafters(target)["mtp"] = (mtp, state, observe_topk)
+    target._nanospec_mtp = mtp
+    return state
 
-    def candidate_generator(*args, **kwargs):
+
+def dflash_pair(target: nn.Module, drafter: nn.Module, state, *, observe_topk: int = 3, inductor: bool = True,
+                **vocab_options):
+    """Make ``target.generate(..., assistant_model=drafter, speculation_type="dflash")`` score the drafter's block
+    with a compact head (a :class:`SharedHead` over the target's output embedding, compiled in place); the drafter
+    itself is left as it is. ``state``: the target head's ActiveVocab, returned. Called by
+    ``nanospec_fx.speculative_pair(target, drafter)`` for a DFlash drafter."""
+    if not is_dflash_drafter(drafter):
+        raise TypeError(f"{type(drafter).__name__} is not a DFlash drafter (its config needs target_layer_ids, "
+                        "block_size and mask_token_id)")
+    head = SharedHead(target.get_output_embeddings())
+    head.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": "head.weight"})
+    _drafters(target)["dflash"] = (drafter, head, state, observe_topk)
+    return state
+
+
+def mtp_detach(target: nn.Module) -> None:
+    """Undo :func:`mtp_pair` and :func:`dflash_pair`: ``generate`` drafts with uncompiled modules again."""
+    for name in ("_get_candidate_generator", "_nanospec_mtp", "_nanospec_drafters"):
+        target.__dict__.pop(name, None)
+
+
+def _drafters(target: nn.Module) -> dict:
+    """The shared-head drafters paired with ``target``; the first pair wraps its ``_get_candidate_generator``."""
+    if "_nanospec_drafters" not in vars(target):
+        target.__dict__["_nanospec_drafters"] = {}
+        original = type(target)._get_candidate_generator
+        target.__dict__["_get_candidate_generator"] = lambda *a, **k: _candidate_generator(target, original, a, k)
+    return target.__dict__["_nanospec_drafters"]
+
+
+def _candidate_generator(target, original, args, kwargs):
+    from transformers.modeling_layers import MtpModel
+
+    drafters = target.__dict__.get("_nanospec_drafters", {})
+    mtp = drafters.get("mtp")
+    if mtp is None:
+        generator = original(target, *args, **kwargs)
+    else:  # transformers builds MtpModel.from_pretrained(target): hand it the compiled layers (no second load)
         builder = MtpModel.__dict__["from_pretrained"]
 
         def reuse(cls, main_model, *a, **k):
-            return mtp if main_model is target else builder.__get__(None, cls)(main_model, *a, **k)
+            return mtp[0] if main_model is target else builder.__get__(None, cls)(main_model, *a, **k)
 
         with _LOCK:
             MtpModel.from_pretrained = classmethod(reuse)
@@ -44,25 +120,30 @@ def mtp_pair(target: nn.Module, mtp: nn.Module | None = None, *, observe_topk: i
                 generator = original(target, *args, **kwargs)
             finally:
                 MtpModel.from_pretrained = builder
-        if hasattr(generator, "mtp_model"):
-            generator.mtp_model = mtp
-            state.reset()  # one generate call, one request
-            draft = generator.get_candidates
-
-            def get_candidates(*a, model_outputs=None, **k):
-                if model_outputs is not None and observe_topk > 0:
-                    state.observe(model_outputs.logits.topk(observe_topk, dim=-1).indices, validate=False)
-                return draft(*a, model_outputs=model_outputs, **k)
-
-            generator.get_candidates = get_candidates
-        return generator
-
-    target._get_candidate_generator = candidate_generator
-    target._nanospec_mtp = mtp
-    return state
+    dflash = drafters.get("dflash")
+    if mtp is not None and getattr(generator, "mtp_model", None) is mtp[0]:
+        _observe_before_drafting(generator, mtp[1], mtp[2], fed=False)
+    elif (dflash is not None and getattr(generator, "assistant_model", None) is dflash[0]
+          and hasattr(generator, "main_model_output_embeddings")):
+        generator.main_model_output_embeddings = dflash[1]
+        _observe_before_drafting(generator, dflash[2], dflash[3], fed=True)
+    return generator
 
 
-def mtp_detach(target: nn.Module) -> None:
-    """Undo :func:`mtp_pair`: ``generate(use_mtp=True)`` builds its own uncompiled MTP layers again."""
-    target.__dict__.pop("_get_candidate_generator", None)
-    target.__dict__.pop("_nanospec_mtp", None)
+def _observe_before_drafting(generator, state, observe_topk: int, fed: bool) -> None:
+    """Reset the set (a new generate call: a new request); before each drafting step observe the target's top-k at
+    the positions it just verified (one observe per verification) and, with ``fed``, the tokens committed since."""
+    state.reset()
+    draft, seen = generator.get_candidates, 0
+
+    def get_candidates(input_ids, *a, model_outputs=None, **k):
+        nonlocal seen
+        if model_outputs is not None:
+            if fed and input_ids.shape[1] > seen:
+                state.observe(input_ids[:, seen:], validate=False)
+                seen = input_ids.shape[1]
+            if observe_topk > 0:
+                state.observe(model_outputs.logits.topk(observe_topk, dim=-1).indices, validate=False)
+        return draft(input_ids, *a, model_outputs=model_outputs, **k)
+
+    generator.get_candidates = get_candidates

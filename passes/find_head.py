@@ -109,8 +109,11 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
 
 
 def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Embedding tables the graph looks token ids up in (ids from a user input): node -> rows."""
-    return {table: rows for _, _, table, rows in embedding_lookups(gm.graph)}
+    """Embedding tables the graph looks token ids up in (ids from a user input): node -> rows. A table of int32/int64
+    entries maps ids to ids (Gemma-4's cluster -> token ordering, read at a top-k of centroid scores): it holds no
+    token vectors and its rows say nothing about a vocabulary (an int8/uint8 table may be a quantised embedding)."""
+    return {table: rows for _, _, table, rows in embedding_lookups(gm.graph)
+            if getattr(patterns.example_value(table), "dtype", None) not in (torch.int32, torch.int64)}
 
 
 def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,

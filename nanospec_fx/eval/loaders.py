@@ -169,6 +169,49 @@ def tiny_llama(vocab_size: int = 32000, layers: int = 1, hidden: int = 64, seed:
     return LlamaForCausalLM(llama).eval()
 
 
+def tiny_mtp_checkpoint(path: str | Path, kind: str = "deepseek_v3", vocab_size: int = 500, seed: int = 0) -> Path:
+    """Write a random-weight checkpoint with one MTP layer to ``path`` (nothing from a hub); returns ``path``.
+
+    ``kind``: ``deepseek_v3`` or ``glm4_moe``, width 32. ``save_pretrained`` writes the model; the MTP layer's
+    tensors are added under the names ``transformers.modeling_layers.MtpModel.from_pretrained`` loads: the index
+    after the last decoder layer (``model.layers.61.*`` / ``model.layers.46.*``: these classes' load patterns
+    name that index, so the model has 61 / 46 thin dense layers). ``generate(use_mtp=True)`` then drafts with it.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                  topk_group=1, num_mtp_layers=1, max_position_embeddings=128, pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None, initializer_range=0.2, dtype="float32")
+    if kind == "deepseek_v3":
+        config = transformers.DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=61, num_key_value_heads=2,
+                                               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                               v_head_dim=8, **common)
+        model = transformers.DeepseekV3ForCausalLM(config)
+    elif kind == "glm4_moe":
+        config = transformers.Glm4MoeConfig(num_hidden_layers=46, first_k_dense_replace=46, num_key_value_heads=1,
+                                            head_dim=16, **common)
+        model = transformers.Glm4MoeForCausalLM(config)
+    else:
+        raise ValueError(f"kind must be 'deepseek_v3' or 'glm4_moe', got {kind!r}")
+    path = Path(path)
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    n = config.num_hidden_layers
+    for key, value in MtpModel(model, 1).state_dict().items():
+        if not key.startswith(("shared_head", "embed_tokens")):  # the target's own
+            if value.dim() > 1:  # MtpModel leaves its MoE experts uninitialised (torch.empty)
+                torch.nn.init.normal_(value, std=0.2)
+            tensors[key.replace("layers.0.mtp_block.", "layers.0.").replace("layers.0.", f"model.layers.{n}.")] = \
+                value.contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def load_model(spec: str, dtype: "torch.dtype | None" = None):
     """A causal LM in eval mode from ``gemma3-270m``, ``smollm2-135m``, a HF directory, a GGUF file, or
     ``tiny-llama`` (random weights, offline).

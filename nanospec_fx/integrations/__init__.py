@@ -39,9 +39,16 @@ def attach(drafter: nn.Module, head: str | None = None, **vocab_options) -> Acti
 PAIR_RECOMPILE_LIMIT = 32  # variants of the shared forward: 2 models x prefill/decode x cache states
 
 
-def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int = 3, observe_prompt: bool = True,
-                     inductor: bool = True, **vocab_options) -> ActiveVocab:
+def speculative_pair(target: nn.Module, drafter: nn.Module | None = None, *, mtp: bool | nn.Module = False,
+                     observe_topk: int = 3, observe_prompt: bool = True, inductor: bool = True,
+                     **vocab_options) -> ActiveVocab:
     """Compile ``drafter`` (nanospec head) and ``target`` (top-k observer) in place; return the drafter's ActiveVocab.
+
+    Drafters that score the target's own head (:mod:`nanospec_fx.mtp`, docs/mtp.md) leave the target uncompiled:
+    ``speculative_pair(target, mtp=True)`` (or ``mtp=`` an ``MtpModel``) for ``generate(use_mtp=True)``, and a
+    DFlash drafter (``speculative_pair(target, drafter)``) for ``generate(assistant_model=drafter,
+    speculation_type="dflash")``: only the drafting reads of the shared head are compact (``observe_prompt``
+    does not apply: the prompt joins the set as fed tokens).
 
     ``vocab_options``: capacity, policy, frequencies, static_size, pinned_size, num_pinned,
     draft_to_target... as for the backend. ``observe_prompt`` also observes the target's top-k at
@@ -55,8 +62,25 @@ def speculative_pair(target: nn.Module, drafter: nn.Module, *, observe_topk: int
     ``torch._dynamo.config.recompile_limit`` to at least ``PAIR_RECOMPILE_LIMIT`` for the process.
     ``nanospec_fx.detach(target)`` (or ``detach(drafter)``) undoes it.
     """
+    if mtp is not False:
+        if drafter is not None:
+            raise ValueError("speculative_pair(target, mtp=...) drafts with the target's MTP layers: pass no drafter")
+        from nanospec_fx.mtp import mtp_pair
+
+        _check_not_wrapped(target, "speculative_pair")
+        state = attach(target, **vocab_options)
+        return mtp_pair(target, state, None if mtp is True else mtp, observe_topk=observe_topk, inductor=inductor,
+                        **vocab_options)
+    if drafter is None:
+        raise TypeError("speculative_pair(target, drafter) needs a drafter, or mtp=True to draft with the target's "
+                        "MTP layers (generate(use_mtp=True))")
     _check_not_wrapped(drafter, "speculative_pair")
     _check_not_wrapped(target, "speculative_pair")
+    from nanospec_fx.mtp import dflash_pair, is_dflash_drafter
+
+    if is_dflash_drafter(drafter):
+        return dflash_pair(target, drafter, attach(target, **vocab_options), observe_topk=observe_topk,
+                           inductor=inductor, **vocab_options)
     # paired before (and not detached): detach restores what was there before the first pair
     calls = {m: _PAIRS[m].call if m in _PAIRS else _call_of(m) for m in (target, drafter)}
     limit_before = next((_PAIRS[m].recompile_limit for m in (target, drafter) if m in _PAIRS),
@@ -99,6 +123,11 @@ def detach(model: nn.Module) -> None:
     registered to its head weight (its handles stay valid; a new pair or compile reuses it). Graphs already
     compiled stay in Dynamo's cache (``torch._dynamo.reset()`` drops them), but no call reaches them.
     """
+    if "_nanospec_drafters" in vars(model):  # a target paired with its MTP layers or a DFlash drafter
+        from nanospec_fx.mtp import mtp_detach
+
+        mtp_detach(model)
+        return
     paired = _PAIRS.pop(model, None)
     if paired is None:
         raise ValueError(f"{type(model).__name__} is not part of a pair made by nanospec_fx.speculative_pair "

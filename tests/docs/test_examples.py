@@ -25,6 +25,13 @@ def test_assisted_generation_example():
 
 
 @pytest.mark.slow
+def test_mtp_transformers_example():
+    out = run("examples/mtp_transformers.py", "--no-inductor", "--new-tokens", "8")
+    assert "MTP: output == greedy target output: True" in out
+    assert "DFlash: output == greedy target output: True" in out
+
+
+@pytest.mark.slow
 def test_tensor_parallel_example():
     out = run("examples/tensor_parallel.py", "--no-inductor")
     assert "same active set and slot order on every rank: True" in out
