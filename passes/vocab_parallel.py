@@ -33,6 +33,38 @@ FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", 
 CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """The slices of ranks 0..tp-1 stacked along dim 0 (what ``all_gather_into_tensor`` returns)."""
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A list of the slices in rank order (``chunk(tp)`` / ``split(rows)`` of the stacked slices)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rank ``rank``'s slice."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The slices stacked along a new axis ``axis`` of the slice's shape (``view(tp, B, ...)``, ``movedim``)."""
+
+    axis: int
+
+
+@dataclass(frozen=True)
+class Full:
+    """The slices side by side along the last axis in rank order: ``[..., V]``."""
+
+
+Layout = Stacked | Pieces | Block | Ranked | Full  # how gathered slices are laid out (what :func:`_step` follows)
+
+
 def _is_c10d(node: fx.Node, name: str) -> bool:
     """``node`` calls the functional collective ``name`` (``_c10d_functional``, or its autograd twin)."""
     target = node.target
@@ -144,7 +176,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
     if not isinstance(world, int) or not shape:
         return f"{gather.name} gathers over a group whose size is not static"
     rows = shape[0]
-    values: dict[fx.Node, tuple] = {gather: ("stack",)}
+    values: dict[fx.Node, Layout] = {gather: Stacked()}
     nodes = list(local.graph.nodes)
     fresh = {n for n in nodes if n.op in ("call_function", "call_method") and _name(n) in FRESH_BUFFERS}
     pattern = [gather]
@@ -160,7 +192,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if isinstance(value, str):
             return value
         pattern.append(n)
-        if value == ("full",):
+        if isinstance(value, Full):
             full = n
             break
         values[n] = value
@@ -198,45 +230,40 @@ def _elementwise_prefix(local: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tuple) -> tuple | str:
-    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather).
-
-    ``("stack",)``: the slices stacked along dim 0; ``("pieces",)``: a list of the slices in rank order;
-    ``("block", r)``: rank r's slice; ``("ranked", a)``: the slices stacked along a new axis ``a`` of the slice's
-    shape (``view(tp, B, ...)``, then ``movedim``/``permute``); ``("full",)``: ``[..., V]`` in rank order.
-    """
+def _step(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, rows: int, local: tuple) -> Layout | str:
+    """The :data:`Layout` ``n`` holds, given its inputs' (a reason when it is not a step of the gather)."""
     name = _name(n)
     src = n.args[0] if n.args else None
     held = values.get(src)
     last = len(local) - 1
     out = patterns.tensor_shape(n)
-    if _is_c10d(n, "wait_tensor") and held == ("stack",):
+    if _is_c10d(n, "wait_tensor") and isinstance(held, Stacked):
         return held
     if name == "contiguous" and held is not None:
         return held
-    if name in ("view", "reshape", "unflatten") and held == ("stack",) and _same(out, (world,) + tuple(local)):
-        return ("ranked", 0)
-    if name in ("view", "reshape") and held == ("stack",) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+    if name in ("view", "reshape", "unflatten") and isinstance(held, Stacked) and _same(out, (world,) + tuple(local)):
+        return Ranked(0)
+    if name in ("view", "reshape") and isinstance(held, Stacked) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
             and _same(out, tuple(local[:-1]) + (world * local[-1],)):
-        return ("full",)  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
-    if held is not None and held[0] == "ranked":
-        moved = _moved_axis(n, held[1], len(local) + 1)
+        return Full()  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
+    if isinstance(held, Ranked):
+        moved = _moved_axis(n, held.axis, len(local) + 1)
         if moved is not None:
-            return ("ranked", moved)
-        if name in ("view", "reshape", "flatten") and held[1] == last \
+            return Ranked(moved)
+        if name in ("view", "reshape", "flatten") and held.axis == last \
                 and _same(out, tuple(local[:-1]) + (world * local[-1],)):
-            return ("full",)
-    if name == "chunk" and held == ("stack",) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
-        return ("pieces",)
-    if name == "split" and held == ("stack",) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
+            return Full()
+    if name == "chunk" and isinstance(held, Stacked) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
+        return Pieces()
+    if name == "split" and isinstance(held, Stacked) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
             == rows and _arg(n, 2, "dim", 0) == 0:
-        return ("pieces",)
-    if n.target is operator.getitem and held == ("pieces",) and isinstance(n.args[1], int):
-        return ("block", n.args[1] % world)
-    if n.target is operator.getitem and held == ("stack",):
+        return Pieces()
+    if n.target is operator.getitem and isinstance(held, Pieces) and isinstance(n.args[1], int):
+        return Block(n.args[1] % world)
+    if n.target is operator.getitem and isinstance(held, Stacked):
         r = _rank_slice(n.args[1], rows)
         if r is not None:
-            return ("block", r)
+            return Block(r)
     # a copy into a fresh buffer, or into the gathered slice itself (Megatron's ``out[rank] = local`` before
     # ``dist.all_gather(out, local)``: the collective read the slice first, so it is a buffer from here on)
     if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
@@ -248,14 +275,14 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tu
     if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
         parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
         if isinstance(parts, (list, tuple)) and isinstance(dim, int) \
-                and [values.get(p) for p in parts] == [("block", r) for r in range(world)]:
-            return ("ranked", dim % (len(local) + 1))
+                and [values.get(p) for p in parts] == [Block(r) for r in range(world)]:
+            return Ranked(dim % (len(local) + 1))
     if n.op == "call_function" and n.target in CAT_FUNCTIONS:
         parts = n.args[0] if n.args else n.kwargs.get("tensors")
         dim = _arg(n, 1, "dim", 0)
-        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [("block", r) for r in range(world)] \
+        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [Block(r) for r in range(world)] \
                 and dim in (last, -1):
-            return ("full",)
+            return Full()
     return f"{n.name} ({name}) uses the gathered logits in a way nanospec does not follow"
 
 
