@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from nanospec_fx.eval.bench.timing import device_timings
 
 
 class GatheredHead(nn.Module):
@@ -39,14 +40,9 @@ class GatheredHead(nn.Module):
         return funcol.all_gather_tensor(local, gather_dim=1, group=dist.group.WORLD)
 
 
-def _median_ms(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def median_ms(fn, steps: int) -> float:
+    """Median milliseconds of ``steps`` calls, each started together on both ranks (a barrier before it)."""
+    return 1e3 * statistics.median(device_timings(fn, steps, warmup=0, before=dist.barrier))
 
 
 def _worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
@@ -68,12 +64,12 @@ def _worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
         ids = torch.randperm(V, generator=torch.Generator().manual_seed(3))  # the same ids on both ranks
         state.observe(ids[: args.active - args.observe_ids])
         new = iter(ids[args.active - args.observe_ids:].split(args.observe_ids))
-        observe_ms = _median_ms(lambda: state.observe(next(new)), min(args.steps, 5))  # observe of N new ids
+        observe_ms = median_ms(lambda: state.observe(next(new)), min(args.steps, 5))  # observe of N new ids
         state.reset()
         state.observe(ids[: args.active])
         torch.testing.assert_close(ours(h), dense(h).masked_fill(~state.contains(torch.arange(V)), float("-inf")))
-        dense_ms = _median_ms(lambda: dense(h), args.steps)
-        ours_ms = _median_ms(lambda: ours(h), args.steps)
+        dense_ms = median_ms(lambda: dense(h), args.steps)
+        ours_ms = median_ms(lambda: ours(h), args.steps)
     item = shard.element_size()
     if rank == 0:
         gathered = rows * V * item

@@ -19,7 +19,7 @@ from nanospec_fx.eval import loaders
 from nanospec_fx.eval import train_eagle as T
 from nanospec_fx.eval.bench import eagle_e2e as B
 from nanospec_fx.eval.bench.timing import PhaseTimer
-from nanospec_fx.eval.commands.train_eagle import eagle_dir
+from nanospec_fx.eval.train_eagle import eagle_dir
 from nanospec_fx.speculative import HFTarget, eagle_generate
 
 
@@ -43,9 +43,9 @@ def main() -> None:
           "ms per round")
     print(f"{'variant':<24}{'rounds':>7}{'draft':>8}{'verify':>8}{'observe':>9}{'top-k':>7}{'rest':>7}")
     for name, d in drafters.items():
-        B._reset(d)
+        B.reset_drafter(d)
         eagle_generate(runner, d, torch.tensor([ids]), 16, depth=args.depth, cache_len=512)  # compile, warm up
-        B._reset(d)
+        B.reset_drafter(d)
         phases = PhaseTimer()
         with torch.profiler.profile() as prof:
             _, stats = eagle_generate(runner, d, torch.tensor([ids]), args.max_new, depth=args.depth, cache_len=512,

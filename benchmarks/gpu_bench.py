@@ -28,15 +28,16 @@ import os
 import platform
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from nanospec_fx.kernels import reference
-from nanospec_fx.kernels.schema import STATE, new_state as _new_state
+from nanospec_fx.eval.bench.graphs import graphed
+from nanospec_fx.eval.bench.kernel_config import (head_config, head_configs, kernels, op_state, state_names,
+                                                  triton_op_registration)
+from nanospec_fx.eval.bench.timing import Stopwatch, device_timings
 
 OPS = torch.ops.nanospec
 TOPK = 10
@@ -72,62 +73,20 @@ def parse_args(argv=None):
     return args
 
 
-# --------------------------------------------------------------------------- timing
+# --------------------------------------------------------------------------- timing and setup
 class Timer:
-    """Median microseconds of a callable; on CUDA with events and an L2 flush before each call."""
+    """Median microseconds of a callable (:func:`~nanospec_fx.eval.bench.timing.device_timings`: on CUDA, events
+    with the L2 cache flushed before each call)."""
 
     def __init__(self, device: str, iters: int, warmup: int = 3):
         self.device, self.iters, self.warmup = device, iters, warmup
-        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device == "cuda" else None
 
     def __call__(self, fn, before=None) -> float:
-        for _ in range(self.warmup):
-            if before:
-                before()
-            fn()
-        if self.device != "cuda":
-            times = []
-            for _ in range(self.iters):
-                if before:
-                    before()
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(times)
-        events = []
-        for _ in range(self.iters):
-            if before:
-                before()
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+        return 1e6 * statistics.median(device_timings(fn, self.iters, self.warmup, before, self.device))
 
 
-def graphed(fn, device: str):
-    """``fn`` captured in a CUDA graph (returns a replay callable), or None off CUDA."""
-    if device != "cuda":
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
-# --------------------------------------------------------------------------- setup
 def new_state(weight, capacity):
-    vocab, hidden = weight.shape
-    return _new_state(vocab, hidden, capacity, weight.dtype, weight.device)
+    return op_state(weight, capacity)
 
 
 def step_token_table(seed_ids: torch.Tensor, vocab: int, steps: int, gen) -> torch.Tensor:
@@ -171,9 +130,7 @@ def main(argv=None) -> int:
         import triton
 
         results["triton"] = triton.__version__
-        from nanospec_fx.kernels import ops
-
-        results["triton_op_registration"] = ops.USES_TRITON_OP
+        results["triton_op_registration"] = triton_op_registration()
     except ImportError:
         results["triton"] = None
 
@@ -277,10 +234,8 @@ def main(argv=None) -> int:
             r["eager_us"][name] = timer(fn, before=step_prep if name == "nanospec_step" else None)
         write(results, args)
         if dev == "cuda":
-            saved = os.environ.get("NANOSPEC_KERNELS")
-            os.environ["NANOSPEC_KERNELS"] = "reference"
-            r["eager_us"]["reference_head_topk"] = timer(ns_head_topk)
-            os.environ["NANOSPEC_KERNELS"] = saved or "triton"
+            with kernels("reference"):
+                r["eager_us"]["reference_head_topk"] = timer(ns_head_topk)
             for name in ("dense_head_topk", "static32k_head_topk", "nanospec_head", "nanospec_head_topk",
                          "nanospec_step"):
                 replay = graphed(variants[name], dev)
@@ -289,11 +244,11 @@ def main(argv=None) -> int:
             # The same step through inductor (read-only ops inlined as triton_op kernels): a
             # regression here (e.g. a copy of the cache per call) shows as a gap to the eager step.
             try:
-                t0 = time.perf_counter()
-                compiled = torch.compile(ns_step, fullgraph=True)
-                step_prep()
-                compiled()
-                r["compile_s"] = round(time.perf_counter() - t0, 1)
+                with Stopwatch() as watch:
+                    compiled = torch.compile(ns_step, fullgraph=True)
+                    step_prep()
+                    compiled()
+                r["compile_s"] = round(watch.seconds, 1)
                 r["eager_us"]["nanospec_step_compiled"] = timer(compiled, before=step_prep)
             except Exception as exc:  # noqa: BLE001 - recorded, and a failed check
                 r["compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -348,7 +303,8 @@ def check_head(r, check, tag, ns_head, dense_head, ns_head_topk, ids, cursor, ar
     dense = dense_head().float()
     err = (compact[:, :n].float() - dense[:, ids[:n]]).abs().max().item()
     vals, toks = ns_head_topk()
-    ref_vals, ref_toks = reference.compact_topk(compact, ids, cursor, TOPK)
+    with kernels("reference"):
+        ref_vals, ref_toks = OPS.compact_topk(compact, ids, cursor, TOPK)
     r["max_abs_err_vs_dense"] = err
     tol = LOGIT_TOL[args.dtype]
     check(f"logits_match_dense_{tag}", err <= tol, f"max |compact - dense| = {err:.3g} > {tol}")
@@ -357,9 +313,9 @@ def check_head(r, check, tag, ns_head, dense_head, ns_head_topk, ids, cursor, ar
 
 
 def reference_observe(tok, W, bias, ids, slot_of, cursor, cache_w, cache_b, pinned) -> None:
-    """What the observe op does, in plain torch: renew the fed ids the call would evict, then insert."""
-    reference.renew_fed_ids(tok, ids, slot_of, cursor, pinned)
-    reference.observe(tok, W, bias, ids, slot_of, cursor, cache_w, cache_b, pinned)
+    """What the observe op does, in plain torch (its reference implementation)."""
+    with kernels("reference"):
+        OPS.observe(tok, W, bias, ids, slot_of, cursor, cache_w, cache_b, pinned)
 
 
 def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
@@ -376,7 +332,7 @@ def observe_stress(W, capacity: int, dev: str, gen) -> tuple[bool, str]:
                 tok = tok.to(dev)
                 OPS.observe(tok, W, None, *a, pinned)
                 reference_observe(tok, W, None, *b, pinned)
-                for name, x, y in zip(STATE, a, b):
+                for name, x, y in zip(state_names(), a, b):
                     if not torch.equal(x, y):
                         return False, f"capacity {cap}, pinned {pinned}, call {call}: {name} differs"
     return True, ""
@@ -410,29 +366,20 @@ def observe_timing(W, capacity: int, dev: str, gen, timer) -> dict:
 
 def sweep_head_configs(timer, x, W, cache_w, cursor, ids, check, args) -> dict:
     """Time (and check) compact_logits under every HEAD_CONFIGS entry, with its GB/s."""
-    from nanospec_fx.kernels import triton_head
-
-    saved = os.environ.get("NANOSPEC_HEAD_CONFIG")
     n = int(torch.clamp(cursor, max=cache_w.shape[0]))
     nbytes = n * cache_w.shape[1] * cache_w.element_size()
     out = {}
-    try:
-        for name in triton_head.HEAD_CONFIGS:
-            os.environ["NANOSPEC_HEAD_CONFIG"] = name
-            try:
+    for name, config in head_configs().items():
+        try:
+            with head_config(name):
                 us = timer(lambda: OPS.compact_logits(x, cache_w, None, cursor))
-                out[name] = {"us": us, "GBps": nbytes / us / 1e3, **triton_head.HEAD_CONFIGS[name]}
+                out[name] = {"us": us, "GBps": nbytes / us / 1e3, **config}
                 got = OPS.compact_logits(x, cache_w, None, cursor)[:, :n].float()
-                err = (got - F.linear(x, W).float()[:, ids[:n]]).abs().max().item()
-                check(f"head_config_{name}", err <= LOGIT_TOL[args.dtype], f"max err {err:.3g}")
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a failed check
-                out[name] = f"error: {type(exc).__name__}: {exc}"[:200]
-                check(f"head_config_{name}", False, out[name])
-    finally:
-        if saved is None:
-            os.environ.pop("NANOSPEC_HEAD_CONFIG", None)
-        else:
-            os.environ["NANOSPEC_HEAD_CONFIG"] = saved
+            err = (got - F.linear(x, W).float()[:, ids[:n]]).abs().max().item()
+            check(f"head_config_{name}", err <= LOGIT_TOL[args.dtype], f"max err {err:.3g}")
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a failed check
+            out[name] = f"error: {type(exc).__name__}: {exc}"[:200]
+            check(f"head_config_{name}", False, out[name])
     return out
 
 

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from nanospec_fx import RequestVocabs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check.sh runs this with PYTHONSAFEPATH=1
-from gpu_bench import graphed  # noqa: E402
+from nanospec_fx.eval.bench.graphs import graphed
 
 
 def parse_args(argv=None):

@@ -18,16 +18,12 @@ import time
 import torch
 
 from nanospec_fx import RequestVocabs
+from nanospec_fx.eval.bench.timing import timings
 
 
 def cpu_median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return statistics.median(times)
+    """Median CPU seconds of ``repeats`` calls after one untimed call."""
+    return statistics.median(timings(fn, repeats, warmup=1, min_seconds=0, clock=time.process_time))
 
 
 def measure(vocab: int, hidden: int, requests: int, active: int, repeats: int) -> dict:

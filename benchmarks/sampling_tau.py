@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 import torch._dynamo
@@ -21,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import nanospec_fx
 from nanospec_fx import FrequencyTable
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
+from nanospec_fx.eval.bench.timing import Stopwatch
 from nanospec_fx.speculative import hf_target_forward, speculative_sample
 from nanospec_fx.sampling import SpeculativeSampler
 
@@ -97,19 +97,20 @@ def main() -> None:
                 g = torch.Generator().manual_seed(0)
                 committed = rounds = accepted = 0
                 sizes = []
-                start = time.perf_counter()
+                watch = Stopwatch()
                 for prompt in prompts:
                     state = None if drafter is module else _state(module)
                     if state is not None:
                         state.reset()
-                    _, stats = speculative_sample(forward, drafter, prompt[None], args.new_tokens, sampler, g,
-                                                  depth=args.depth, top_k=top_k)
+                    with watch:
+                        _, stats = speculative_sample(forward, drafter, prompt[None], args.new_tokens, sampler, g,
+                                                      depth=args.depth, top_k=top_k)
                     committed += sum(a + 1 for a in stats.accepted)
                     accepted += sum(stats.accepted)
                     rounds += stats.rounds
                     state = None if drafter is module else _state(module)
                     sizes.append(len(state) if state is not None else args.vocab)
-                seconds = time.perf_counter() - start
+                seconds = watch.seconds
                 per_draft = accepted / (rounds * args.depth)  # chain: accepted share of the drafted positions
                 print(f"{temperature:<13}{mode:<10}{name:<26}{committed / rounds:>6.2f}{per_draft:>14.2f}"
                       f"{sum(sizes) / len(sizes):>10.0f}{seconds:>7.1f}s")

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +69,8 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
     from vllm.inputs import TokensPrompt
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from nanospec_fx.eval.bench.timing import Stopwatch
+
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "nanospec_fx/eval/data/sample.jsonl").open()]
     tokenizer = (target / "tokenizer.json").exists() or (target / "tokenizer_config.json").exists()
     if not tokenizer:  # the smoke pair has no tokenizer: UTF-8 bytes as token ids
@@ -79,16 +80,13 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", max_model_len=512, max_num_seqs=8,
               enforce_eager=True, seed=0, distributed_executor_backend="uni", disable_log_stats=False,
               skip_tokenizer_init=not tokenizer)
-    draft = {"seconds": 0.0, "calls": 0}
+    draft, draft_calls = Stopwatch(), [0]
     propose = GPUModelRunner.propose_draft_token_ids
 
     def timed(self, *args, **kwargs):  # the whole draft step: drafter forward passes and heads
-        t = time.perf_counter()
-        try:
+        draft_calls[0] += 1
+        with draft:
             return propose(self, *args, **kwargs)
-        finally:
-            draft["seconds"] += time.perf_counter() - t
-            draft["calls"] += 1
 
     GPUModelRunner.propose_draft_token_ids = timed
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=tokenizer)
@@ -97,22 +95,22 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
     def counters():
         m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
         return (m.get("vllm:spec_decode_num_drafts") or 0, m.get("vllm:spec_decode_num_accepted_tokens") or 0,
-                draft["seconds"], draft["calls"])
+                draft.seconds, draft_calls[0])
 
     result = {}
     for concurrency in (1, 8):
         before = counters()
-        start = time.perf_counter()
         request_s = []  # one request at a time: each request's own wall time (paired ratios per request)
-        if concurrency == 1:
-            outs = []
-            for p in prompts:
-                t = time.perf_counter()
-                outs += llm.generate([p], params, use_tqdm=False)
-                request_s.append(time.perf_counter() - t)
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        with Stopwatch() as whole:
+            if concurrency == 1:
+                outs = []
+                for p in prompts:
+                    with Stopwatch() as one:
+                        outs += llm.generate([p], params, use_tqdm=False)
+                    request_s.append(one.seconds)
+            else:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = whole.seconds
         drafts, accepted, seconds, calls = (b - a for a, b in zip(before, counters()))
         ids = [list(o.outputs[0].token_ids) for o in outs]
         result[str(concurrency)] = {

@@ -18,35 +18,36 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("target", "full", "nanospec")
 
 
-def _time_drafts(worker) -> None:
+def time_drafts(worker) -> None:
     """In each worker (vLLM spawns them on CPU): time the draft step, the plugin's observes included."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    propose, spent = GPUModelRunner.propose_draft_token_ids, {"seconds": 0.0, "calls": 0}
+    from nanospec_fx.eval.bench.timing import Stopwatch
+
+    propose, watch, spent = GPUModelRunner.propose_draft_token_ids, Stopwatch(), {"seconds": 0.0, "calls": 0}
 
     def timed(self, *args, **kwargs):
-        start = time.perf_counter()
+        spent["calls"] += 1
         try:
-            return propose(self, *args, **kwargs)
+            with watch:
+                return propose(self, *args, **kwargs)
         finally:
-            spent["seconds"] += time.perf_counter() - start
-            spent["calls"] += 1
+            spent["seconds"] = watch.seconds
 
     GPUModelRunner.propose_draft_token_ids = timed
-    GPUModelRunner._draft_time = spent
+    GPUModelRunner.nanospec_bench_draft_time = spent
 
 
-def _draft_time(worker) -> dict:
+def draft_time(worker) -> dict:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return dict(GPUModelRunner._draft_time)
+    return dict(GPUModelRunner.nanospec_bench_draft_time)
 
 
 def run_variant(variant: str, root: Path, tokens: int, spec_tokens: int, tp: int) -> dict:
@@ -61,20 +62,22 @@ def run_variant(variant: str, root: Path, tokens: int, spec_tokens: int, tp: int
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from nanospec_fx.eval.bench.timing import Stopwatch
+
     spec = None if variant == "target" else {"method": "draft_model", "model": str(root / "draft_model"),
                                               "num_speculative_tokens": spec_tokens}
     llm = LLM(model=str(root / "target"), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
               enforce_eager=True, seed=0, tensor_parallel_size=tp, distributed_executor_backend="mp",
               disable_log_stats=False, max_model_len=256, max_num_seqs=4)
-    llm.collective_rpc(_time_drafts)
+    llm.collective_rpc(time_drafts)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, detokenize=False), use_tqdm=False)
-    before = llm.collective_rpc(_draft_time)
+    before = llm.collective_rpc(draft_time)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    after = llm.collective_rpc(_draft_time)
+    with Stopwatch() as whole:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = whole.seconds
+    after = llm.collective_rpc(draft_time)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     llm.llm_engine.engine_core.shutdown()
     ids = [list(o.outputs[0].token_ids) for o in outs]

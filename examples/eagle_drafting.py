@@ -35,7 +35,7 @@ PROMPTS = [
 def trained(model: str):
     """Gemma-3-270M and its trained drafter, or None if either is not cached."""
     from nanospec_fx.eval import loaders
-    from nanospec_fx.eval.commands.train_eagle import eagle_dir
+    from nanospec_fx.eval.train_eagle import eagle_dir
     from nanospec_fx.eval.train_eagle import WEIGHTS, load_drafter
 
     folder = eagle_dir(model)

@@ -359,6 +359,10 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     between). Ids computed from the head's own output (a draft loop feeding its argmax back) are
     observed right after they are computed; :func:`snapshot_state_reads` keeps each head's later
     reads on the slot table it was computed with.
+
+    The observes of ids that exist before the first read are transactional for the whole call
+    (:func:`_all_lookups_valid`): they run together, after every lookup of the graph whose ids exist by
+    then has been checked, and observe nothing unless all of those lookups can read all of their ids.
     """
     lookups = [lk for lk in token_id_lookups(graph, into.vocab_size)  # not the rewrite's own gathers at active ids
                if not lk.node.meta.get("nanospec_active_rows")]
@@ -369,6 +373,7 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
     first_read = reads[0] if reads else None
     after_read = set(reads).union(*(_downstream(r) for r in reads))  # computed from what a head returned
     regions = transforms.transform_regions(graph)
+    before: list[tuple[fx.Node, fx.Node]] = []  # (ids, where they may be observed) of ids that exist before a read
     for lk in lookups:
         ids = lk.ids
         if isinstance(ids, fx.Node) and ids in regions:  # inside torch.vmap & co: observe the unbatched ids
@@ -388,24 +393,92 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
         if first_read is not None and order[at] > order[first_read] and ids not in after_read:
             ids = _copy_before(graph, ids, first_read, lk.node)
             at = first_read
-        with graph.inserting_before(at):
-            insert_observe(graph, ids if into.sharded else _only_if_looked_up(graph, ids, lk), into)
+        if into.sharded:  # its observe is a collective rewritten per rank (tensor_parallel.shard_observers)
+            with graph.inserting_before(at):
+                insert_observe(graph, ids, into)
+        elif ids in after_read:  # a draft loop's fed-back ids: after the first read, committed on their own
+            with graph.inserting_before(at):
+                insert_observe(graph, _only_if_looked_up(graph, ids, lk)[0], into)
+        else:
+            before.append((ids, at, lk))
+    if before:
+        _observe_together(graph, before, into, first_read, after_read, regions)
     return len(lookups)
 
 
-def _only_if_looked_up(graph: fx.Graph, ids: fx.Node, lk: Lookup) -> fx.Node:
-    """``ids`` when every one of them is a row the lookup can read, else all -1 (the observe op skips them):
-    a call whose lookup raises on an id (-1 padding, an id past the table) then leaves the set as it was,
-    instead of having observed its valid ids first. On the device, no sync: a reduction and a select."""
+def _observe_together(graph: fx.Graph, found: list, into: ObserveInto, first_read: fx.Node | None, after_read: set,
+                      regions: dict) -> None:
+    """Observe every ``(ids, at, lookup)`` at one point (the first read of the set, else the latest ``at``): each
+    ``ids`` kept (a fresh tensor) at its own ``at``, and all of them only if every lookup checked by
+    :func:`_all_lookups_valid` reads only rows its table has."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    kept, flags = [], []
+    for ids, at, lk in found:
+        with graph.inserting_before(at):
+            ids, ok = _only_if_looked_up(graph, ids, lk)
+        kept.append(ids)
+        flags.append(ok)
+    common = first_read if first_read is not None else max((at for _, at, _ in found), key=order.__getitem__)
+    flags += _all_lookups_valid(graph, common, after_read, regions, {lk.node for *_, lk in found})
+    with graph.inserting_before(common):
+        ok = flags[0]
+        for flag in flags[1:]:
+            ok = graph.call_function(torch.logical_and, (ok, flag))
+            set_example_value(ok)
+        for ids in kept:
+            if len(flags) > 1:
+                ids = graph.call_function(torch.where, (ok, ids, -1))
+                set_example_value(ids)
+            insert_observe(graph, ids, into)
+
+
+def _all_lookups_valid(graph: fx.Graph, common: fx.Node, after_read: set, regions: dict,
+                       checked: set) -> list[fx.Node]:
+    """0-d bool nodes, each inserted where a lookup's ids exist (before ``common``): that lookup reads only rows its
+    table has. Every lookup of the graph not in ``checked`` (any table: token, position, type embeddings) whose ids
+    exist, with the values it reads, before ``common``.
+
+    A call that raises on one of them then observes nothing, whatever the order of its lookups: the call's lookups
+    are one transaction. Not checked: lookups whose ids are computed after ``common`` (after the first read of the
+    set: a draft loop's fed-back ids, checked by their own observe only) or inside ``torch.vmap`` & co."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    flags = []
+    for lk in table_lookups(graph):
+        ids = lk.ids
+        if lk.node in checked or lk.node.meta.get("nanospec_active_rows") or not isinstance(ids, fx.Node) \
+                or ids in after_read or ids in regions or lk.node in regions:
+            continue
+        point = _earliest_after(graph, ids, lk.node)  # the lookup itself when something writes the ids before it
+        if order[point] > order[common]:
+            continue
+        with graph.inserting_before(point):
+            flags.append(_valid(graph, ids, lk))
+    return flags
+
+
+def _valid(graph: fx.Graph, ids: fx.Node, lk: Lookup) -> fx.Node:
+    """A 0-d bool node: every one of ``ids`` is a row the lookup can read (on the device: no sync)."""
     low = -lk.rows if lk.node.target is operator.getitem else 0  # ``E[ids]`` reads E[-1] too
     ge = graph.call_function(torch.ge, (ids, low))
     lt = graph.call_function(torch.lt, (ids, lk.rows))
-    ok = graph.call_function(torch.all, (graph.call_function(torch.logical_and, (ge, lt)),))
+    both = graph.call_function(torch.logical_and, (ge, lt))
+    ok = graph.call_function(torch.all, (both,))
+    for n in (ge, lt, both, ok):
+        set_example_value(n)
+    return ok
+
+
+def _only_if_looked_up(graph: fx.Graph, ids: fx.Node, lk: Lookup) -> tuple[fx.Node, fx.Node]:
+    """``(kept, ok)``: ``kept`` is ``ids`` (a fresh int64 tensor) when every one of them is a row the lookup can read
+    (``ok``), else all -1 (the observe op skips them): a call whose lookup raises on an id (-1 padding, an id past
+    the table) then leaves the set as it was, instead of having observed its valid ids first. On the device, no
+    sync: a reduction and a select."""
+    ok = _valid(graph, ids, lk)
     wide = graph.call_method("to", (ids, torch.int64))
     kept = graph.call_function(torch.where, (ok, wide, -1))
-    for n in (ge, lt, ok.args[0], ok, wide, kept):
+    for n in (wide, kept):
         set_example_value(n)
-    return kept
+    return kept, ok
 
 
 def _state_reads(graph: fx.Graph, state: StateNodes) -> list[fx.Node]:

@@ -17,8 +17,9 @@ ends. The target's predictions at rejected draft positions (which the real syste
 not simulated, so the context sets here are a lower bound. Drafted tokens add nothing: the drafter
 can only propose tokens that are already active.
 
-The set's capacity and eviction mirror :class:`nanospec_fx.ActiveVocab` (first ``num_pinned``
-insertions stay; the rest is a ring that evicts the oldest), in plain Python so it runs anywhere.
+The set's capacity and eviction are :class:`nanospec_fx.ActiveVocab`'s (first ``num_pinned`` insertions stay; the
+rest is a ring that evicts the oldest), replayed by :class:`nanospec_fx.ring_model.RingModel`, the plain-Python model
+the kernel tests also hold the ops to.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from nanospec_fx.ring_model import RingModel
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY
 
 
@@ -49,60 +51,29 @@ class Request:
 EVICTIONS = ("fifo", "lru")
 
 
-class ActiveSet:
-    """Plain-Python active set with ActiveVocab's slot policy (``capacity=None``: unbounded).
+class LruSet:
+    """The alternative no kernel runs, kept only to measure it (docs/kernels.md "Eviction order"): like
+    :class:`~nanospec_fx.ring_model.RingModel`, but observing an active token again makes it the newest."""
 
-    ``eviction="fifo"`` (ActiveVocab's): the ring evicts the oldest *first insertion*; observing
-    an active token again changes nothing, except that a call never evicts a token it feeds while
-    all its tokens fit (such a token is inserted again, as the newest). ``"lru"``: observing it again makes it
-    the newest (kept only to measure the alternative, see docs/kernels.md "Eviction order").
-    """
-
-    def __init__(self, capacity: int | None = None, num_pinned: int = 0, eviction: str = "fifo"):
+    def __init__(self, capacity: int | None = None, num_pinned: int = 0):
         if capacity is not None and not 0 <= num_pinned < capacity:
             raise ValueError(f"num_pinned must be in [0, capacity), got {num_pinned} for capacity {capacity}")
-        if eviction not in EVICTIONS:
-            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
-        self.capacity, self.num_pinned, self.eviction = capacity, num_pinned, eviction
+        self.capacity, self.num_pinned = capacity, num_pinned
         self.pinned: set[int] = set()
         self.ring: OrderedDict[int, None] = OrderedDict()
 
-    def add(self, ids: Iterable[int]) -> None:
-        ids = list(ids)
-        if self.eviction == "fifo" and self.capacity is not None:
-            self._renew(ids)
+    def observe(self, ids: Iterable[int]) -> None:
         for t in ids:
             if t in self.pinned:
                 continue
             if t in self.ring:
-                if self.eviction == "lru":
-                    self.ring.move_to_end(t)
-                continue
-            if len(self.pinned) < self.num_pinned:
+                self.ring.move_to_end(t)
+            elif len(self.pinned) < self.num_pinned:
                 self.pinned.add(t)
-                continue
-            self.ring[t] = None
-            if self.capacity is not None and len(self.pinned) + len(self.ring) > self.capacity:
-                self.ring.popitem(last=False)  # evict the oldest insertion
-
-    def _renew(self, ids: list[int]) -> None:
-        """ActiveVocab's renewal (``kernels.reference.renew_fed_ids``): active ids of this call that its
-        new ids would evict are removed first, so the loop in :meth:`add` inserts them again as newest."""
-        call = dict.fromkeys(ids)
-        n_new = sum(1 for t in call if t not in self)
-        ring = self.capacity - self.num_pinned
-        free = (self.num_pinned - len(self.pinned)) + (ring - len(self.ring))  # slots claimed before any eviction
-        examined = ring - free  # the insertions could claim at most `ring` positions in all
-        endangered = []
-        for t in list(self.ring)[:max(examined, 0)]:  # oldest first
-            if t in call:
-                if free < n_new:
-                    endangered.append(t)
             else:
-                free += 1
-        if endangered and n_new + len(endangered) <= ring:
-            for t in endangered:
-                del self.ring[t]
+                self.ring[t] = None
+                if self.capacity is not None and len(self.pinned) + len(self.ring) > self.capacity:
+                    self.ring.popitem(last=False)  # evict the least recently observed
 
     def __contains__(self, t: int) -> bool:
         return t in self.pinned or t in self.ring
@@ -113,6 +84,15 @@ class ActiveSet:
     def __iter__(self):
         yield from self.pinned
         yield from self.ring
+
+
+def active_set(capacity: int | None = None, num_pinned: int = 0, eviction: str = "fifo") -> RingModel | LruSet:
+    """The simulated active set: ActiveVocab's own policy (``"fifo"``, :class:`~nanospec_fx.ring_model.RingModel`,
+    the model the kernel tests hold the ops to) or the measured alternative (``"lru"``, :class:`LruSet`);
+    ``capacity=None``: unbounded."""
+    if eviction not in EVICTIONS:
+        raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+    return RingModel(capacity, num_pinned) if eviction == "fifo" else LruSet(capacity, num_pinned)
 
 
 @dataclass(frozen=True)
@@ -191,22 +171,22 @@ def simulate(req: Request, policy: Policy, verify_every: int = 1) -> Trace:
         raise ValueError(f"policy {policy.name} needs the target's predictions; the request has none")
     pred = req.predicted
     k = policy.topk
-    active = ActiveSet(policy.capacity, num_pinned=len(policy.static), eviction=policy.eviction)
-    active.add(policy.static)
+    active = active_set(policy.capacity, num_pinned=len(policy.static), eviction=policy.eviction)
+    active.observe(policy.static)
     ids, n_prompt = req.ids, len(req.prompt)
     for j in range(n_prompt):  # prefill: the prompt, and the target's top-k at every prompt position
         if k and j and policy.prompt_topk:
-            active.add(pred[j][:k])
-        active.add((ids[j],))
+            active.observe(pred[j][:k])
+        active.observe((ids[j],))
     trace, known = Trace(0), n_prompt - 1  # predictions known for tokens <= known
     for t in range(n_prompt, len(ids)):
         if k and (t - n_prompt) % verify_every == 0:  # a round was verified: its top-k are known now
             for j in range(known + 1, t):
-                active.add(pred[j][:k])
+                active.observe(pred[j][:k])
             known = t - 1
         trace.hits += ids[t] in active
         trace.sizes.append(len(active))
-        active.add((ids[t],))  # committed (and fed to the drafter as an input)
+        active.observe((ids[t],))  # committed (and fed to the drafter as an input)
     return trace
 
 

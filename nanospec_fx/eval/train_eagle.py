@@ -45,6 +45,14 @@ TRAIN_STATE = "train-state.pt"
 TRAIN_START = 600
 
 
+def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
+    """Where a model's features and trained drafter live (outside the repository, under the eval cache)."""
+    from nanospec_fx.eval.loaders import CACHE
+
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model).name if model) or "model"
+    return Path(cache_dir) if cache_dir else CACHE / "eagle" / slug
+
+
 # ----------------------------------------------------------------------------- training text
 def sharegpt_training_conversations(start: int = TRAIN_START) -> Iterator[tuple[str, str]]:
     """``(first request as an evaluation prompt, whole conversation as User:/Assistant: text)`` of the

@@ -82,3 +82,103 @@ def test_property_a_rejected_call_never_changes_a_full_ring():
         assert nanospec_fx.active_vocab(model).token_ids().tolist() == before
 
     check()
+
+
+# --- A call with several lookups is one transaction -------------------------------------------------------------
+# Every observe of a graph's ids that exist before a head reads the set runs only when every lookup of the graph
+# (token tables, a second table, positions) can read all of its ids: a call that raises at ANY lookup leaves every
+# state exactly as it was. Oracle: clones of every state tensor taken before the failing call (torch.equal).
+
+
+class TwoLookups(nn.Module):
+    """``kind`` picks the second lookup: another token table, the same table with other ids, a position table
+    (P rows, read at arange), or two token heads (one state each); ``swap`` looks the second one up first."""
+
+    P = 6
+
+    def __init__(self, kind: str, swap: bool = False):
+        super().__init__()
+        self.kind, self.swap = kind, swap
+        self.embed = nn.Embedding(V, 8)
+        self.other = nn.Embedding(self.P if kind == "positions" else V, 8)
+        self.lm_head = nn.Linear(8, V, bias=False)
+        if kind == "two_heads":
+            self.head2 = nn.Linear(8, V, bias=False)
+
+    def forward(self, ids, ids2):
+        def first():
+            return self.embed(ids).mean(1)
+
+        def second():
+            if self.kind == "positions":
+                return self.other(torch.arange(ids.shape[1])).mean(0)
+            table = self.embed if self.kind == "same_table" else self.other
+            return table(ids2).mean(1)
+
+        a, b = (second(), first()) if self.swap else (first(), second())
+        h = torch.tanh(a + b)
+        if self.kind == "two_heads":
+            return self.lm_head(h), self.head2(h)
+        return self.lm_head(h)
+
+
+def _states(model):
+    names = ["lm_head", "head2"] if model.kind == "two_heads" else ["lm_head"]
+    return [nanospec_fx.active_vocab(model, head=n) for n in names]
+
+
+def _snapshot(states):
+    return [[t.clone() for t in s.tensors()] for s in states]
+
+
+def _unchanged(states, snapshot) -> bool:
+    return all(len(s.tensors()) == len(snap) and all(torch.equal(t, c) for t, c in zip(s.tensors(), snap))
+               for s, snap in zip(states, snapshot))
+
+
+CASES = [("other_table", False), ("other_table", True), ("same_table", False), ("same_table", True),
+         ("positions", False), ("positions", True), ("two_heads", False)]
+
+
+@pytest.mark.parametrize("kind,swap", CASES)
+def test_a_call_that_raises_at_any_lookup_changes_no_state(kind, swap):
+    torch.manual_seed(0)
+    model = TwoLookups(kind, swap).eval()
+    compiled = compile_nanospec(model, capacity=4)
+    good = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        compiled(good, torch.tensor([[5, 6]]))  # a full ring: 3, 4, 5, 6 (or 1..4 without a second token lookup)
+        states = _states(model)
+        full = [s.token_ids().tolist() for s in states]
+        bad_calls = [(torch.tensor([[7, 8, 9]]), torch.tensor([[10, V]])),  # the second lookup raises
+                     (torch.tensor([[7, -1, 9]]), torch.tensor([[10, 11]]))]  # the first one raises
+        if kind == "positions":  # 7 positions into a 6-row table, every token id valid
+            bad_calls = [(torch.tensor([[7, 8, 9, 10, 11, 12, 13]]), torch.tensor([[14, 15]]))]
+        for ids, ids2 in bad_calls:
+            snapshot = _snapshot(states)
+            with pytest.raises((IndexError, RuntimeError)):
+                model(ids, ids2)  # eager raises too
+            with pytest.raises((IndexError, RuntimeError)):
+                compiled(ids, ids2)
+            assert _unchanged(states, snapshot), f"{kind}: a call that raised changed a state"
+        assert [s.token_ids().tolist() for s in states] == full
+        compiled(torch.tensor([[20, 21]]), torch.tensor([[22]]))  # a good call afterwards observes its ids
+    expected = {20, 21} | ({22} if kind in ("other_table", "same_table", "two_heads") else set())
+    for s in states:
+        assert expected <= set(s.token_ids().tolist())
+
+
+def test_a_rejected_several_lookup_call_under_inductor_changes_no_state():
+    """Inductor may skip reading a bad id it never needs; whether it raises or not, nothing is observed."""
+    torch.manual_seed(0)
+    model = TwoLookups("other_table").eval()
+    compiled = compile_nanospec(model, capacity=4, inductor=True)
+    with torch.inference_mode():
+        compiled(torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6]]))
+        states = _states(model)
+        snapshot = _snapshot(states)
+        try:
+            compiled(torch.tensor([[7, 8, 9]]), torch.tensor([[10, V + 2]]))
+        except (IndexError, RuntimeError):
+            pass
+        assert _unchanged(states, snapshot)

@@ -1,4 +1,4 @@
-"""The Python blocks of README.md and docs/testing.md run as written.
+"""The Python blocks of README.md, docs/testing.md and docs/reference.md run as written.
 
 Each ```python block there is preceded by ``<!-- snippet: NAME -->``: NAME is the setup below that defines
 the names the block uses (a tiny target and drafter, ids...). A block without a marker fails this test,
@@ -19,7 +19,7 @@ import nanospec_fx.backend
 from helpers import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/testing.md")
+DOCS = ("README.md", "docs/testing.md", "docs/reference.md")
 BLOCK = re.compile(r"(?:<!-- snippet: (?P<name>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
 V = 300
 

@@ -72,14 +72,40 @@ def test_rounds_delay_the_targets_guesses():
 
 
 def test_capacity_evicts_oldest_and_keeps_pinned():
-    s = C.ActiveSet(capacity=3, num_pinned=1)
-    s.add([5, 6, 7])
-    s.add([8])  # full: evicts 6 (oldest unpinned), 5 is pinned
+    s = C.active_set(capacity=3, num_pinned=1)
+    s.observe([5, 6, 7])
+    s.observe([8])  # full: evicts 6 (oldest unpinned), 5 is pinned
     assert set(s) == {5, 7, 8} and len(s) == 3
-    s.add([7, 9])  # 7 already in but oldest: the call feeds it and both fit, so 7 is renewed and 9 evicts 8
+    s.observe([7, 9])  # 7 already in but oldest: the call feeds it and both fit, so 7 is renewed and 9 evicts 8
     assert set(s) == {5, 7, 9}
-    s.add([10])  # 7 was renewed before 9: it is now the oldest of the ring
+    s.observe([10])  # 7 was renewed before 9: it is now the oldest of the ring
     assert set(s) == {5, 9, 10}
+
+
+def test_fifo_ignores_reobservation_lru_refreshes():
+    fifo, lru = C.active_set(3, eviction="fifo"), C.active_set(3, eviction="lru")
+    for s in (fifo, lru):
+        s.observe([1, 2, 3])
+        s.observe([1])  # re-observed
+        s.observe([4])  # evicts the oldest: 1 (first insertion) or 2 (least recently observed)
+    assert set(fifo) == {2, 3, 4} and set(lru) == {1, 3, 4}
+    with pytest.raises(ValueError, match="eviction"):
+        C.active_set(3, eviction="random")
+
+
+def test_lru_policy_is_a_separate_family_and_changes_coverage():
+    r = req(prompt=[1, 2], cont=[1, 3, 1, 2], category="x")
+    fifo, lru = C.context(2), C.context(2, eviction="lru")
+    assert fifo.family == "context" and lru.family == "context-lru" and lru.name == "context-lru@2"
+    # FIFO: 1 is evicted by 3 although it was just committed again; LRU keeps it.
+    assert C.simulate(r, fifo).hits == 1 and C.simulate(r, lru).hits == 2
+
+
+def test_the_fifo_set_is_the_ring_model_the_kernel_tests_use():
+    """One model of the ring: the coverage replays requests through the same class the kernel tests judge by."""
+    from nanospec_fx.ring_model import RingModel
+
+    assert type(C.active_set(8, num_pinned=2)) is RingModel
 
 
 def test_hybrid_core_is_pinned_and_counted():
@@ -97,11 +123,11 @@ def test_active_set_matches_the_real_active_vocab():
     V, cap, pinned = 50, 8, 2
     weight = torch.randn(V, 4)
     av = nanospec_fx.ActiveVocab(weight, capacity=cap, num_pinned=pinned)
-    sim = C.ActiveSet(cap, num_pinned=pinned)
+    sim = C.active_set(cap, num_pinned=pinned)
     for step in range(40):
         ids = torch.randint(0, V, (int(torch.randint(1, 3, ())),))
         av.observe(ids)
-        sim.add(ids.tolist())
+        sim.observe(ids.tolist())
         assert set(av.token_ids().tolist()) == set(sim), step
 
 

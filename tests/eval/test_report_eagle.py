@@ -1,4 +1,5 @@
-"""benchmarks/report.py renders `e2e --drafter eagle` JSON with the issue's comparisons computed right."""
+"""nanospec_fx.eval.markdown (printed by benchmarks/report.py) renders `e2e --drafter eagle` JSON with the issue's
+comparisons computed right."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,12 @@ ROOT = Path(__file__).parents[2]
 
 
 def _report():
+    from nanospec_fx.eval import markdown
+
+    return markdown
+
+
+def _script():
     spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -91,3 +98,11 @@ def test_a_merged_run_says_which_shards_it_joins_and_which_are_missing(tmp_path)
     assert ("merged from shards 0, 2 of 3 (**missing: 1**):\n"
             "- shard 0: commit aaaaaaaaaa, torch 2.13.0, 2 threads, load 0.5 -> 1.5\n"
             "- shard 2: commit bbbbbbbbbb, torch 2.13.0, 2 threads, load 3.0 -> 4.0\n") in text
+
+
+def test_the_report_script_prints_the_library_tables(tmp_path):
+    rows = [_row("target only", 0, "all", 1.0, 10.0, 1.0), _row("full head", 2, "all", 2.0, 8.0, 0.8)]
+    path = tmp_path / "e2e-eagle-y.json"
+    path.write_text(json.dumps({"rows": rows, "meta": {"command": "nanospec-fx e2e --drafter eagle"}}))
+    assert _script().main([str(path)]) == _report().render(path)
+    assert _script().main(["--sweep", str(path)]) == _report().eagle_sweep([path])

@@ -1,55 +1,36 @@
-"""Eviction order: FIFO by first insertion, the same in the kernels, the reference and the simulation.
+"""Eviction order: FIFO by first insertion, the same in the kernels, the reference and the plain-Python ring model
+(``nanospec_fx.ring_model``, which the coverage evaluation also replays requests through).
 
 LRU (refresh on re-observation) exists only in the coverage simulation, to measure the
-alternative (docs/kernels.md, "Eviction order").
+alternative (docs/kernels.md, "Eviction order"; tested in tests/eval/test_coverage.py).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanospec_fx.eval.coverage import ActiveSet, context, Request, simulate
 from nanospec_fx.kernels import host as H, ops, reference as R
 from nanospec_fx.kernels.schema import new_state
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch
-
-
-def test_fifo_ignores_reobservation_lru_refreshes():
-    fifo, lru = ActiveSet(3, eviction="fifo"), ActiveSet(3, eviction="lru")
-    for s in (fifo, lru):
-        s.add([1, 2, 3])
-        s.add([1])  # re-observed
-        s.add([4])  # evicts the oldest: 1 (first insertion) or 2 (least recently observed)
-    assert set(fifo) == {2, 3, 4} and set(lru) == {1, 3, 4}
-    with pytest.raises(ValueError, match="eviction"):
-        ActiveSet(3, eviction="random")
-
-
-def test_lru_policy_is_a_separate_family_and_changes_coverage():
-    req = Request("x", prompt=[1, 2], continuation=[1, 3, 1, 2])
-    fifo, lru = context(2), context(2, eviction="lru")
-    assert fifo.family == "context" and lru.family == "context-lru" and lru.name == "context-lru@2"
-    # FIFO: 1 is evicted by 3 although it was just committed again; LRU keeps it.
-    assert simulate(req, fifo).hits == 1 and simulate(req, lru).hits == 2
+from nanospec_fx.ring_model import RingModel
 
 
 def _calls(vocab: int, capacity: int, pinned: int, seed: int):
     """Calls that feed the oldest ring tokens again next to new ones: where renewal decides what stays.
 
-    Each call is drawn from the simulation's state (the oracle), so the sequence keeps hitting the
-    case; ``plain`` (the same simulation with renewal off) shows that it does.
+    Each call is drawn from the ring model's state (the oracle), so the sequence keeps hitting the
+    case; ``plain`` (the same model with renewal off) shows that it does.
     """
     g = torch.Generator().manual_seed(seed)
-    sim = ActiveSet(capacity, num_pinned=pinned)
-    plain = ActiveSet(capacity, num_pinned=pinned)
-    plain._renew = lambda ids: None
+    sim = RingModel(capacity, num_pinned=pinned)
+    plain = RingModel(capacity, num_pinned=pinned, renew=False)
     calls, differs = [], False
     for _ in range(24):
-        oldest = list(sim.ring)[: int(torch.randint(0, 3, (1,), generator=g))]
+        oldest = sim.oldest()[: int(torch.randint(0, 3, (1,), generator=g))]
         fresh = torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
         call = fresh[:1] + oldest + fresh[1:]
-        sim.add(call)
-        plain.add(call)
+        sim.observe(call)
+        plain.observe(call)
         calls.append((call, set(sim)))
         differs |= set(sim) != set(plain)
     assert differs, "the sequence never needs renewal: the test could not fail without it"
@@ -67,8 +48,8 @@ def _observe_impl(impl):
 
 @pytest.mark.parametrize("impl", ["reference", "host", "op", "triton"])
 def test_every_observe_renews_the_tokens_a_call_feeds(impl):
-    """Every implementation, called directly, keeps the simulation's set (renewal included) after each call."""
-    _check_against_the_simulation(_observe_impl(impl))
+    """Every implementation, called directly, keeps the ring model's set (renewal included) after each call."""
+    _check_against_the_ring_model(_observe_impl(impl))
 
 
 @pytest.mark.parametrize("impl", ["reference", "host", "op"])
@@ -76,10 +57,10 @@ def test_the_renewal_check_fails_with_renewal_switched_off(impl, monkeypatch):
     monkeypatch.setattr(R, "renew_fed_ids", lambda *args: None)
     monkeypatch.setattr(H, "renewed_slots", lambda *args: set())
     with pytest.raises(AssertionError, match="after observing"):
-        _check_against_the_simulation(_observe_impl(impl))
+        _check_against_the_ring_model(_observe_impl(impl))
 
 
-def _check_against_the_simulation(fn):
+def _check_against_the_ring_model(fn):
     vocab, capacity, pinned = 40, 10, 2
     w = torch.randn(vocab, 4, generator=torch.Generator().manual_seed(0))
     state = new_state(vocab, 4, capacity, torch.float32, "cpu")
@@ -91,8 +72,8 @@ def _check_against_the_simulation(fn):
 
 
 @pytest.mark.parametrize("impl", ["reference", "host", "triton"])
-def test_kernels_and_simulation_evict_the_same_tokens(impl):
-    """Random calls with many re-observations: the active set of the state equals the simulation's."""
+def test_kernels_and_the_ring_model_evict_the_same_tokens(impl):
+    """Random calls with many re-observations: the active set of the state equals the ring model's."""
     if impl == "triton":
         if not INTERPRET:
             pytest.skip("CPU variant")
@@ -104,11 +85,11 @@ def test_kernels_and_simulation_evict_the_same_tokens(impl):
     vocab, capacity, pinned = 40, 10, 2
     w = torch.randn(vocab, 4, generator=g)
     state = new_state(vocab, 4, capacity, torch.float32, "cpu")
-    sim = ActiveSet(capacity, num_pinned=pinned)
+    sim = RingModel(capacity, num_pinned=pinned)
     for _ in range(12):
         call = torch.randint(0, vocab, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g)
         with direct_launch():
             fn(call, w, None, *state, pinned)
-        sim.add(call.tolist())
+        sim.observe(call.tolist())
         ids = state[0]
         assert set(ids[ids >= 0].tolist()) == set(sim)

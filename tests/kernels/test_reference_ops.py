@@ -1,6 +1,7 @@
 """The torch reference of the nanospec ops against plain-Python and dense-eager oracles.
 
-The observe oracle is a list-and-dict ring written from the docstring's rules; the logits
+The observe oracle is ``nanospec_fx.ring_model.RingModel``, a list-and-dict ring written from the docstring's rules
+(torch-free, shared with the coverage evaluation, never with the kernels); the logits
 oracles are a dense ``F.linear`` masked to the active set and a stable sort of it.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanospec_fx.kernels import host as H, ops, reference as R
+from nanospec_fx.ring_model import RingModel
 
 NEG = float("-inf")
 
@@ -32,59 +34,10 @@ def observe(state, tokens, weight, bias=None, num_pinned=0, fn=R.observe):
     fn(t, weight, bias, state["ids"], state["slot_of"], state["cursor"], state["cache_w"], state["cache_b"], num_pinned)
 
 
-class RingModel:
-    """The documented policy, one insertion at a time, in plain Python."""
-
-    def __init__(self, vocab, capacity, num_pinned):
-        self.vocab, self.capacity, self.num_pinned = vocab, capacity, num_pinned
-        self.ids = [-1] * capacity
-        self.slot_of: dict[int, int] = {}
-        self.cursor = 0
-
-    def observe(self, tokens, renew=True):
-        if renew:
-            self.renew(tokens)
-        before = set(self.slot_of)
-        seen = set()
-        for t in tokens:
-            if not 0 <= t < self.vocab or t in seen or t in before:
-                continue
-            seen.add(t)
-            k = self.cursor
-            ring = self.capacity - self.num_pinned
-            slot = k if k < self.capacity else self.num_pinned + (k - self.num_pinned) % ring
-            if self.ids[slot] >= 0:
-                del self.slot_of[self.ids[slot]]
-            self.ids[slot] = t
-            self.slot_of[t] = slot
-            self.cursor += 1
-
-    def renew(self, tokens):
-        """A call never loses a token it feeds while its tokens fit: walking the ring slots in the order
-        the next insertions claim them, a slot holding a fed token with fewer than n_new free slots
-        (empty, or holding a token the call does not feed) before it is emptied, so that the token is
-        inserted again as new - if the new tokens and the emptied ones fit in the ring."""
-        call = {t for t in tokens if 0 <= t < self.vocab}
-        n_new = len(call - set(self.slot_of))
-        ring = self.capacity - self.num_pinned
-        free, emptied = 0, []
-        for k in range(self.cursor, self.cursor + ring):
-            slot = k if k < self.capacity else self.num_pinned + (k - self.num_pinned) % ring
-            if self.ids[slot] in call:
-                if free < n_new:
-                    emptied.append(slot)
-            else:
-                free += 1
-        if emptied and n_new + len(emptied) <= ring:
-            for slot in emptied:
-                del self.slot_of[self.ids[slot]]
-                self.ids[slot] = -1
-
-
 def assert_matches_model(state, model, weight, bias):
     assert state["ids"].tolist() == model.ids
     assert int(state["cursor"]) == model.cursor
-    expect_slot_of = [-1] * model.vocab
+    expect_slot_of = [-1] * model.vocab_size
     for t, s in model.slot_of.items():
         expect_slot_of[t] = s
     assert state["slot_of"].tolist() == expect_slot_of
@@ -209,7 +162,7 @@ def test_observe_matches_the_ring_model(impl, vocab, capacity, pinned, calls, wi
     w = torch.randn(vocab, 3)
     b = torch.randn(vocab) if with_bias else None
     s = make_state(vocab, 3, capacity)
-    model = RingModel(vocab, capacity, pinned)
+    model = RingModel(capacity, pinned, vocab_size=vocab)
     for tokens in calls:
         observe(s, tokens, w, b, pinned, fn=OBSERVES[impl])
         model.observe(tokens)

@@ -116,7 +116,8 @@ class Summary:
     mismatches: int = 0  # runs whose output differed from the target alone's
 
 
-def _reset(drafter: nn.Module) -> None:
+def reset_drafter(drafter: nn.Module) -> None:
+    """Empty a nanospec drafter's active vocabulary (a new request starts from its seed); others are left alone."""
     state = drafter_state(drafter)
     if state is not None:
         state.reset()
@@ -159,7 +160,7 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
     def decode(d, ids, k, s, n):
         """``(ids, stats, (total, draft, verify) seconds)``: the benchmark's clock, outside the loop's code."""
         if d is not None:
-            _reset(d)
+            reset_drafter(d)
         phases, watch = PhaseTimer(), Stopwatch()
         with watch:
             out, stats = eagle_generate(runner, d, torch.tensor([ids]), n, depth=k, observe=s[0],

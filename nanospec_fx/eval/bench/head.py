@@ -11,12 +11,11 @@ Variants of the head (all in one process, on the same weights):
 Here the capacity is set to the active size. How the nanospec ops' cost follows the active count at
 a fixed capacity (the CPU host path computes only the active rows, the Triton head skips tiles past
 the count), next to what ``explain``'s cost model predicts: :func:`bench_head_vs_active`, also
-``python -m nanospec_fx.eval.bench.head``. Times are medians over repeats; the bytes-read limit of a
+``python benchmarks/head_vs_active.py``. Times are medians over repeats; the bytes-read limit of a
 head restricted to N rows is V / N.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,9 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.calibration import FLUSH_BYTES, MachineConstants, calibrate, cold_timings
+from nanospec_fx.calibration import FLUSH_BYTES, MachineConstants, cold_timings
 from nanospec_fx.cost_model import HeadCost
-from nanospec_fx.eval import cores
 from nanospec_fx.eval.bench.timing import timings
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.dispatch import path_for
@@ -204,46 +202,3 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
                     out.append(ActiveTiming(r, n, variant, path, 1e3 * t, 1e3 * dense, dense / t, cost.predict(r, n),
                                             min(dense_ts) / min(ts)))
     return out
-
-
-def _main() -> None:
-    p = argparse.ArgumentParser(description=bench_head_vs_active.__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=640)
-    p.add_argument("--vocab", type=int, default=262144)
-    p.add_argument("--capacity", type=int, default=3072)
-    p.add_argument("--active", default="1,100,1000,3000")
-    p.add_argument("--rows", default="1,4")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--calibrate", action="store_true",
-                   help="predict with constants measured on this machine (explain(..., calibrate=True))")
-    a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    ints = [[int(v) for v in s.split(",")] for s in (a.active, a.rows)]
-    start, oversubscribed = cores.check(torch.get_num_threads())
-    if oversubscribed:
-        print(f"warning: {oversubscribed}")
-    machine = calibrate(a.hidden) if a.calibrate else None
-    res = bench_head_vs_active(a.hidden, a.vocab, ints[0], a.capacity, ints[1], a.repeats, device=a.device,
-                               machine=machine)
-    print(f"H={a.hidden} V={a.vocab} C={a.capacity} fp32 {a.device}, path={res[0].path}, threads="
-          f"{torch.get_num_threads()}, load average {_first(start)} at the start, {_first(cores.load_average())} at the end, "
-          f"median of {a.repeats}")
-    print("cost model: " + (machine or MachineConstants.fitted(res[0].path)).describe())
-    print("| rows | active | variant | nanospec ms | dense ms | measured speedup (min) | predicted "
-          "| predicted / measured (min) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for t in res:
-        print(f"| {t.rows} | {t.active:,} | {t.variant} | {t.ms:.3f} | {t.dense_ms:.1f} | {t.speedup:.0f}x "
-              f"({t.min_speedup:.0f}x) | {t.predicted:.0f}x | {t.predicted / t.speedup:.2f} "
-              f"({t.predicted / t.min_speedup:.2f}) |")
-
-
-def _first(load: list[float] | None) -> str:
-    return "?" if load is None else f"{load[0]:.2f}"
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,5 +1,6 @@
-"""The one timer of the benchmarks: wall time of a call with the device synchronised around it (the runtime
-never synchronises to time itself: a benchmark hands it a :class:`PhaseTimer`)."""
+"""The one timer of the benchmarks (the ``nanospec-fx`` verbs and every script in benchmarks/): wall time of a call
+with the device synchronised around it, or CUDA-event time with the L2 cache flushed (:func:`device_timings`). The
+runtime never synchronises to time itself: a benchmark hands it a :class:`PhaseTimer`."""
 from __future__ import annotations
 
 import statistics
@@ -15,24 +16,61 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` takes, device work included."""
+def time_call(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds ``fn()`` takes, device work included; ``clock=time.process_time``: this process's CPU time, which
+    a busy machine disturbs far less than wall time."""
     sync()
-    start = time.perf_counter()
+    start = clock()
     fn()
     sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def timings(fn: Callable[[], object], repeats: int, warmup: int = 2, min_seconds: float = 0.3) -> list[float]:
-    """Wall times of ``fn()`` in seconds: at least ``repeats`` calls and ``min_seconds`` in all (fast
-    calls are repeated more, up to 200 times, so their median is not one scheduler hiccup)."""
+def timings(fn: Callable[[], object], repeats: int, warmup: int = 2, min_seconds: float = 0.3,
+            clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Times of ``fn()`` in seconds (:func:`time_call`): at least ``repeats`` calls and ``min_seconds`` in all
+    (fast calls are repeated more, up to 200 times, so their median is not one scheduler hiccup)."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
     while len(times) < repeats or (sum(times) < min_seconds and len(times) < 200):
-        times.append(time_call(fn))
+        times.append(time_call(fn, clock))
     return times
+
+
+_L2_FLUSH: list[torch.Tensor] = []  # one buffer larger than any L2 cache, made on first use
+
+
+def device_timings(fn: Callable[[], object], iters: int, warmup: int = 3, before: Callable[[], object] | None = None,
+                   device: str = "cpu") -> list[float]:
+    """Seconds of ``iters`` calls of ``fn()``, each after an untimed ``before()`` (new inputs, a barrier). On CUDA:
+    CUDA-event times with the L2 cache flushed before each call (a drafter's other work evicts the head between
+    steps), read after one synchronisation; elsewhere :func:`time_call`."""
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    if torch.device(device).type != "cuda":
+        times = []
+        for _ in range(iters):
+            if before:
+                before()
+            times.append(time_call(fn))
+        return times
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 * 2**20, dtype=torch.int8, device="cuda"))
+    events = []
+    for _ in range(iters):
+        if before:
+            before()
+        _L2_FLUSH[0].zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in events]
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:

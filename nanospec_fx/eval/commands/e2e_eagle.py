@@ -22,7 +22,7 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     from nanospec_fx.eval import train_eagle as T
     from nanospec_fx.eval.bench import eagle_e2e as B
     from nanospec_fx.eval.commands.sources import load_option
-    from nanospec_fx.eval.commands.train_eagle import eagle_dir as default_dir
+    from nanospec_fx.eval.train_eagle import eagle_dir as default_dir
     from nanospec_fx.eval.commands.sources import disjoint_static_samples
     from nanospec_fx.eval.report import command_line, console, fail, file_digest, machine, progress, set_threads
 

@@ -8,17 +8,10 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import threads_option
+from nanospec_fx.eval.train_eagle import eagle_dir
 from nanospec_fx.vocab_config import DEFAULT_STATIC_SIZE
 
 TRAIN_CORPUS = "sharegpt-train"
-
-
-def eagle_dir(model: str, cache_dir: Path | None = None) -> Path:
-    """Where a model's features and trained drafter live (outside the repository, under the eval cache)."""
-    from nanospec_fx.eval.loaders import CACHE
-
-    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model).name if model) or "model"
-    return Path(cache_dir) if cache_dir else CACHE / "eagle" / slug
 
 
 @click.command("train-eagle")

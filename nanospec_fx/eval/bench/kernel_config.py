@@ -1,0 +1,65 @@
+"""What a kernel benchmark needs beyond the ops themselves (``torch.ops.nanospec.*``): a fresh op state, and which
+implementation and Triton head configuration the ops run. One documented place that follows the kernels' layout, so
+that a script in benchmarks/ never imports their internals (benchmarks/README.md)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+
+def op_state(weight: torch.Tensor, capacity: int) -> list[torch.Tensor]:
+    """Fresh, empty state tensors for ``weight``'s head, in the order the ops take them (``ids, slot_of, cursor,
+    cache_w, cache_b``): those of a new :class:`nanospec_fx.ActiveVocab`."""
+    from nanospec_fx import ActiveVocab
+
+    return ActiveVocab(weight, capacity=capacity).tensors()
+
+
+def state_names() -> tuple[str, ...]:
+    """The names of :func:`op_state`'s tensors, in its order (to say which one differs)."""
+    from nanospec_fx.kernels.schema import STATE
+
+    return tuple(STATE)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def kernels(mode: str) -> contextlib.AbstractContextManager:
+    """Eager op calls in the block run ``mode``'s implementation: ``"reference"`` (plain torch: the oracle of a
+    kernel check), ``"host"``, ``"triton"`` or ``"auto"`` (docs/kernels.md, ``NANOSPEC_KERNELS``)."""
+    return _environ("NANOSPEC_KERNELS", mode)
+
+
+def head_configs() -> dict[str, dict]:
+    """The Triton compact-logits tile configurations by name (docs/kernels.md); empty without triton."""
+    try:
+        from nanospec_fx.kernels import triton_head
+    except ImportError:
+        return {}
+    return dict(triton_head.HEAD_CONFIGS)
+
+
+def head_config(name: str) -> contextlib.AbstractContextManager:
+    """Calls of the Triton head kernel in the block use the configuration ``name`` (``NANOSPEC_HEAD_CONFIG``)."""
+    return _environ("NANOSPEC_HEAD_CONFIG", name)
+
+
+def triton_op_registration() -> bool:
+    """Whether the read-only ops are registered as ``torch.library.triton_op`` (inductor inlines their kernels)."""
+    from nanospec_fx.kernels import ops
+
+    return bool(ops.USES_TRITON_OP)

@@ -1,0 +1,161 @@
+"""Markdown tables from the JSON files that ``nanospec-fx`` writes (for docs/results.md): :func:`render` one file,
+:func:`eagle_sweep` several depths. ``python benchmarks/report.py`` is the script that prints them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def coverage(data: dict) -> str:
+    rows, meta = data["rows"], data["meta"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    by = {(r["policy"], r["category"]): r for r in rows}
+    k = meta.get("topk") or 0
+    pols = ["full", "static-32768", "static-3072", "context@3072"] + ([f"context+top{k}@3072"] if k else [])
+    pols += [f"hybrid{'+top%d' % k if k else ''}-1024@3072"]
+    out = [[p] + [pct(by[(p, c)]["coverage"]) for c in cats] + [f"{by[(p, 'all')]['mean_size']:,.0f}",
+                                                                  f"{by[(p, 'all')]['p95_size']:,.0f}"]
+           for p in pols if (p, "all") in by]
+    return table(["policy", *cats, "mean \\|A\\|", "p95 \\|A\\|"], out)
+
+
+def head(data: dict) -> str:
+    rows = [r for r in data["rows"]]
+    sweep_start = next((i for i in range(1, len(rows))
+                        if rows[i]["shape"] == rows[0]["shape"] and rows[i]["variant"] == "dense"
+                        and rows[i - 1]["shape"] != rows[0]["shape"]), len(rows))
+    main, sweep = rows[:sweep_start], rows[sweep_start:]
+    t = table(["shape (H x V)", "rows", "variant", "rows computed", "ms", "speedup", "limit V/N", "of limit"],
+              [[f"{r['shape']} ({r['hidden']}x{r['vocab']})", str(r["rows"]), r["variant"], f"{r['size']:,}",
+                f"{r['ms']:.2f}", f"{r['speedup']:.2f}x", f"{r['limit']:.1f}x", f"{100 * r['of_limit']:.0f}%"]
+               for r in main])
+    if sweep:
+        t += "\n\nSweep (" + sweep[0]["shape"] + "):\n\n" + table(
+            ["rows", "variant", "rows computed", "ms", "speedup vs dense"],
+            [[str(r["rows"]), r["variant"], f"{r['size']:,}", f"{r['ms']:.2f}", f"{r['speedup']:.2f}x"] for r in sweep])
+    return t
+
+
+def draft(data: dict) -> str:
+    return table(["head", "round ms", "head ms", "head share", "vs full"],
+                 [[r["variant"], f"{r['round_ms']:.1f}", f"{r['head_ms']:.1f}", f"{100 * r['head_share']:.0f}%",
+                   f"{100 * r['vs_full']:+.1f}%"] for r in data["rows"]])
+
+
+def e2e(data: dict) -> str:
+    return table(["model", "variant", "tok/s", "tokens/round", "draft share", "mean \\|A\\|", "== target greedy"],
+                 [[r["model"], r["variant"], f"{r['tokens_per_s']:.2f}", f"{r['tokens_per_round']:.2f}",
+                   f"{100 * r['draft_share']:.0f}%",
+                   "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}",
+                   "yes" if r["identical"] else "**no**"] for r in data["rows"]])
+
+
+def e2e_eagle(data: dict) -> str:
+    """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category."""
+    rows = data["rows"]
+    pooled = _eagle_pooled(_with_full_rate([r for r in rows if r["category"] == "all"]), detail=True)
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
+    keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
+    by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
+    per_cat = table(["variant", "depth", *cats],
+                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x"
+                                   if (v, d, c) in by else "" for c in cats)] for v, d in keys])
+    full = {(d, c): by[(v, d, c)] for v, d, c in by if v == "full head" and d}
+
+    def against_full(r, f):
+        return f"{100 * r['tau'] / f['tau']:.1f}% / {r['tokens_per_s'] / f['tokens_per_s']:.2f}x"
+
+    text = pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+    if full:  # a run without the full head (e.g. --variants context) has nothing to share it with
+        ratio = table(["variant", "depth", *cats],
+                      [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
+                                     else "" for c in cats)] for v, d in keys if v != "full head"])
+        text += ("\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
+                 "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
+    if data.get("comparisons"):
+        text += "\n\nPaired ratios (same requests, this run): median over requests [95% bootstrap interval]:\n\n"
+        text += paired_table(data["comparisons"])
+    return text
+
+
+def paired_table(comparisons: list[dict]) -> str:
+    """The paired comparisons an `e2e --drafter eagle` run made (JSONs with a "comparisons" section)."""
+    return table(["variant", "depth", "against", "depth ", "metric", "ratio [95% interval]", "requests"],
+                 [[c["a"], str(c["a_depth"]), c["b"], str(c["b_depth"] or ""), c["metric"].replace("_", " "),
+                   f"{c['median']:.2f}x [{c['low']:.2f}, {c['high']:.2f}]", str(c["requests"])] for c in comparisons])
+
+
+def interval(r: dict) -> str:
+    """The speedup over the target alone: with its 95% interval where the JSON has one (paired runs)."""
+    if r.get("speedup_low") is None or r["speedup_low"] != r["speedup_low"]:
+        return f"{r['speedup']:.2f}x"
+    return f"{r['speedup']:.2f}x [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
+
+
+def render(path: Path) -> str:
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
+            "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
+    body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
+    meta = data["meta"]
+    shards = meta.get("shards")  # `nanospec-fx e2e-merge`: each piece's provenance, not the merge's own
+    if shards:
+        origin = (f"\n\nmerged from shards {', '.join(map(str, shards['merged']))} of {shards['count']}"
+                  + (f" (**missing: {', '.join(map(str, shards['missing']))}**)" if shards["missing"] else "") + ":"
+                  + "".join(f"\n- shard {p['shard']['index']}: {_origin(p.get('provenance'))}" for p in meta["pieces"]))
+    else:
+        origin = f"\n\n{_origin(meta['provenance'])}" if meta.get("provenance") else ""
+    return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
+
+
+def _origin(prov: dict | None) -> str:
+    """Commit, torch, threads and load of one run (a results JSON's provenance)."""
+    prov = prov or {}
+    return (f"commit {(prov.get('git_commit') or '?')[:10]}{' (dirty)' * bool(prov.get('git_dirty'))}, "
+            f"torch {prov.get('torch')}, {prov.get('threads')} threads, load "
+            f"{(prov.get('load_average_start') or ['?'])[0]} -> {(prov.get('load_average_end') or ['?'])[0]}")
+
+
+def _with_full_rate(pooled: list[dict]) -> list[tuple[dict, float | None]]:
+    """Each pooled row with the full head's tokens/s at its depth (None for the target alone)."""
+    full = {r["depth"]: r["tokens_per_s"] for r in pooled if r["variant"] == "full head"}
+    return [(r, full.get(r["depth"])) for r in pooled]
+
+
+def _eagle_pooled(pairs: list[tuple[dict, float | None]], detail: bool) -> str:
+    """The pooled EAGLE table; ``detail`` adds the draft share and the identical-output check."""
+    header = ["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head"]
+    header += ["draft share"] * detail + ["draft ms/round", "verify ms/round", "mean \\|A\\|"]
+    header += ["== target greedy"] * detail
+    out = []
+    for r, full in pairs:
+        row = [r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", interval(r),
+               f"{r['tokens_per_s'] / full:.2f}x" if full else ""]
+        row += [f"{100 * r['draft_share']:.0f}%"] * detail
+        row += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}",
+                "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}"]
+        row += ["yes" if r["identical"] else "**no**"] * detail
+        out.append(row)
+    return table(header, out)
+
+
+def eagle_sweep(paths: list[Path]) -> str:
+    """One pooled table over several `e2e --drafter eagle` runs (one depth each, same requests): a depth sweep."""
+    pairs = []
+    for path in paths:
+        pooled = [r for r in json.loads(path.read_text())["rows"] if r["category"] == "all"]
+        pairs += [(r, full) for r, full in _with_full_rate(pooled) if r["depth"]]
+    order = {v: i for i, v in enumerate(dict.fromkeys(r["variant"] for r, _ in pairs))}  # as the runs list them
+    pairs.sort(key=lambda rf: (order[rf[0]["variant"]], rf[0]["depth"]))
+    return _eagle_pooled(pairs, detail=False)
+
