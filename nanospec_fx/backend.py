@@ -37,7 +37,7 @@ from nanospec_fx.passes import (
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
-from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
+from nanospec_fx.passes.lookups import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
 from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap

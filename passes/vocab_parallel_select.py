@@ -40,10 +40,10 @@ import torch
 import torch.fx as fx
 
 from . import patterns
-from .patterns import _arg
+from .graph import call_arg, node_name
 from .vocab_parallel import (
     CAT_FUNCTIONS, FRESH_BUFFERS, Block, Full, Layout, Ranked, Stacked, _elementwise_prefix, erase_local_slice,
-    _in_graph_order, _is_c10d, _name, _same, _step,
+    _in_graph_order, _is_c10d, _same, _step,
 )
 
 ADD = {operator.add, torch.add}
@@ -136,9 +136,8 @@ class Gathered:
 
 
 @dataclass(frozen=True)
-class Pick:
-    """A ``topk(k2)`` or ``max`` (k2 = 1) over axis ``axis`` of the gathered values: a (values, positions) pair;
-    ``kept``: the picked axis is kept."""
+class _Picked:
+    """A selection of ``k2`` along axis ``axis`` of candidates laid out as ``layout``; ``kept``: that axis is kept."""
 
     k2: int
     layout: Layout
@@ -147,13 +146,13 @@ class Pick:
 
 
 @dataclass(frozen=True)
-class Positions:
-    """Positions picked along ``axis`` of candidates laid out as ``layout`` (an ``argmax``, or a pick's ``[1]``)."""
+class Pick(_Picked):
+    """A ``topk(k2)`` or ``max`` (k2 = 1) over the gathered values: a (values, positions) pair."""
 
-    k2: int
-    layout: Layout
-    axis: int
-    kept: bool
+
+@dataclass(frozen=True)
+class Positions(_Picked):
+    """The positions picked (an ``argmax``, or a pick's ``[1]``)."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ class _Interpretation:
     @property
     def first_max(self) -> bool:
         """The local selection returns its slice's first maximum (``max``; a ``topk(1)`` does not promise it)."""
-        return _name(self.sel) == "max"
+        return node_name(self.sel) == "max"
 
     def visit(self, n: fx.Node) -> str | None:
         """Record what ``n`` holds; a reason when it reads the candidates in a way not followed."""
@@ -206,19 +205,19 @@ class _Interpretation:
             self.pattern.append(n)
             return None
         tensors = [a for a in inputs if not isinstance(self.values[a], Size)]
-        if not tensors or _name(n) in SHAPE_READS:  # a size, or arithmetic on sizes (dynamic shapes)
+        if not tensors or node_name(n) in SHAPE_READS:  # a size, or arithmetic on sizes (dynamic shapes)
             self.pattern.append(n)
             self.values[n] = Size()
             return None
         transfer = TRANSFER.get(type(self.values[tensors[0]]))
         value = transfer(self, n, tensors[0]) if transfer is not None else None
         if value is None:
-            value = f"{n.name} ({_name(n)}) uses the exchanged candidates in a way nanospec does not follow"
+            value = f"{n.name} ({node_name(n)}) uses the exchanged candidates in a way nanospec does not follow"
         if isinstance(value, str):
             return value
         self.pattern.append(n)
         self.values[n] = value
-        if _name(n) == "copy_":  # the buffer holds the copied value from here on
+        if node_name(n) == "copy_":  # the buffer holds the copied value from here on
             self.values[n.args[0]] = value
             self.pattern.append(n.args[0])
         return None
@@ -245,7 +244,7 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
     sel, k, keep = found
     nodes = list(local.graph.nodes)
     run = _Interpretation(sel, k, keep, shape[-1], tuple(shape[:-1]), example_of or {},
-                          {n for n in nodes if _name(n) in FRESH_BUFFERS}, pattern=[sel])
+                          {n for n in nodes if node_name(n) in FRESH_BUFFERS}, pattern=[sel])
     for user in sel.users:
         if user.target is not operator.getitem or user.args[1] not in (0, 1):
             return f"{user.name} reads {sel.name} other than as (values, indices)"
@@ -275,7 +274,7 @@ def _conclude(run: _Interpretation, local: fx.Node, prefix: list[fx.Node], shard
         return finals
     if 1 not in finals.values():
         return "the exchanged ids are never read"
-    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and node_name(u) not in FRESH_BUFFERS]
     if stray:
         return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
     k2 = {run.values[n].k2 for n in finals}
@@ -314,7 +313,7 @@ def _exchange(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
     """``n`` gathers one rank's candidates (values, global ids, or both packed) from every rank."""
     held = run.values[src]
     if not _is_c10d(n, "all_gather_into_tensor") or n.args[0] is not src:
-        return f"{n.name} ({_name(n)}) reads the local candidates other than by exchanging them"
+        return f"{n.name} ({node_name(n)}) reads the local candidates other than by exchanging them"
     world, group = n.args[1], n.args[2]
     if not isinstance(world, int) or run.world not in (None, world) or run.group not in (None, group):
         return f"{n.name} exchanges the candidates over a group unlike the other's, or not static"
@@ -349,7 +348,7 @@ def _from_local_ids(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | s
         return GlobalIds()
     if offset is None and _is_c10d(n, "all_gather_into_tensor"):
         return f"{n.name} exchanges the local ids (0..{run.rows - 1}) without this rank's first row added"
-    return offset or f"{n.name} ({_name(n)}) reads the local ids other than to offset them"
+    return offset or f"{n.name} ({node_name(n)}) reads the local ids other than to offset them"
 
 
 def _from_global_ids(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
@@ -392,12 +391,12 @@ def _from_gathered(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | st
     to = _cast_to(n)
     if held.what == "id" and to is not None:
         return held if _holds_ids(to, run.world * run.rows) else None
-    if held.what == "val" and _name(n) in ("topk", "argmax", "max"):
+    if held.what == "val" and node_name(n) in ("topk", "argmax", "max"):
         run.picks.append(n)
         if len(run.picks) > 1:  # values of one pick with ids of another could disagree on ties
             return f"{n.name} picks from the exchanged candidates a second time ({run.picks[0].name} did)"
         return _pick(n, held.layout, run.keep, run.first_max, run.k)
-    if held.what == "id" and (n.target in GATHER_FUNCTIONS or _name(n) == "gather"):
+    if held.what == "id" and (n.target in GATHER_FUNCTIONS or node_name(n) == "gather"):
         return _lookup(n, run.values)
     cand = run.cand
     layout = _step(n, run.layouts(held), run.fresh, run.world, cand[0] if cand else 1, cand)
@@ -413,14 +412,14 @@ def _from_pick(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
 
 def _from_positions(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
     held = run.values[src]
-    if _name(n) == "unsqueeze" and not held.kept and _arg(n, 0, "dim") % len(patterns.tensor_shape(n)) == held.axis:
+    if node_name(n) == "unsqueeze" and not held.kept and call_arg(n, 1, "dim") % len(patterns.tensor_shape(n)) == held.axis:
         return replace(held, kept=True)
     return None
 
 
 def _from_selected(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
     held = run.values[src]
-    if _name(n) in SELECTED_VIEWS:
+    if node_name(n) in SELECTED_VIEWS:
         return held  # the selection's row-major order is kept (its other axes are 1 or the lead's)
     to = _cast_to(n)
     if held.which == 1 and to is not None and _holds_ids(to, run.world * run.rows):
@@ -450,7 +449,7 @@ def group_rank(group_name: str) -> int:
 
 def _cast_to(n: fx.Node) -> torch.dtype | None:
     """The dtype ``n`` casts its input to (``.to(dtype)``, ``.float()``, ``.type_as(x)``...), same shape and device."""
-    if _name(n) not in CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+    if node_name(n) not in CASTS or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     src, out = patterns.example_value(n.args[0]), patterns.example_value(n)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.shape != out.shape \
@@ -482,10 +481,10 @@ def _holds_ids(dtype: torch.dtype, vocab: int) -> bool:
 def _pack(n: fx.Node, values: dict, cand: tuple) -> Packed | str:
     """A :class:`Packed` when ``n`` puts one rank's values and its global ids (cast to the values' dtype) into one
     tensor: ``stack`` along ``axis`` (size 2), or ``cat`` along it (values, then ids, or the other way round)."""
-    parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 0, "dim", 0)
+    parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), call_arg(n, 1, "dim", 0)
     kinds = [type(values.get(p)) for p in parts] if isinstance(parts, (list, tuple)) else []
     if len(kinds) != 2 or set(kinds) != {FloatIds, LocalValues} or not isinstance(dim, int):
-        return f"{n.name} ({_name(n)}) packs the candidates with something else than their values and global ids"
+        return f"{n.name} ({node_name(n)}) packs the candidates with something else than their values and global ids"
     dtypes = {patterns.example_value(p).dtype for p in (*parts, n)}
     if len(dtypes) != 1:
         return f"{n.name} packs values and ids of different dtypes ({sorted(map(str, dtypes))})"
@@ -519,7 +518,7 @@ def _unpack(n: fx.Node, held: GatheredPacked, cand: tuple) -> Gathered | Parts |
     else:
         return None
     size = cand[axis] if kind == "cat" else 1
-    name, args = _name(n), list(n.args[1:])
+    name, args = node_name(n), list(n.args[1:])
     if n.target is operator.getitem:
         at = _index_at(n.args[1], ndim)
         if at is None or at.axis != where:
@@ -530,9 +529,9 @@ def _unpack(n: fx.Node, held: GatheredPacked, cand: tuple) -> Gathered | Parts |
     elif name == "narrow" and len(args) == 3 and kind == "cat" and _dim(args[0], ndim) == where \
             and args[2] == size:
         which = _which(kind, slice(args[1], args[1] + size), size)
-    elif name == "unbind" and kind == "stack" and _dim(_arg(n, 0, "dim", 0), ndim) == where:
+    elif name == "unbind" and kind == "stack" and _dim(call_arg(n, 1, "dim", 0), ndim) == where:
         return Parts(first, out)
-    elif name in ("chunk", "split") and kind == "cat" and _dim(_arg(n, 1, "dim", 0), ndim) == where \
+    elif name in ("chunk", "split") and kind == "cat" and _dim(call_arg(n, 2, "dim", 0), ndim) == where \
             and (name == "chunk" and args[0] == 2 or name == "split" and args[0] in (size, [size, size], (size, size))):
         return Parts(first, out)
     else:
@@ -573,17 +572,17 @@ def _which(kind: str, entry, size: int) -> int | None:
 
 def _local_selection(sliced: fx.Node, ndim: int) -> tuple | str | None:
     """(node, k, keeps its k axis) for the one top-k / max reading ``sliced`` over its last axis."""
-    users = [u for u in sliced.users if _name(u) not in FRESH_BUFFERS]
+    users = [u for u in sliced.users if node_name(u) not in FRESH_BUFFERS]
     if len(users) != 1 or users[0].args[0] is not sliced:
         return None
     (sel,) = users
-    if _name(sel) == "topk":
-        k, dim, largest = _arg(sel, 0, "k"), _arg(sel, 1, "dim", -1), _arg(sel, 2, "largest", True)
+    if node_name(sel) == "topk":
+        k, dim, largest = call_arg(sel, 1, "k"), call_arg(sel, 2, "dim", -1), call_arg(sel, 3, "largest", True)
         if not isinstance(k, int) or not isinstance(dim, int) or dim % ndim != ndim - 1 or largest is not True:
             return f"{sel.name} is not a largest top-k of this rank's slice over the vocabulary axis"
         return sel, k, True
-    if _name(sel) == "max" and len(sel.args) + len(sel.kwargs) > 1:  # max(dim): (values, first indices)
-        dim, keep = _arg(sel, 0, "dim"), _arg(sel, 1, "keepdim", False)
+    if node_name(sel) == "max" and len(sel.args) + len(sel.kwargs) > 1:  # max(dim): (values, first indices)
+        dim, keep = call_arg(sel, 1, "dim"), call_arg(sel, 2, "keepdim", False)
         if not isinstance(dim, int) or dim % ndim != ndim - 1 or not isinstance(keep, bool):
             return f"{sel.name} is not a max of this rank's slice over the vocabulary axis"
         return sel, 1, keep
@@ -593,7 +592,7 @@ def _local_selection(sliced: fx.Node, ndim: int) -> tuple | str | None:
 def _offset(n: fx.Node, values: dict, rows: int, example_of: dict) -> tuple | str | None:
     """(offset, nodes computing it) when ``n`` turns local ids into global ids: ``ids + c`` (an int, a scalar
     buffer), ``arange(c, c + rows)[ids]`` / ``(arange(rows) + c)[ids]``; a reason or None otherwise."""
-    name = _name(n)
+    name = node_name(n)
     if (n.target in ADD or name == "add") and len(n.args) == 2 and not n.kwargs:
         other = n.args[1] if n.args[0] in values else n.args[0]
         if isinstance(other, int) and not isinstance(other, bool):
@@ -620,7 +619,7 @@ def _arange_offset(node, rows: int) -> tuple | None:
         start, end, step = (0, args[0], 1) if len(args) == 1 else (tuple(args) + (1,))[:3]
         if all(isinstance(a, int) for a in (start, end, step)) and step == 1 and end - start == rows:
             return start, [node]
-    if (node.target in ADD or _name(node) == "add") and len(node.args) == 2 and not node.kwargs:
+    if (node.target in ADD or node_name(node) == "add") and len(node.args) == 2 and not node.kwargs:
         base, c = node.args
         inner = _arange_offset(base, rows)
         if inner is not None and isinstance(c, int) and not isinstance(c, bool):
@@ -638,17 +637,17 @@ def _pick(n: fx.Node, layout: Layout, keep: bool, first_max: bool, k: int) -> Pi
         axis = layout.axis
     else:
         return f"{n.name} picks from candidates laid out in a way nanospec does not follow"
-    name = _name(n)
+    name = node_name(n)
     if name == "topk":
-        k2, dim = _arg(n, 0, "k"), _arg(n, 1, "dim", -1)
-        largest, ordered = _arg(n, 2, "largest", True), _arg(n, 3, "sorted", True)
+        k2, dim = call_arg(n, 1, "k"), call_arg(n, 2, "dim", -1)
+        largest, ordered = call_arg(n, 3, "largest", True), call_arg(n, 4, "sorted", True)
         if not isinstance(k2, int) or not isinstance(dim, int) or dim % ndim != axis or largest is not True \
                 or ordered is not True:
             return f"{n.name} is not a sorted largest top-k over the exchanged candidates"
         if k2 > k:
             return f"{n.name} takes the top {k2} of each rank's top {k}: not the top {k2} of the vocabulary"
         return Pick(k2, layout, axis, True)
-    dim, keepdim = _arg(n, 0, "dim"), _arg(n, 1, "keepdim", False)
+    dim, keepdim = call_arg(n, 1, "dim"), call_arg(n, 2, "keepdim", False)
     if not isinstance(dim, int) or dim % ndim != axis or not isinstance(keepdim, bool):
         return f"{n.name} picks over another axis than the exchanged candidates'"
     if not first_max:
@@ -662,9 +661,9 @@ def _pick(n: fx.Node, layout: Layout, keep: bool, first_max: bool, k: int) -> Pi
 def _lookup(n: fx.Node, values: dict) -> Selected | str:
     """``ids.gather(dim, pos)`` / ``torch.take_along_dim(ids, pos, dim)`` at the picked positions (kept axis)."""
     if n.target is torch.take_along_dim:
-        ids, pos, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("indices"), _arg(n, 1, "dim")
+        ids, pos, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("indices"), call_arg(n, 2, "dim")
     else:
-        ids, dim, pos = n.args[0], _arg(n, 0, "dim"), _arg(n, 1, "index")
+        ids, dim, pos = n.args[0], call_arg(n, 1, "dim"), call_arg(n, 2, "index")
     held, where = values.get(ids), values.get(pos)
     if not isinstance(held, Gathered) or not isinstance(where, Positions) or not isinstance(dim, int):
         return f"{n.name} looks up exchanged ids at positions nanospec did not follow"
