@@ -7,10 +7,10 @@ library when one is installed further down ``sys.path``, and is empty otherwise 
 would register the ``nanospec::*`` ops twice).
 """
 if __name__ == "nanospec_fx.kernels":
-    from . import ops, ops_per_request, reference
+    from . import ops, reference
     from .dispatch import kernel_mode
 
-    __all__ = ["ops", "ops_per_request", "reference", "kernel_mode"]
+    __all__ = ["ops", "reference", "kernel_mode"]
 elif __name__ == "kernels":
     import importlib.machinery as _machinery
     import importlib.util as _util

@@ -146,10 +146,10 @@ def _launch_everything() -> None:
 
 
 def _launch_per_request(shapes) -> None:
-    """Every per-request wrapper (kernels/triton_per_request.py) at the same shapes, 3 request rows."""
+    """Every wrapper with ``rows`` (a per-request state) at the same shapes, 3 request rows."""
     import torch
 
-    from . import triton_per_request as TP
+    from . import triton_kernels as T
     from .schema import new_request_state
     from .triton_util import direct_launch
 
@@ -161,14 +161,14 @@ def _launch_per_request(shapes) -> None:
                 ids, _, cursor, cache_w, cache_b = state
                 rows = torch.tensor([2, 0, 2])
                 for bias in (None, b):
-                    TP.observe_per_request(torch.zeros(3, 5, dtype=torch.int64), rows, w, bias, *state, 0)
+                    T.observe(torch.zeros(3, 5, dtype=torch.int64), w, bias, *state, 0, rows)
                 x = torch.zeros(3, hidden, dtype=dtype)
                 for bias in (None, cache_b):
-                    compact = TP.compact_logits_per_request(x, rows, cache_w, bias, cursor)
-                    TP.head_logits_per_request(x, rows, cache_w, bias, ids, cursor, vocab)
-                TP.scatter_logits_per_request(compact, rows, ids, cursor, vocab)
+                    compact = T.compact_logits(x, cache_w, bias, cursor, rows)
+                    T.head_logits(x, cache_w, bias, ids, cursor, vocab, rows)
+                T.scatter_logits(compact, ids, cursor, vocab, rows)
                 for largest in (True, False):
-                    TP.compact_topk_per_request(compact, rows, ids, cursor, min(10, capacity), largest)
+                    T.compact_topk(compact, ids, cursor, min(10, capacity), largest, rows)
 
 
 def main(argv=None) -> int:

@@ -66,38 +66,19 @@ def path_for(device: torch.device | str) -> str:
     return "reference"
 
 
-def _triton_per_request_ops():
-    """The per-request Triton implementations, or None when triton is unavailable."""
-    try:
-        from . import triton_per_request
-    except ImportError:
-        return None
-    return triton_per_request
-
-
-def _kernel_sets(op: str):
-    """(reference, host, triton loader) modules of ``op``: the per-request ops live in their own modules."""
-    if op.endswith("_per_request"):
-        from . import host_per_request, reference_per_request
-
-        return reference_per_request, host_per_request, _triton_per_request_ops
-    return reference, host, _triton_ops
-
-
 def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     """The function that runs ``op`` for a call whose main tensor is ``tensor``."""
     mode = kernel_mode()
-    reference_ops, host_ops, triton_loader = _kernel_sets(op)
     if mode in ("auto", "host") and _host_readable(tensor):
-        return getattr(host_ops, op)
+        return getattr(host, op)
     if mode in ("reference", "host") or (mode == "auto" and tensor.device.type != "cuda"):
-        return getattr(reference_ops, op)
+        return getattr(reference, op)
     if mode == "triton" and tensor.device.type == "cpu" and not _interpreting():
         raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
                            "(set before importing triton)")
-    triton_ops = triton_loader()
+    triton_ops = _triton_ops()
     if triton_ops is None or not hasattr(triton_ops, op):
         if mode == "triton":
             raise RuntimeError(f"NANOSPEC_KERNELS=triton but no Triton kernel for {op!r} could be imported")
-        return getattr(reference_ops, op)
+        return getattr(reference, op)
     return getattr(triton_ops, op)

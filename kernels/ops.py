@@ -18,10 +18,13 @@ without CUDA (CPU tensors then take the reference branch, inlined by the compile
 
 The ops' signatures and the state's order are declared once, in :mod:`nanospec_fx.kernels.schema`;
 each op is registered with that schema string (and a test checks every implementation against it).
+Every op takes an optional ``rows``: None for the shared set of :class:`nanospec_fx.ActiveVocab` (what the passes
+emit), or the request row of each batch row for the per-request state of :class:`nanospec_fx.RequestVocabs`
+(a leading request axis on every state tensor; the rules, padding rows included: :mod:`kernels.request_rows`).
 
 Under ``torch.autocast`` the head ops (compact_logits, head_logits) cast like ``F.linear``; the
 differentiable ops have a backward with respect to their logits/hidden input (not the cached
-weights), so a frozen head trains the body (see the end of this file).
+weights), so a frozen head trains the body (see the end of this file); per-request calls are inference only.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
-from .schema import check_num_pinned, mutated, schema_of
+from .schema import arguments, check_num_pinned, mutated, schema_of
 
 
 def _want_triton_op() -> bool:
@@ -91,83 +94,83 @@ _BYTE_FLOATS = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "flo
 
 
 def _observe(
-    token_ids: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    ids: torch.Tensor,
-    slot_of: torch.Tensor,
-    cursor: torch.Tensor,
-    cache_w: torch.Tensor,
-    cache_b: torch.Tensor,
-    num_pinned: int,
+    token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
 ) -> None:
-    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place).
+    """Add ``token_ids`` to the active vocabulary held in the state tensors (in place); with ``rows``, the ids
+    ``[B, n]`` (-1 ignored) of batch row b to request row ``rows[b]``.
 
     Every implementation renews first the active ids of this call that its new ids would evict
     (:func:`reference.renew_fed_ids`), so a call never evicts a token it feeds while they fit.
     """
-    check_num_pinned(num_pinned, ids.numel())
+    check_num_pinned(num_pinned, ids.shape[-1])
     if cache_w.dtype in _BYTE_FLOATS and weight.dtype == cache_w.dtype:  # float8 rows: copied as their bytes
         weight, cache_w = weight.view(torch.uint8), cache_w.view(torch.uint8)
-    implementation_for("observe", cache_w)(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned)
+    implementation_for("observe", cache_w)(
+        token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows)
 
 
 def _compact_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits of the active slots, [..., C]; slots past the count are -inf."""
-    return implementation_for("compact_logits", x)(x, cache_w, cache_b, cursor)
+    """Logits of the active slots (of each row's request), [..., C]; slots past the count are -inf."""
+    return implementation_for("compact_logits", x)(x, cache_w, cache_b, cursor, rows)
 
 
-def _scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """Compact logits [..., C] -> full-vocabulary logits [..., V], -inf for inactive tokens."""
-    return implementation_for("scatter_logits", compact)(compact, ids, cursor, vocab_size)
+    return implementation_for("scatter_logits", compact)(compact, ids, cursor, vocab_size, rows)
 
 
 def _head_logits(
     x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
-    vocab_size: int,
+    vocab_size: int, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """compact_logits then scatter_logits in one op (a head without post-ops), [..., V]."""
-    return implementation_for("head_logits", x)(x, cache_w, cache_b, ids, cursor, vocab_size)
+    return implementation_for("head_logits", x)(x, cache_w, cache_b, ids, cursor, vocab_size, rows)
 
 
 def _compact_topk(
-    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
+    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over the active slots -> (values, token ids); ties: smaller token id first."""
-    return implementation_for("compact_topk", compact)(compact, ids, cursor, k, largest)
+    return implementation_for("compact_topk", compact)(compact, ids, cursor, k, largest, rows)
 
 
-def _compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
-    """Token id of the largest active logit (ties: smaller id; NaN is largest; -1 if none)."""
-    return implementation_for("compact_argmax", compact)(compact, ids, cursor)
+def _compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Token id of the largest active logit (ties: smaller id; NaN is largest; 0 if none)."""
+    return implementation_for("compact_argmax", compact)(compact, ids, cursor, rows)
 
 
 # ----------------------------------------------------------------------------- fakes
-def _observe_fake(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned):
-    check_num_pinned(num_pinned, ids.shape[0])
+# ``rows`` only picks each batch row's state, so it changes no output shape; C is the state's last slot dim.
+def _observe_fake(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows=None):
+    check_num_pinned(num_pinned, ids.shape[-1])
     return None
 
 
-def _compact_logits_fake(x, cache_w, cache_b, cursor):
-    return x.new_empty((*x.shape[:-1], cache_w.shape[0]))
+def _compact_logits_fake(x, cache_w, cache_b, cursor, rows=None):
+    return x.new_empty((*x.shape[:-1], cache_w.shape[-2]))
 
 
-def _scatter_logits_fake(compact, ids, cursor, vocab_size):
+def _scatter_logits_fake(compact, ids, cursor, vocab_size, rows=None):
     return compact.new_empty((*compact.shape[:-1], vocab_size))
 
 
-def _head_logits_fake(x, cache_w, cache_b, ids, cursor, vocab_size):
+def _head_logits_fake(x, cache_w, cache_b, ids, cursor, vocab_size, rows=None):
     return x.new_empty((*x.shape[:-1], vocab_size))
 
 
-def _compact_topk_fake(compact, ids, cursor, k, largest=True):
+def _compact_topk_fake(compact, ids, cursor, k, largest=True, rows=None):
     shape = (*compact.shape[:-1], k)
     return compact.new_empty(shape), compact.new_empty(shape, dtype=torch.int64)
 
 
-def _compact_argmax_fake(compact, ids, cursor):
+def _compact_argmax_fake(compact, ids, cursor, rows=None):
     return compact.new_empty(compact.shape[:-1], dtype=torch.int64)
 
 
@@ -215,7 +218,14 @@ for _name in ("compact_logits", "head_logits"):
 # Gradients flow into the head's input x (how EAGLE drafters are trained: body trainable, head
 # frozen). The weights are the state's cached rows, never trainable: their gradient is None.
 # Inactive tokens and free slots are constants (-inf), so they pass no gradient. The formulas
-# are plain torch, so they trace into AOT autograd's backward graph.
+# are plain torch, so they trace into AOT autograd's backward graph. Per-request calls (``rows`` given) are
+# inference only: their forward runs, their backward raises instead of returning the shared set's gradient.
+def _shared_only(ctx) -> None:
+    if ctx.per_request:
+        raise NotImplementedError("nanospec: the per-request ops (rows given) have no autograd; train through the "
+                                  "shared-set ops (rows=None)")
+
+
 def _active(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.arange(capacity, device=cursor.device) < cursor
 
@@ -232,57 +242,36 @@ def _gather_slots(grad_full: torch.Tensor, ids: torch.Tensor, cursor: torch.Tens
     return torch.where(_active(cursor, ids.numel()), g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
-def _compact_logits_setup(ctx, inputs, output):
-    x, cache_w, cache_b, cursor = inputs
-    ctx.save_for_backward(cache_w, cursor)
-
-
-def _compact_logits_backward(ctx, grad):
-    cache_w, cursor = ctx.saved_tensors
-    return _grad_x(grad, cache_w, cursor), None, None, None
-
-
-def _head_logits_setup(ctx, inputs, output):
-    x, cache_w, cache_b, ids, cursor, vocab_size = inputs
-    ctx.save_for_backward(cache_w, ids, cursor)
-
-
-def _head_logits_backward(ctx, grad):
-    cache_w, ids, cursor = ctx.saved_tensors
-    return _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor), None, None, None, None, None
-
-
-def _scatter_logits_setup(ctx, inputs, output):
-    compact, ids, cursor, vocab_size = inputs
-    ctx.save_for_backward(ids, cursor)
-
-
-def _scatter_logits_backward(ctx, grad):
-    ids, cursor = ctx.saved_tensors
-    return _gather_slots(grad, ids, cursor), None, None, None
-
-
-def _compact_topk_setup(ctx, inputs, output):
-    compact, ids, cursor, k, largest = inputs
-    ctx.save_for_backward(ids, cursor, output[1])
-
-
-def _compact_topk_backward(ctx, grad_values, grad_tokens):
-    ids, cursor, tokens = ctx.saved_tensors
+def _topk_grad(ids, cursor, tokens, grad_values, grad_tokens):
     if grad_values is None:
-        return None, None, None, None, None
+        return None
     # The slot of each selected token; padding entries (inactive ids) match no slot.
     hit = (tokens.unsqueeze(-1) == ids) & _active(cursor, ids.numel())
-    grad = (grad_values.unsqueeze(-1) * hit.to(grad_values.dtype)).sum(-2)
-    return grad, None, None, None, None
+    return (grad_values.unsqueeze(-1) * hit.to(grad_values.dtype)).sum(-2)
 
 
-torch.library.register_autograd(
-    "nanospec::compact_logits", _compact_logits_backward, setup_context=_compact_logits_setup)
-torch.library.register_autograd("nanospec::head_logits", _head_logits_backward, setup_context=_head_logits_setup)
-torch.library.register_autograd(
-    "nanospec::scatter_logits", _scatter_logits_backward, setup_context=_scatter_logits_setup)
-torch.library.register_autograd("nanospec::compact_topk", _compact_topk_backward, setup_context=_compact_topk_setup)
+def _register_gradient(op: str, saved: tuple[str, ...], grad_of_first: Callable, save_tokens: bool = False) -> None:
+    """Autograd of ``op``: ``grad_of_first(*saved inputs[, selected tokens], *output grads)`` is the gradient of its
+    first input (x or the logits); every other input gets None. ``saved`` names inputs as the schema declares them."""
+    names = arguments(op)
+
+    def setup(ctx, inputs, output):
+        given = dict(zip(names, inputs))
+        ctx.per_request = given["rows"] is not None
+        ctx.save_for_backward(*(given[n] for n in saved), *((output[1],) if save_tokens else ()))
+
+    def backward(ctx, *grads):
+        _shared_only(ctx)
+        return (grad_of_first(*ctx.saved_tensors, *grads),) + (None,) * (len(names) - 1)
+
+    torch.library.register_autograd(f"nanospec::{op}", backward, setup_context=setup)
+
+
+_register_gradient("compact_logits", ("cache_w", "cursor"), lambda cache_w, cursor, grad: _grad_x(grad, cache_w, cursor))
+_register_gradient("head_logits", ("cache_w", "ids", "cursor"),
+                   lambda cache_w, ids, cursor, grad: _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor))
+_register_gradient("scatter_logits", ("ids", "cursor"), lambda ids, cursor, grad: _gather_slots(grad, ids, cursor))
+_register_gradient("compact_topk", ("ids", "cursor"), _topk_grad, save_tokens=True)
 
 __all__ = [
     "observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax",

@@ -24,6 +24,12 @@ values the smaller token id first. ``torch.topk`` itself leaves the order of tie
 (on CPU it differs with size and k), so this is the rule eager code gets from
 ``torch.sort(..., stable=True)``; ``torch.argmax`` documents the same rule (first maximum).
 
+With ``rows`` (a per-request state, :mod:`kernels.request_rows`) each op is, by definition, the shared-set op
+applied to batch row b with the state of request ``rows[b]`` (an empty set for a padding row); this module
+computes exactly that, one batch row at a time (a Python loop over the static batch size: no host sync, no
+data-dependent shape). ``observe`` with repeated rows observes the ids of all batch rows of one request as one
+call, concatenated in batch order.
+
 Masked writes redirect masked-off entries to repeat a masked-on write (same index, same
 value), so duplicate indices never race and no op needs a data-dependent shape.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from . import request_rows as RR
 from .schema import check_num_pinned
 
 
@@ -41,15 +48,13 @@ def slot_for_insertion(k: torch.Tensor, capacity: int, num_pinned: int) -> torch
 
 
 def _first_occurrence(x: torch.Tensor) -> torch.Tensor:
-    """Bool mask, True at the first occurrence of each value of the 1-D tensor ``x``."""
+    """Bool mask, True at the first occurrence of each value along the last dim of ``x``."""
     if x.numel() == 0:
         return torch.zeros_like(x, dtype=torch.bool)
-    sorted_x, perm = torch.sort(x, stable=True)
+    sorted_x, perm = torch.sort(x, dim=-1, stable=True)
     first_sorted = torch.ones_like(sorted_x, dtype=torch.bool)
-    first_sorted[1:] = sorted_x[1:] != sorted_x[:-1]
-    first = torch.empty_like(first_sorted)
-    first[perm] = first_sorted
-    return first
+    first_sorted[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    return torch.empty_like(first_sorted).scatter_(-1, perm, first_sorted)
 
 
 def _redirect_masked(
@@ -81,23 +86,19 @@ def _masked_set(buf: torch.Tensor, index: torch.Tensor, value: torch.Tensor, mas
 
 
 def observe(
-    token_ids: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    ids: torch.Tensor,
-    slot_of: torch.Tensor,
-    cursor: torch.Tensor,
-    cache_w: torch.Tensor,
-    cache_b: torch.Tensor,
-    num_pinned: int,
+    token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
 ) -> None:
     """Insert every id of ``token_ids`` that is not active yet, copying its head row.
 
     Ids outside [0, V) are ignored (callers that want an error validate first). New ids are
     inserted in order of first occurrence; if one call brings more new ids than the ring
     holds, the last ones stay. Active ids of the call that its new ids would evict are renewed
-    first (:func:`renew_fed_ids`), so a call keeps every id it feeds while they fit.
+    first (:func:`renew_fed_ids`), so a call keeps every id it feeds while they fit. With ``rows``:
+    ``token_ids [B, n]`` of batch row b join request ``rows[b]`` (see the module docstring).
     """
+    if rows is not None:
+        return _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows)
     capacity, vocab = ids.numel(), slot_of.numel()
     check_num_pinned(num_pinned, capacity)
     renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
@@ -135,8 +136,31 @@ def observe(
     cursor.add_(n_new)
 
 
+def _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows) -> None:
+    """:func:`observe` of each request's grouped ids (:func:`kernels.request_rows.grouped_token_ids`) on its row."""
+    check_num_pinned(num_pinned, ids.shape[1])
+    rows = rows.reshape(-1).to(device=ids.device, dtype=torch.int64)
+    if rows.numel() == 0:
+        return
+    rows, grouped = RR.grouped_token_ids(token_ids, rows, ids.shape[0])
+    state = (ids, slot_of, cursor, cache_w, cache_b)
+    for b in range(rows.numel()):  # a later batch row of the same request sees the earlier one's write back
+        r = rows[b:b + 1]
+        mine = [_row(t, r) for t in state]
+        observe(grouped[b], weight, bias, *mine, num_pinned)
+        for t, m in zip(state, mine):
+            t.index_copy_(0, r, m if t.dim() == 1 else m.unsqueeze(0))
+
+
+def _row(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A copy of row ``r`` ([1] int64 device tensor) of ``t`` (``cursor [R]`` keeps its [1] shape)."""
+    got = t.index_select(0, r)
+    return got if t.dim() == 1 else got.squeeze(0)
+
+
 def renew_fed_ids(
-    token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int
+    token_ids: torch.Tensor, ids: torch.Tensor, slot_of: torch.Tensor, cursor: torch.Tensor, num_pinned: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Free the slots of the already-active ids of this call that its new ids would evict, so that
     :func:`observe` inserts them again, at the newest end of the ring.
@@ -150,29 +174,42 @@ def renew_fed_ids(
     A ring position ``q`` (insertion ``cursor + q``) is endangered when it holds an id of this call
     and fewer than ``n_new`` unprotected positions precede it: exactly the protected positions
     among the ``n_new + |endangered|`` that the insertions will claim.
+
+    With ``rows`` (request rows, already clamped), ``token_ids [B, L]`` are each batch row's grouped ids
+    (:func:`kernels.request_rows.grouped_token_ids`: only the first row of a request holds ids, so the rows write
+    disjoint state rows), renewed on all rows at once; the shared set is the case of one row.
     """
-    capacity, vocab = ids.numel(), slot_of.numel()
+    if rows is None:
+        token_ids = token_ids.reshape(1, -1)
+        rows = torch.zeros(1, dtype=torch.int64, device=ids.device)
+        ids, slot_of, cursor = ids.unsqueeze(0), slot_of.unsqueeze(0), cursor.reshape(1)
+    capacity, vocab = ids.shape[1], slot_of.shape[1]
     ring = capacity - num_pinned
-    x = token_ids.reshape(-1).to(device=ids.device, dtype=torch.int64)
-    if x.numel() == 0 or ring <= 0:
+    grouped = token_ids.to(device=ids.device, dtype=torch.int64)
+    if grouped.numel() == 0 or ring <= 0:
         return
-    in_range = (x >= 0) & (x < vocab)
-    x = torch.where(in_range, x, torch.zeros_like(x))
-    slot = slot_of[x].to(torch.int64)
+    in_range = (grouped >= 0) & (grouped < vocab)
+    x = torch.where(in_range, grouped, torch.zeros_like(grouped))
+    r = rows[:, None]
+    slot = slot_of[r, x].to(torch.int64)
     first = _first_occurrence(torch.where(in_range, x, torch.full_like(x, -1)))
-    n_new = (in_range & first & (slot < 0)).sum()
-    # protected[s]: slot s holds an id of this call (a dump entry takes everything else)
+    n_new = (in_range & first & (slot < 0)).sum(1, keepdim=True)
+    # protected[b, s]: slot s of row b's request holds an id of this call (a dump entry takes everything else)
     held = torch.where(in_range & (slot >= 0), slot, torch.full_like(slot, capacity))
-    protected = torch.zeros(capacity + 1, dtype=torch.bool, device=ids.device)
-    protected.index_put_((held,), torch.ones_like(held, dtype=torch.bool))
-    position = slot_for_insertion(cursor + torch.arange(ring, device=ids.device), capacity, num_pinned)
-    guarded = protected[position] & (ids[position] >= 0)
+    protected = torch.zeros(rows.numel(), capacity + 1, dtype=torch.bool, device=ids.device)
+    protected.scatter_(1, held, torch.ones_like(held, dtype=torch.bool))
+    k = cursor.index_select(0, rows)[:, None] + torch.arange(ring, device=ids.device)
+    position = slot_for_insertion(k, capacity, num_pinned)
+    at = ids.index_select(0, rows).gather(1, position)
+    guarded = protected.gather(1, position) & (at >= 0)
     free = (~guarded).to(torch.int64)
-    endangered = guarded & (torch.cumsum(free, 0) - free < n_new)
-    endangered = endangered & (n_new + endangered.sum() <= ring)
-    victims = torch.where(endangered, ids[position], torch.zeros_like(position))
-    _masked_set(slot_of, victims, torch.full_like(victims, -1, dtype=slot_of.dtype), endangered)
-    _masked_set(ids, position, torch.full_like(position, -1), endangered)
+    endangered = guarded & (torch.cumsum(free, 1) - free < n_new)
+    endangered = endangered & (n_new + endangered.sum(1, keepdim=True) <= ring)
+    mask = endangered.reshape(-1)
+    victims = (r * vocab + torch.clamp(at, min=0)).reshape(-1)
+    _masked_set(slot_of.view(-1), victims, torch.full_like(victims, -1, dtype=slot_of.dtype), mask)
+    places = (r * capacity + position).reshape(-1)
+    _masked_set(ids.view(-1), places, torch.full_like(places, -1), mask)
 
 
 def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -181,15 +218,23 @@ def active_mask(cursor: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def compact_logits(
-    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor
+    x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, cursor: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ cache_w.T (+ cache_b)`` -> [..., C]; slots past the count are -inf."""
+    if rows is not None:
+        return _each_row(x, rows, cursor, cache_w.shape[1], lambda xb, q, n: compact_logits(
+            xb, _row(cache_w, q), None if cache_b is None else _row(cache_b, q), n))
     out = torch.nn.functional.linear(x, cache_w, cache_b)
     return out.masked_fill(~active_mask(cursor, cache_w.shape[0]), float("-inf"))
 
 
-def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Place compact logits [..., C] at their token ids in a [..., V] tensor of -inf."""
+    if rows is not None:
+        return _each_row(compact, rows, cursor, vocab_size, lambda cb, q, n: scatter_logits(
+            cb, _row(ids, q), n, vocab_size))
     valid = active_mask(cursor, ids.numel())
     out = torch.full((*compact.shape[:-1], vocab_size), float("-inf"), dtype=compact.dtype, device=compact.device)
     fallback = torch.full_like(compact.select(-1, 0), float("-inf"))
@@ -200,10 +245,10 @@ def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tenso
 
 def head_logits(
     x: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor | None, ids: torch.Tensor, cursor: torch.Tensor,
-    vocab_size: int,
+    vocab_size: int, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``scatter_logits(compact_logits(...))`` in one op: the head with no post-ops, [..., V]."""
-    return scatter_logits(compact_logits(x, cache_w, cache_b, cursor), ids, cursor, vocab_size)
+    return scatter_logits(compact_logits(x, cache_w, cache_b, cursor, rows), ids, cursor, vocab_size, rows)
 
 
 def padding_ids(ids: torch.Tensor, cursor: torch.Tensor, k: int) -> torch.Tensor:
@@ -223,7 +268,8 @@ def padding_ids(ids: torch.Tensor, cursor: torch.Tensor, k: int) -> torch.Tensor
 
 
 def compact_topk(
-    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
+    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of compact logits [..., C] over the active slots -> (values [..., k], token ids [..., k]).
 
@@ -235,9 +281,12 @@ def compact_topk(
     ids in ascending order (:func:`padding_ids`) with value -inf if ``largest`` else +inf: valid
     ids, so a drafter may embed them. Needs ``0 <= k <= V``.
     """
-    capacity = ids.numel()
     if k < 0:
         raise ValueError(f"k={k} must be >= 0")
+    if rows is not None:
+        return _each_row(compact, rows, cursor, k, lambda cb, q, n: compact_topk(cb, _row(ids, q), n, k, largest),
+                         (None, torch.int64))
+    capacity = ids.numel()
     valid = active_mask(cursor, capacity)
     # Slots in token-id order, inactive last; a stable sort by value then breaks ties by id.
     key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
@@ -264,11 +313,29 @@ def compact_topk(
     return values, tokens
 
 
-def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Token id of the largest active compact logit, [...] int64 (NaN counts as largest).
 
     Ties go to the smaller token id, as ``torch.argmax`` on the scattered logits returns the first
     maximum; 0 (the smallest inactive id, as :func:`compact_topk` pads) when no token is active,
     which is also what ``torch.argmax`` returns for all -inf logits.
     """
-    return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)
+    return compact_topk(compact, ids, cursor, 1, True, rows)[1].squeeze(-1)
+
+
+def _each_row(lead: torch.Tensor, rows: torch.Tensor, cursor: torch.Tensor, width: int, fn, dtypes=(None,)):
+    """``fn(lead row b, request row [1], its count [1])`` for every batch row b of ``lead [..., D]``, stacked to
+    ``[..., width]`` (one output per entry of ``dtypes``, None: ``lead``'s dtype). A padding row (outside
+    ``[0, R)``) is computed against request row 0 with a count of 0: an empty set."""
+    flat, r = RR.flat_rows(lead, rows)
+    q, real = RR.real_rows(r, cursor.shape[0])
+    count = cursor.index_select(0, q)
+    count = torch.where(real, count, torch.zeros_like(count))
+    parts = [fn(flat[b], q[b:b + 1], count[b:b + 1]) for b in range(r.numel())]
+    outs = [[p] for p in parts] if len(dtypes) == 1 else parts
+    stacked = tuple(
+        torch.stack([o[i] for o in outs]).reshape(*lead.shape[:-1], width) if outs
+        else lead.new_empty((*lead.shape[:-1], width), dtype=dtype or lead.dtype)
+        for i, dtype in enumerate(dtypes))
+    return stacked[0] if len(dtypes) == 1 else stacked

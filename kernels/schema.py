@@ -34,14 +34,18 @@ STATE = tuple(f.name for f in STATE_FIELDS)
 
 _STATE_ARGS = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(STATE))
 
-#: torch.library schema of every op (``Tensor?``: may be None; ``(x!)``: mutated in place).
+#: torch.library schema of every op (``Tensor?``: may be None; ``(x!)``: mutated in place). Every op ends with
+#: ``rows``: None for the shared set (the state above), or the request row of each batch row for a per-request state
+#: (the same fields with a leading request axis, :data:`REQUEST_STATE_FIELDS`; :mod:`kernels.request_rows`).
 SCHEMAS: dict[str, str] = {
-    "observe": f"(Tensor token_ids, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned) -> ()",
-    "compact_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor cursor) -> Tensor",
-    "scatter_logits": "(Tensor compact, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
-    "head_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
-    "compact_topk": "(Tensor compact, Tensor ids, Tensor cursor, int k, bool largest=True) -> (Tensor, Tensor)",
-    "compact_argmax": "(Tensor compact, Tensor ids, Tensor cursor) -> Tensor",
+    "observe": f"(Tensor token_ids, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned, Tensor? rows=None) -> ()",
+    "compact_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor cursor, Tensor? rows=None) -> Tensor",
+    "scatter_logits": "(Tensor compact, Tensor ids, Tensor cursor, int vocab_size, Tensor? rows=None) -> Tensor",
+    "head_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor ids, Tensor cursor, int vocab_size, "
+                   "Tensor? rows=None) -> Tensor",
+    "compact_topk":
+        "(Tensor compact, Tensor ids, Tensor cursor, int k, bool largest=True, Tensor? rows=None) -> (Tensor, Tensor)",
+    "compact_argmax": "(Tensor compact, Tensor ids, Tensor cursor, Tensor? rows=None) -> Tensor",
 }
 OPS = tuple(SCHEMAS)
 
@@ -51,25 +55,10 @@ REQUEST_STATE_FIELDS = tuple(
     for f in STATE_FIELDS
 )
 
-#: The per-request ops: eager calls from :class:`~nanospec_fx.request_vocab.RequestVocabs` (never emitted by the passes,
-#: so not in :data:`OPS`). ``rows`` maps each batch row (x's leading dims) to its request row of the state.
-REQUEST_SCHEMAS: dict[str, str] = {
-    "observe_per_request":
-        f"(Tensor token_ids, Tensor rows, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned) -> ()",
-    "compact_logits_per_request": "(Tensor x, Tensor rows, Tensor cache_w, Tensor? cache_b, Tensor cursor) -> Tensor",
-    "scatter_logits_per_request": "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
-    "head_logits_per_request":
-        "(Tensor x, Tensor rows, Tensor cache_w, Tensor? cache_b, Tensor ids, Tensor cursor, int vocab_size) -> Tensor",
-    "compact_topk_per_request":
-        "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor, int k, bool largest=True) -> (Tensor, Tensor)",
-    "compact_argmax_per_request": "(Tensor compact, Tensor rows, Tensor ids, Tensor cursor) -> Tensor",
-}
-REQUEST_OPS = tuple(REQUEST_SCHEMAS)
-
 
 def schema_of(op: str) -> str:
-    """The declared schema string of ``op`` (shared-set or per-request)."""
-    return SCHEMAS[op] if op in SCHEMAS else REQUEST_SCHEMAS[op]
+    """The declared schema string of ``op``."""
+    return SCHEMAS[op]
 
 
 _ARG = re.compile(r"^\s*(?P<type>[\w?\[\]]+(?:\([a-z]!\))?)\s+(?P<name>\w+)(?P<default>\s*=.*)?$")

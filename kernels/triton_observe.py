@@ -23,6 +23,12 @@ observed ids reuses the same compiled kernels and the same grid:
 Every slot is claimed at most once per call (the reference drops the earliest ring insertions
 of an overflowing call), so no store races with another. Loads of ``slot_of`` after the
 claims are volatile: they must see the atomics' results, not a stale L1 line.
+
+With ``rows`` (a per-request state): the fed-id renewal in plain torch for all rows at once, then
+``_observe_alloc_rows_kernel`` (one program per batch row; only the first batch row of each request works, so no
+two programs touch one request row) - the same allocation (``_allocate``) on that request's row of the state - and
+the same copy kernel over flat ``[R * C, H]`` slot indices. Padding rows' ids are dropped on the device
+(:func:`kernels.request_rows.grouped_token_ids`).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import reference
+from . import request_rows as RR
 from .schema import check_num_pinned
 from .triton_util import contiguous_rows, device_guard
 
@@ -123,6 +130,22 @@ def _observe_alloc_kernel(
 
 
 @triton.jit(do_not_specialize=["n"])
+def _observe_alloc_rows_kernel(
+    tok_ptr, rows_ptr, lead_ptr, n, ids_ptr, slot_of_ptr, cursor_ptr, dest_ptr, V, C, P, BLOCK: tl.constexpr,
+):
+    # Program b allocates batch row b's grouped ids (tok[b, :n]) in request row rows[b] with the shared set's
+    # allocation (_allocate, on that row of the state); a batch row that is not the first of its request has
+    # nothing to do (its loops run zero times, its cursor store is masked).
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    lead = tl.load(lead_ptr + b) != 0
+    mine = tl.where(lead, n, 0)
+    new_cursor = _allocate(tok_ptr + b * n, n, mine, ids_ptr + r * C, slot_of_ptr + r * V, cursor_ptr + r,
+                           dest_ptr + b * n, r * C, V, C, P, BLOCK)  # dest: flat slots of [R * C, H]
+    tl.store(cursor_ptr + r, new_cursor, mask=lead)
+
+
+@triton.jit(do_not_specialize=["n"])
 def _observe_copy_kernel(
     tok_ptr, dest_ptr, n, w_ptr, b_ptr, cw_ptr, cb_ptr, H, stride_wv, stride_b, stride_cw,
     HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -147,18 +170,13 @@ def _observe_copy_kernel(
 
 
 def observe(
-    token_ids: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    ids: torch.Tensor,
-    slot_of: torch.Tensor,
-    cursor: torch.Tensor,
-    cache_w: torch.Tensor,
-    cache_b: torch.Tensor,
-    num_pinned: int,
+    token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`nanospec_fx.kernels.reference.observe`, fed-id renewal included
     (:func:`~nanospec_fx.kernels.reference.renew_fed_ids`: plain torch, fixed shapes, no sync)."""
+    if rows is not None:
+        return _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows)
     capacity, vocab = ids.numel(), slot_of.numel()
     check_num_pinned(num_pinned, capacity)
     reference.renew_fed_ids(token_ids, ids, slot_of, cursor, num_pinned)
@@ -175,6 +193,29 @@ def observe(
             tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, BLOCK=_BLOCK,
         )
         launch_copy(tok, dest, n, rows, weight, bias, cache_w, cache_b)
+
+
+def _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows) -> None:
+    requests, capacity = ids.shape
+    check_num_pinned(num_pinned, capacity)
+    rows = rows.reshape(-1).to(device=ids.device, dtype=torch.int64).contiguous()
+    batch = rows.numel()
+    if batch == 0 or token_ids.numel() == 0:
+        return
+    rows, grouped = RR.grouped_token_ids(token_ids, rows, requests)
+    reference.renew_fed_ids(grouped, ids, slot_of, cursor, num_pinned, rows)
+    n = padded_length(grouped.shape[1])  # one grid (and no recompile) per bucket of ids per row
+    tok = torch.full((batch, n), -1, dtype=torch.int64, device=ids.device)
+    tok[:, : grouped.shape[1]] = grouped
+    lead = RR.lead_rows(rows).to(torch.int8)
+    dest = torch.full((batch * n,), -1, dtype=torch.int64, device=ids.device)
+    weight = contiguous_rows(weight)
+    flat_w, flat_b = cache_w.view(-1, weight.shape[1]), cache_b.view(-1)  # dest holds flat slots of [R * C, H]
+    with device_guard(ids):
+        wrap_triton(_observe_alloc_rows_kernel)[(batch,)](
+            tok, rows, lead, n, ids, slot_of, cursor, dest, slot_of.shape[1], capacity, num_pinned, BLOCK=_BLOCK,
+        )
+        launch_copy(tok, dest, batch * n, batch * n, weight, bias, flat_w, flat_b)
 
 
 def launch_copy(tok, dest, n: int, rows: int, weight, bias, cache_w, cache_b) -> None:

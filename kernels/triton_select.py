@@ -8,7 +8,8 @@ values, the smaller token id: the tie rule of :mod:`nanospec_fx.kernels.referenc
 drafting (<= tens), so k reductions over a few thousand registers beat a sort, in one launch.
 When fewer than k tokens are active, the rest are padded as the reference pads them: the
 smallest inactive token ids, ascending, with value -inf (largest) or +inf (found by a short scan
-that runs only for padded entries).
+that runs only for padded entries). With ``rows`` (a per-request state) the same kernel reads each row's
+request's ids and count, gathered on the device (:func:`kernels.triton_head.row_state`; a padding row: count 0).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import reference
+from .triton_head import per_row, row_state
 from .triton_util import FLOAT_DTYPES, device_guard
 
 _MAX_BLOCK = 8192  # beyond this a row no longer fits a program's registers: use the reference
@@ -29,7 +31,7 @@ def _topk_kernel(
     LARGEST: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * stride: int64 like every other kernel
-    # Per-request top-k (kernels/triton_per_request.py) gives each row its own ids and cursor; shared: strides 0.
+    # Per-request top-k (rows given) gives each row its own ids and cursor; shared: strides 0.
     ids_ptr += row * stride_ids
     cursor_ptr += row * stride_cursor
     count = tl.minimum(tl.load(cursor_ptr), C)
@@ -78,29 +80,30 @@ def topk_num_warps(block: int) -> int:
 
 
 def compact_topk(
-    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True
+    compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, k: int, largest: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`nanospec_fx.kernels.reference.compact_topk`."""
-    capacity = ids.numel()
+    capacity = ids.shape[-1]
     block = triton.next_power_of_2(capacity)
     if compact.dtype not in FLOAT_DTYPES or block > _MAX_BLOCK:
-        return reference.compact_topk(compact, ids, cursor, k, largest)
+        return reference.compact_topk(compact, ids, cursor, k, largest, rows)
     if k < 0:
         raise ValueError(f"k={k} must be >= 0")
-    src = compact.reshape(-1, capacity)
-    if src.stride(-1) != 1:
-        src = src.contiguous()
-    rows = src.shape[0]
+    src, r = per_row(compact, rows)
     values = torch.empty((*compact.shape[:-1], k), dtype=compact.dtype, device=compact.device)
     tokens = torch.empty((*compact.shape[:-1], k), dtype=torch.int64, device=compact.device)
-    with device_guard(compact):
-        wrap_triton(_topk_kernel)[(rows,)](
-            src, ids, cursor, values, tokens, capacity, k, src.stride(0), 0, 0,
-            LARGEST=largest, BLOCK=block, num_warps=topk_num_warps(block),
-        )
+    if values.numel():
+        ids, cursor, stride_ids, stride_cursor = row_state(r, ids, cursor)
+        with device_guard(compact):
+            wrap_triton(_topk_kernel)[(src.shape[0],)](
+                src, ids, cursor, values, tokens, capacity, k, src.stride(0), stride_ids, stride_cursor,
+                LARGEST=largest, BLOCK=block, num_warps=topk_num_warps(block),
+            )
     return values, tokens
 
 
-def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`nanospec_fx.kernels.reference.compact_argmax`."""
-    return compact_topk(compact, ids, cursor, 1, largest=True)[1].squeeze(-1)
+    return compact_topk(compact, ids, cursor, 1, True, rows)[1].squeeze(-1)

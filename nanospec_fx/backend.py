@@ -29,13 +29,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nanospec_fx import diagnosis, pass_reports
 from nanospec_fx.draft_vocab import draft_vocab_hint
 from nanospec_fx.dynamo_limits import record_compiled_frame
+from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
-    insert_input_observers, insert_topk_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
+    insert_input_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
+from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.lookups import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
@@ -163,21 +164,18 @@ def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: Nano
     decision names the observers and their ids' shapes (each runs a fetch of that many rows), or the error the
     rewrite raised (``failure``: every rank then raises, the ranks' decisions listed where they differ)."""
     for head in heads:
-        if isinstance(head, vocab_parallel.GatheredHead):
-            from nanospec_fx import tensor_parallel
-
-            rewritten = any(r[0] is head for r in rewritable)
-            observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
-            shapes = getattr(head, "observer_shapes", None)
-            if failure is not None:
-                decision = f"{head.name} failed to compile ({failure})"
-            elif rewritten:
-                decision = (f"{head.name} rewritten with {opts.vocab_config}"
-                            + (f", {observers} input observer(s)" if observers is not None else "")
-                            + (f" of ids shaped {', '.join(shapes)}" if shapes else ""))
-            else:
-                decision = f"{head.name} dense ({'; '.join(said) or 'no reason given'})"
-            tensor_parallel.agree(head.group_name, decision)
+        rewritten = any(r[0] is head for r in rewritable)
+        observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
+        shapes = getattr(head, "observer_shapes", None)
+        if failure is not None:
+            decision = f"{head.name} failed to compile ({failure})"
+        elif rewritten:
+            decision = (f"{head.name} rewritten with {opts.vocab_config}"
+                        + (f", {observers} input observer(s)" if observers is not None else "")
+                        + (f" of ids shaped {', '.join(shapes)}" if shapes else ""))
+        else:
+            decision = f"{head.name} dense ({'; '.join(said) or 'no reason given'})"
+        kind_of_head(head).agree(decision)  # a head on one device: nobody to agree with
 
 
 def _dense(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, config_patches: dict, said: list[str],
@@ -296,7 +294,7 @@ def _dense_reason(gm: fx.GraphModule, head: HeadMatch, real: dict, position, opt
         return _inside_transform(transform)
     if weight is None or bias is False:
         return "its weight or bias is not a parameter or buffer (it is computed in the graph or passed in)"
-    if hasattr(weight, "placements") and not isinstance(head, vocab_parallel.GatheredHead):
+    if hasattr(weight, "placements") and not kind_of_head(head).takes_dtensor:
         return ("its weight is a DTensor in a layout nanospec does not rewrite (it rewrites ColwiseParallel heads, "
                 "Shard(0) on a 1-D mesh, whose output is redistributed to Replicate(), or stays Shard(-1) and is "
                 "read by a local max/top-k whose (value, id) candidates are all-gathered and picked from)")
@@ -344,18 +342,10 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
     for head, weight, bias in rewritable:
-        sharded = isinstance(head, vocab_parallel.GatheredHead)
-        if sharded:
-            from nanospec_fx import tensor_parallel
-
-            shard = tensor_parallel.VocabShard.of(head.group_name, head.world_size, head.shard_rows)
-            state = tensor_parallel.sharded_state_for(weight, bias, config, shard, name=head.name)
-            mapped = vocab_parallel_heads.remap(builder.graph, head, builder.node_map)
-        else:
-            state = state_for(weight, bias, config, name=head.name, transposed=head.transposed)
-            mapped = builder.remap(head)
-        into = builder.add_state(state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
-        into.sharded = sharded
+        kind = kind_of_head(head)
+        state = kind.build_state(head, weight, bias, config)
+        mapped = kind.remap(builder, head)
+        into = kind.add_state(builder, state, mapped.weight, next((b for b in mapped.biases if b is not None), None))
         if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
             into.transposed = True
         try:
@@ -373,13 +363,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
-        if sharded:
-            head.observers = report.observers
-        if sharded:
-            zero = builder.add_inputs(state.graph_input_names())
-            builder.set_input_values(zero, state.graph_inputs())
-            tensor_parallel.shard_observers(builder.graph, into, zero, state.shard)
-            head.observer_shapes = into.observer_shapes
+        kind.finish_observers(builder, state, into, head, report.observers)
         snapshot_state_reads(builder.graph, into.state,
                              grad=grad_enabled_at(builder.graph, list(builder.graph.nodes), torch.is_grad_enabled()))
         if observe and not report.observers and token_tables(builder.gm):
@@ -393,12 +377,12 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         # Tables this graph observes lookups into: ids a prefill call of the same model (one whose parameters and
         # buffers this call also receives) embedded there join first
         # (not for a vocabulary-parallel head: its observe is a collective every rank must make in step).
-        tables = sorted({p for lk in (token_id_lookups(builder.graph, state.vocab_size) if observe and not sharded
-                                      else []) if (p := builder.user_input_position(lk.table)) is not None})
-        binding = _ShardedDrafterBinding if sharded else _DrafterBinding
-        bindings.append(binding(state, builder.user_input_position(mapped.weight),
-                                builder.user_input_position(into.bias), into.state.ids, tables,
-                                _weight_positions(gm, example_inputs)))
+        keep = observe and kind.keeps_prefill_ids
+        tables = sorted({p for lk in (token_id_lookups(builder.graph, state.vocab_size) if keep else [])
+                         if (p := builder.user_input_position(lk.table)) is not None})
+        bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight),
+                                        builder.user_input_position(into.bias), into.state.ids, tables,
+                                        _weight_positions(gm, example_inputs), kind))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         pass_reports.record(state, report)
@@ -421,6 +405,7 @@ class _Binding:
     """
 
     state: ActiveVocab
+    kind: DenseHeadKind  # what a call passes and checks for the head's kind (head_kind.py)
 
     layout: list | None = None  # of the state tensors this graph was compiled for
     config: StateConfig | None = None  # and the vocabulary options it was compiled with
@@ -464,8 +449,10 @@ class _DrafterBinding(_Binding):
     """
 
     def __init__(self, state: ActiveVocab, weight_pos: int | None, bias_pos: int | None,
-                 ids_node: fx.Node | None = None, table_positions: list[int] = (), weight_positions: list[int] = ()):
+                 ids_node: fx.Node | None = None, table_positions: list[int] = (), weight_positions: list[int] = (),
+                 kind: DenseHeadKind | None = None):
         self.weight_pos, self.bias_pos = weight_pos, bias_pos
+        self.kind = kind or kind_of_state(state)
         self.ids_node = ids_node  # the graph input of the slot table (which outputs are this head's logits)
         self.table_positions = table_positions  # inputs that are token tables this graph observes lookups into
         self.weight_positions = weight_positions  # inputs that are the model's parameters and buffers
@@ -481,7 +468,7 @@ class _DrafterBinding(_Binding):
                 self.state.observe(ids, validate=False)
 
     def tensors(self) -> list[torch.Tensor]:
-        return _state_inputs(self.state)
+        return _state_inputs(self.state) + self.kind.graph_inputs(self.state)
 
     def update(self, args: tuple) -> bool:
         bias = args[self.bias_pos] if self.bias_pos is not None else self.state.bias
@@ -496,17 +483,6 @@ class _DrafterBinding(_Binding):
             self.sync()
             changed = True
         return changed
-
-
-class _ShardedDrafterBinding(_DrafterBinding):
-    """A vocabulary-parallel head's inputs: its replicated state's tensors, then the zero tables its observers
-    pass to ``nanospec.observe`` (``tensor_parallel.ShardedActiveVocab``)."""
-
-    def tensors(self) -> list[torch.Tensor]:
-        return _state_inputs(self.state) + self.state.graph_inputs()
-
-    def after(self) -> None:
-        self.state.raise_if_diverged()
 
 
 # ----------------------------------------------------------------------------- target role
@@ -536,17 +512,8 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
                   + "; its top-k cannot be observed (it runs unchanged)")
         return _compile(gm, example_inputs, opts, config_patches)
     builder = _GraphBuilder(gm)
-    shard = getattr(state, "shard", None)  # a vocabulary-parallel drafter: rows come from their owner shards
-    if shard is not None:
-        from nanospec_fx.tensor_parallel import local_shard
-
-        names = ["weight"] + (["bias"] if state.bias is not None else [])
-        nodes = builder.add_inputs(names)
-        builder.set_input_values(nodes, [local_shard(t) for t in (state.weight, state.bias) if t is not None])
-        into = builder.add_state(state, nodes[0], nodes[1] if len(nodes) > 1 else None)
-        into.sharded = True
-    else:
-        into = builder.add_state(state, None, None)
+    kind = kind_of_state(state)  # a vocabulary-parallel drafter's: rows come from their owner shards
+    into = kind.add_state(builder, state, None, None)
     observed = 0
     for head in heads:
         transform = _transform_at(gm.graph, head)
@@ -561,33 +528,15 @@ def _build_target_observer(gm, example_inputs: list, state: ActiveVocab, opts: N
             )
         if opts.observe_topk > head.vocab_size:
             raise OptionError(f"observe_topk={opts.observe_topk} exceeds the vocabulary size {head.vocab_size}")
-        if state.observes and isinstance(head, vocab_parallel.GatheredHead):  # its top-k read on the gathered logits
-            full = [vocab_parallel.full_logits(builder.node_map[n]) for n in head.nodes if n not in head.exchanges]
-            observed += insert_topk_observers(builder.graph, full, opts.observe_topk, into)
-            # logits that stay sharded: a local top-k, an exchange of k candidates per rank, a global top-k
-            slices = [builder.node_map[vocab_parallel_heads.sliced_logits(s)] for s in head.exchanges.values()]
-            observed += vocab_parallel_topk.insert_sharded_topk_observers(
-                builder.graph, slices, opts.observe_topk, into, head.world_size, head.group_name, head.shard_rows)
-        elif state.observes:
-            observed += insert_topk_observers(builder.graph, builder.remap(head).nodes, opts.observe_topk, into,
-                                              observe_prompt=opts.observe_prompt)
+        if state.observes:  # a vocabulary-parallel target's top-k is read on its gathered or exchanged logits
+            observed += kind_of_head(head).insert_topk_observers(builder, head, into, opts)
     inputs = insert_input_observers(builder.graph, into) if opts.observe_inputs and state.observes else 0
-    groups = {h.group_name for h in heads if isinstance(h, vocab_parallel.GatheredHead)}
-    groups |= {shard.group_name} if shard is not None else set()
-    for group in sorted(groups):  # each observer runs a collective: every rank the same count, or all raise
-        from nanospec_fx import tensor_parallel
-
-        tensor_parallel.agree(group, f"target observer: {observed} top-k and {inputs} input observer(s)",
-                              what="target")
+    kinds = {k.group: k for k in [*map(kind_of_head, heads), kind] if k.group is not None}
+    for group in sorted(kinds):  # each observer runs a collective: every rank the same count, or all raise
+        kinds[group].agree(f"target observer: {observed} top-k and {inputs} input observer(s)", what="target")
     if not observed:
         return _compile(gm, example_inputs, opts, config_patches)
-    if shard is not None:
-        from nanospec_fx import tensor_parallel
-
-        zero = builder.add_inputs(state.graph_input_names())
-        builder.set_input_values(zero, state.graph_inputs())
-        tensor_parallel.shard_observers(builder.graph, into, zero, shard)
-        return builder.compile(example_inputs, [_ShardedTargetBinding(state)], opts, config_patches)
+    kind.finish_observers(builder, state, into)
     return builder.compile(example_inputs, [_TargetBinding(state)], opts, config_patches)
 
 
@@ -623,33 +572,21 @@ class _TargetObserverCall:
 
 
 class _TargetBinding(_Binding):
-    """Extra inputs of a target observer: the drafter's head weight, bias and ActiveVocab tensors."""
+    """Extra inputs of a target observer: the drafter's head weight and bias (a vocabulary-parallel drafter's: its
+    shard), its ActiveVocab tensors, then what its kind's observers read (``head_kind.py``)."""
 
     def __init__(self, state: ActiveVocab):
+        self.kind = kind_of_state(state)
         self.track(state)
         # The state holds its weight weakly; this graph reads it, so it keeps it alive while it can run.
         self.weight = state.weight
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.state
-        return [s.head_rows] + ([s.bias] if s.bias is not None else []) + _state_inputs(s)
+        return self.kind.weight_inputs(s) + _state_inputs(s) + self.kind.graph_inputs(s)
 
     def update(self, args: tuple) -> bool:
         return self.sync()
-
-
-class _ShardedTargetBinding(_TargetBinding):
-    """A target observer feeding a vocabulary-parallel drafter: its head shard (a DTensor's local tensor), the
-    replicated state's tensors and the zero tables (see ``tensor_parallel.shard_observers``)."""
-
-    def tensors(self) -> list[torch.Tensor]:
-        from nanospec_fx.tensor_parallel import local_shard
-
-        s = self.state
-        return [local_shard(t) for t in (s.weight, s.bias) if t is not None] + _state_inputs(s) + s.graph_inputs()
-
-    def after(self) -> None:
-        self.state.raise_if_diverged()
 
 
 def resolve_vocab(vocab: Any, opts: NanoSpecOptions) -> ActiveVocab:
@@ -767,23 +704,17 @@ class _StatefulCall:
         self.extra = [t for b in bindings for t in b.tensors()]
 
     def __call__(self, *args: Any) -> Any:
-        sharded = [b for b in self.bindings if hasattr(b, "after")]
-        if not sharded:
-            if any([b.update(args) for b in self.bindings]):
-                self.extra = [t for b in self.bindings for t in b.tensors()]
-            self.observe_prefill(args)
-            return self.compiled(*args, *self.extra)
         try:  # a vocabulary-parallel head: its collectives' failures and its fetches' checks are the group's
             if any([b.update(args) for b in self.bindings]):
                 self.extra = [t for b in self.bindings for t in b.tensors()]
+            self.observe_prefill(args)
             out = self.compiled(*args, *self.extra)
         except Exception as error:
-            from nanospec_fx.tensor_parallel import explain_failure
-
-            explain_failure(sharded[0].state.shard.group_name, error)  # another rank's nanospec error, if any
+            for b in self.bindings:
+                b.kind.explain_failure(b.state, error)  # another rank's nanospec error, if any
             raise
-        for b in sharded:
-            b.after()
+        for b in self.bindings:
+            b.kind.after_call(b.state)
         return out
 
     def observe_prefill(self, args: tuple) -> None:

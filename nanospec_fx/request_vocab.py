@@ -6,23 +6,26 @@ cursor and cache of head rows (``[R, C, H]``) - and every head call takes ``rows
 batch row, so each row is computed against its own request's set. Why gathered rows per request and not one
 union of the sets with a mask per row: docs/per-request.md (measured).
 
-It is plain eager code on top of the ``*_per_request`` custom ops: usable where no ``torch.compile`` graph is
+It is plain eager code on top of the nanospec custom ops with their ``rows`` argument: usable where no ``torch.compile`` graph is
 seen (vLLM calls a drafter's ``compute_logits`` eagerly). Rows are assigned and released on the host (cheap
 Python bookkeeping); observe and the head never sync with the device. The shared set of
 :class:`~nanospec_fx.ActiveVocab` (one set for the batch, the ``torch.compile`` path) is unchanged.
+
+Padding rows: a batch row whose ``rows`` entry lies outside ``[0, max_requests)`` (engines pad batches with -1)
+reads as an empty set and writes nothing, on every kernel path: all -inf logits, top-k padding (head rows 0..k-1,
+value -inf), argmax 0, nothing observed. It never reads another request's set (docs/per-request.md).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Hashable, Sequence
 
 import torch
 
-from nanospec_fx.kernels import ops_per_request as ops
+from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
 from nanospec_fx.policies import resolve, token_to_row
-from nanospec_fx.state import (
-    FollowsWeightWrites, _check_token_map, as_token_ids, check_token_range, rows_of_tokens,
-)
+from nanospec_fx.state import VocabState, as_token_ids, check_token_range
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
@@ -32,7 +35,7 @@ def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
 
 
-class RequestVocabs(FollowsWeightWrites):
+class RequestVocabs(VocabState):
     """Per-request active vocabularies of one head: ``max_requests`` rows of ``capacity`` slots each.
 
     Args:
@@ -74,13 +77,10 @@ class RequestVocabs(FollowsWeightWrites):
         check_num_pinned(num_pinned, capacity)
         self.weight, self.bias = weight, bias
         self.max_requests, self.capacity, self.num_pinned, self.hidden_size = max_requests, capacity, num_pinned, hidden
-        self.vocab_size = head_rows  # the last dim of logits: head rows (= token ids without a token map)
+        self.rows = head_rows  # the last dim of logits: head rows (= token ids without a token map)
         self.device = weight.device
         self.observes, self.policy = observes, policy
-        self.token_to_row = self.row_to_token = None
-        if token_to_row is not None:
-            self.token_to_row, self.row_to_token = _check_token_map(token_to_row, head_rows, self.device)
-        self.token_vocab_size = self.token_to_row.numel() if self.token_to_row is not None else head_rows
+        self.token_vocab_size = self._set_token_map(token_to_row, head_rows, self.device)
         with torch.no_grad(), torch.inference_mode(False):
             state = new_request_state(max_requests, head_rows, hidden, capacity, weight.dtype, self.device)
             if bias is not None:
@@ -89,9 +89,7 @@ class RequestVocabs(FollowsWeightWrites):
         self.seed_ids = None
         if seed_ids is not None:
             seed = as_token_ids(seed_ids).flatten().to(self.device)
-            self._check_range(seed)
-            if seed.numel() > capacity:
-                raise ValueError(f"{seed.numel()} seed tokens do not fit in capacity {capacity}")
+            self._check_seed(seed)
             self.seed_ids = seed
         self._row_of: dict[Hashable, int] = {}
         self._free = list(range(max_requests))
@@ -194,49 +192,60 @@ class RequestVocabs(FollowsWeightWrites):
             return
         self.refresh_if_stale()
         with torch.no_grad():
-            ops.observe_per_request(self._rows_of_tokens(tokens), rows, self.weight, self.bias, *self.tensors(),
-                                    self.num_pinned)
+            ops.observe(token_ids=self._rows_of_tokens(tokens), weight=self.weight, bias=self.bias,
+                        **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
 
     # ----------------------------------------------------------------- head
     def compact_logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """[..., capacity]: row i's logits over its request's slots (slot order), -inf past that request's count."""
+        """[..., capacity]: row i's logits over its request's slots (slot order), -inf past that request's count.
+        ``rows``: the shape of x's leading dims; a row outside ``[0, max_requests)`` (padding) is all -inf."""
         self._before_head()
-        return ops.compact_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.cursor)
+        return ops.compact_logits(x=x, cache_w=self.cache_w, cache_b=self._cache_b(), cursor=self.cursor,
+                                  rows=self._rows(rows, x))
 
     def scatter(self, compact: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compact logits [..., capacity] -> [..., vocab_size], -inf at every token its request does not hold."""
         rows = self._rows(rows, compact)
-        return ops.scatter_logits_per_request(compact, rows, self.ids, self.cursor, self.vocab_size)
+        return ops.scatter_logits(compact=compact, ids=self.ids, cursor=self.cursor, vocab_size=self.rows, rows=rows)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere."""
+        """[..., vocab_size]: the head's logits of row i at its request's active tokens, exactly -inf elsewhere (all
+        -inf for a padding row, outside ``[0, max_requests)``)."""
         self._before_head()
-        return ops.head_logits_per_request(x, self._rows(rows, x), self.cache_w, self._cache_b(), self.ids, self.cursor,
-                                           self.vocab_size)
+        return ops.head_logits(x=x, cache_w=self.cache_w, cache_b=self._cache_b(), ids=self.ids, cursor=self.cursor,
+                               vocab_size=self.rows, rows=self._rows(rows, x))
 
     def topk_compact(self, compact: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of compact logits over each row's request's set -> (values [..., k], head rows [..., k])."""
-        return ops.compact_topk_per_request(compact, self._rows(rows, compact), self.ids, self.cursor, k, largest)
+        return ops.compact_topk(compact=compact, ids=self.ids, cursor=self.cursor, k=k, largest=largest,
+                                rows=self._rows(rows, compact))
 
     def topk(self, x: torch.Tensor, rows: torch.Tensor, k: int, largest: bool = True):
         """Top-k of the head over each row's request's set, never building [..., V]. Ties: smaller id first;
-        fewer than k active: padded with the smallest inactive ids and value -inf (+inf if not ``largest``)."""
+        fewer than k active: padded with the smallest inactive ids and value -inf (+inf if not ``largest``); a padding
+        row (outside ``[0, max_requests)``) is an empty set: head rows 0..k-1."""
         return self.topk_compact(self.compact_logits(x, rows), rows, k, largest)
 
     def argmax(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """int64 [...]: the head row of the largest active logit of each row (ties: smaller; 0 for an empty set)."""
+        """int64 [...]: the head row of the largest active logit of each row (ties: smaller; 0 for an empty set and
+        for a padding row, outside ``[0, max_requests)``)."""
         compact = self.compact_logits(x, rows)
-        return ops.compact_argmax_per_request(compact, self._rows(rows, compact), self.ids, self.cursor)
+        return ops.compact_argmax(compact=compact, ids=self.ids, cursor=self.cursor, rows=self._rows(rows, compact))
 
     # ----------------------------------------------------------------- inspection (host reads)
-    def tensors(self) -> list[torch.Tensor]:
-        """The state tensors in the ops' order (``ids, slot_of, cursor, cache_w, cache_b``)."""
-        return [getattr(self, name) for name in STATE]
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The head weight as [rows, H] (what the cache holds rows of)."""
+        return self.weight
 
     @property
-    def count(self) -> torch.Tensor:
-        """int64 [max_requests]: active tokens per row, on the device (no sync)."""
-        return torch.clamp(self.cursor, max=self.capacity)
+    def vocab_size(self) -> int:
+        """Deprecated: here it has meant the head rows (the last dim of logits), not the token-id space it means on
+        :class:`~nanospec_fx.ActiveVocab`. Use :attr:`rows` (head rows) or :attr:`token_vocab_size` (token ids)."""
+        warnings.warn("RequestVocabs.vocab_size is deprecated: it means the head rows here, the token-id space on "
+                      "ActiveVocab; use .rows (head rows, the last dim of logits) or .token_vocab_size (token ids)",
+                      DeprecationWarning, stacklevel=2)
+        return self.rows
 
     def active_count(self, request_id: Hashable) -> int:
         """How many tokens ``request_id`` holds (reads the count on the host)."""
@@ -245,28 +254,15 @@ class RequestVocabs(FollowsWeightWrites):
     def token_ids(self, request_id: Hashable) -> torch.Tensor:
         """The active token ids of ``request_id`` in slot order (1-D int64; reads the count on the host)."""
         row = self.row_of(request_id)
-        head_rows = self.ids[row, : int(self.count[row])]
-        return (self.row_to_token[head_rows] if self.row_to_token is not None else head_rows).clone()
+        return self._tokens_of(self.ids[row, : int(self.count[row])])
 
     def contains(self, request_id: Hashable, token_ids: Any) -> torch.Tensor:
         """Bool tensor: which of ``token_ids`` the set of ``request_id`` holds (out-of-range ids: False)."""
-        rows = self._rows_of_tokens(as_token_ids(token_ids).to(self.device))
-        ok = (rows >= 0) & (rows < self.vocab_size)
-        return ok & (self.slot_of[self.row_of(request_id)][torch.where(ok, rows, torch.zeros_like(rows))] >= 0)
-
-    def refresh(self) -> None:
-        """Re-copy every cached row from the head's current weight and bias (after writes that bypass the version
-        counter, e.g. through ``w.data``); observe and the head calls do it when the version counter moved."""
-        with torch.no_grad(), torch.inference_mode(False):
-            rows = torch.clamp(self.ids, min=0)
-            self.cache_w.copy_(self.weight.detach()[rows])
-            if self.bias is not None:
-                self.cache_b.copy_(self.bias.detach()[rows])
-        self._seen_versions = self._weight_versions()
+        return self._holds(self.slot_of[self.row_of(request_id)], as_token_ids(token_ids).to(self.device))
 
     def __repr__(self) -> str:
         return (f"RequestVocabs(requests={len(self._row_of)}/{self.max_requests}, capacity={self.capacity}, "
-                f"vocab_size={self.vocab_size}, hidden={self.hidden_size}, policy={self.policy!r}, "
+                f"rows={self.rows}, hidden={self.hidden_size}, policy={self.policy!r}, "
                 f"num_pinned={self.num_pinned}, device={self.device})")
 
     # ----------------------------------------------------------------- internals
@@ -289,7 +285,7 @@ class RequestVocabs(FollowsWeightWrites):
         return rows
 
     def _rows_of_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return rows_of_tokens(tokens, self.token_to_row)
+        return self.rows_of(tokens)
 
     def _check_range(self, tokens: torch.Tensor) -> None:
         check_token_range(tokens, self.token_vocab_size)

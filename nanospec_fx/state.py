@@ -50,6 +50,66 @@ class FollowsWeightWrites:
             return None
 
 
+class VocabState(FollowsWeightWrites):
+    """What :class:`ActiveVocab` (one shared set) and :class:`~nanospec_fx.RequestVocabs` (one set per request row)
+    share: the token -> head-row map, range checks, membership and listing of a set, refresh, count and seeds.
+
+    Their state tensors are those of ``kernels/schema.py`` (a per-request state has a leading request axis on each).
+    Names mean the same in both: ``rows`` is the number of head rows (the last dim of logits), ``vocab_size`` the
+    token-id space (``rows`` without a token map; ``RequestVocabs`` keeps its old meaning of ``vocab_size`` as a
+    deprecated alias for one release and names the token space ``token_vocab_size``). Subclasses set ``capacity``,
+    ``rows``, the state tensors, ``weight``/``bias`` and ``head_rows`` (the weight as [rows, H])."""
+
+    def _set_token_map(self, token_to_row: torch.Tensor | None, rows: int, device) -> int:
+        """Validate and keep the token -> head-row map (and its inverse); returns the token-id space."""
+        self.token_to_row = self.row_to_token = None
+        if token_to_row is not None:
+            self.token_to_row, self.row_to_token = _check_token_map(token_to_row, rows, device)
+        return self.token_to_row.numel() if self.token_to_row is not None else rows
+
+    def _check_seed(self, seed: torch.Tensor) -> None:
+        if seed.numel() > self.capacity:
+            raise ValueError(f"{seed.numel()} seed tokens do not fit in capacity {self.capacity}")
+        self._check_range(seed)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The state tensors in the order the ops take them (:data:`STATE_TENSORS`)."""
+        return [getattr(self, name) for name in STATE_TENSORS]
+
+    @property
+    def count(self) -> torch.Tensor:
+        """Active tokens per set (``[1]`` for the shared set, ``[R]`` per request) on the device: no host sync."""
+        return torch.clamp(self.cursor, max=self.capacity)
+
+    def rows_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Head rows of token ids (identity without a token map); -1 where the head has no row."""
+        return rows_of_tokens(token_ids, self.token_to_row)
+
+    def _holds(self, slot_of: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Which ``token_ids`` the set with membership map ``slot_of`` [rows] holds (out-of-range ids: False)."""
+        rows = self.rows_of(token_ids)
+        ok = (rows >= 0) & (rows < self.rows)
+        return ok & (slot_of[torch.where(ok, rows, torch.zeros_like(rows))] >= 0)
+
+    def _tokens_of(self, head_rows: torch.Tensor) -> torch.Tensor:
+        """The token ids of active head rows (a copy)."""
+        return (self.row_to_token[head_rows] if self.row_to_token is not None else head_rows).clone()
+
+    def refresh(self) -> None:
+        """Re-copy the head rows of the active tokens from the head's current weight and bias.
+
+        Observe and the head calls do it by themselves when the weight or bias was written since (see
+        :meth:`refresh_if_stale`); call it after writes that bypass the version counter (through ``w.data``), or
+        for a weight created under ``inference_mode``. No host sync: every slot is re-copied (free slots copy row 0
+        and stay masked)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            rows = torch.clamp(self.ids, min=0)
+            self.cache_w.copy_(self.head_rows.detach()[rows])
+            if self.bias is not None:
+                self.cache_b.copy_(self.bias.detach()[rows])
+        self._seen_versions = self._weight_versions()
+
+
 def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -> torch.Tensor:
     """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
     if token_to_row is None:
@@ -69,7 +129,7 @@ def check_token_range(token_ids: torch.Tensor, vocab_size: int) -> None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-class ActiveVocab(FollowsWeightWrites):
+class ActiveVocab(VocabState):
     """The set of token ids the drafter's head computes logits for.
 
     The set only grows until :meth:`reset`; when it is full, the oldest insertions are evicted
@@ -125,10 +185,7 @@ class ActiveVocab(FollowsWeightWrites):
         self.policy, self.observes = policy, observes
         self._users: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers reading these tensors
         self.generation = 0  # bumped when rebuilt in place with new tensors (see state_for)
-        self.token_to_row = self.row_to_token = None
-        if token_to_row is not None:
-            self.token_to_row, self.row_to_token = _check_token_map(token_to_row, rows, dev)
-        self.vocab_size = self.token_to_row.numel() if self.token_to_row is not None else rows
+        self.vocab_size = self._set_token_map(token_to_row, rows, dev)
         # Normal tensors even when created under inference_mode, so that observe() and reset()
         # also work outside it.
         with torch.no_grad(), torch.inference_mode(False):
@@ -139,11 +196,9 @@ class ActiveVocab(FollowsWeightWrites):
             self.cache_b = torch.zeros(capacity, dtype=bias.dtype if bias is not None else weight.dtype, device=dev)
         self.seed_ids = None
         if seed_ids is not None:
-            seed_ids = torch.as_tensor(seed_ids, dtype=torch.int64).flatten()
-            if seed_ids.numel() > capacity:
-                raise ValueError(f"{seed_ids.numel()} seed tokens do not fit in capacity {capacity}")
-            self._check_range(seed_ids.to(dev))
-            self.seed_ids = seed_ids.to(dev)
+            seed_ids = torch.as_tensor(seed_ids, dtype=torch.int64).flatten().to(dev)
+            self._check_seed(seed_ids)
+            self.seed_ids = seed_ids
         self._seen_versions = self._weight_versions()
         self._seed()
 
@@ -202,19 +257,6 @@ class ActiveVocab(FollowsWeightWrites):
         self.refresh()
         self.generation += 1  # compiled graphs that pass the bias as an input (target observers) take the new one
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The state tensors the compiled graph receives, in the order the ops take them (:data:`STATE_TENSORS`)."""
-        return [getattr(self, name) for name in STATE_TENSORS]
-
-    @property
-    def count(self) -> torch.Tensor:
-        """Number of active tokens as a device tensor of shape [1] (no host sync)."""
-        return torch.clamp(self.cursor, max=self.capacity)
-
-    def rows_of(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Head rows of token ids (identity without a token map); -1 where the head has no row."""
-        return rows_of_tokens(token_ids, self.token_to_row)
-
     # ----------------------------------------------------------------- user API
     def observe(self, token_ids: Any, validate: bool = True) -> None:
         """Add token ids (any shape, duplicates allowed) to the active vocabulary.
@@ -250,34 +292,14 @@ class ActiveVocab(FollowsWeightWrites):
         finally:
             self.reset()
 
-    def refresh(self) -> None:
-        """Re-copy the head rows of the active tokens from the head's current weights.
-
-        Compiled calls (and :meth:`observe`) do it by themselves when the weight or bias was
-        written since (``load_state_dict``, an optimizer step, ``w.mul_()``, ``p.data = t``: see
-        :meth:`refresh_if_stale`). Call it yourself after writes that bypass the version counter
-        (through ``w.data``: ``w.data.mul_(2)``), or for a weight created under ``inference_mode``
-        (an inference tensor has no version counter). No host sync: all C slots are re-copied
-        (free slots copy row 0 and stay masked).
-        """
-        with torch.no_grad(), torch.inference_mode(False):
-            rows = torch.clamp(self.ids, min=0)
-            self.cache_w.copy_(self.head_rows.detach().index_select(0, rows))
-            if self.bias is not None:
-                self.cache_b.copy_(self.bias.detach().index_select(0, rows))
-        self._seen_versions = self._weight_versions()
-
     def token_ids(self) -> torch.Tensor:
         """The active token ids as a 1-D int64 tensor, in slot order (reads the count on the host)."""
-        rows = self.ids[: len(self)]
-        return (self.row_to_token[rows] if self.row_to_token is not None else rows).clone()
+        return self._tokens_of(self.ids[: len(self)])
 
     def contains(self, token_ids: Any) -> torch.Tensor:
         """Bool tensor of the ids' shape: which of ``token_ids`` are active (out-of-range ids are not).
         Accepts what :meth:`observe` accepts (nested lists come back flattened)."""
-        rows = self.rows_of(self._as_ids(token_ids))
-        ok = (rows >= 0) & (rows < self.rows)
-        return ok & (self.slot_of[torch.where(ok, rows, torch.zeros_like(rows))] >= 0)
+        return self._holds(self.slot_of, self._as_ids(token_ids))
 
     def __len__(self) -> int:
         return int(self.count)
@@ -300,7 +322,8 @@ class ActiveVocab(FollowsWeightWrites):
 
     def _insert(self, token_ids: torch.Tensor) -> None:
         with torch.no_grad():
-            ops.observe(self.rows_of(token_ids), self.head_rows, self.bias, *self.tensors(), self.num_pinned)
+            ops.observe(token_ids=self.rows_of(token_ids), weight=self.head_rows, bias=self.bias,
+                        **dict(zip(STATE_TENSORS, self.tensors())), num_pinned=self.num_pinned)
 
     def _seed(self) -> None:
         if self.seed_ids is not None:

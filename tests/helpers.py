@@ -72,3 +72,22 @@ def run_python(code: str | None = None, *args, **kw) -> subprocess.CompletedProc
     (a script or ``-m module`` and its arguments); ``kw`` as for :func:`run_command`."""
     head = ["-c", textwrap.dedent(code)] if code is not None else []
     return run_command([sys.executable, *head, *args], **kw)
+
+
+def request_state_by_hand(weight: torch.Tensor, bias: torch.Tensor | None, sets: list, capacity: int) -> list:
+    """A per-request state (kernels/schema.py order) whose request r holds ``sets[r]`` in slot order, written
+    directly, not observed: op tests whose inputs do not depend on the op under test."""
+    from nanospec_fx.kernels import schema
+
+    vocab, hidden = weight.shape
+    ids, slot_of, cursor, cache_w, cache_b = schema.new_request_state(len(sets), vocab, hidden, capacity,
+                                                                      weight.dtype, "cpu")
+    for r, tokens in enumerate(sets):
+        t = torch.tensor(tokens, dtype=torch.int64)
+        ids[r, : len(t)] = t
+        slot_of[r, t] = torch.arange(len(t), dtype=torch.int32)
+        cursor[r] = len(t)
+        cache_w[r, : len(t)] = weight[t]
+        if bias is not None:
+            cache_b[r, : len(t)] = bias[t]
+    return [ids, slot_of, cursor, cache_w, cache_b]

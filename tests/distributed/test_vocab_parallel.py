@@ -256,6 +256,18 @@ def test_ranks_whose_ids_or_local_decisions_differ_all_raise_the_same_error():
 
 
 @pytest.mark.slow
+def test_ranks_that_observe_different_numbers_of_ids_all_raise_the_same_error():
+    """See tp_worker.id_counts (a 20 s collective timeout): an eager observe with 3 ids on rank 0 and 4 on rank 1
+    aborted the process in gloo (sizes differ); now every rank raises the same error listing each rank's count,
+    no set changes, and the next observe with the same ids works."""
+    first, second = _run_ranks("id_counts", timeout=240)
+    assert first == second  # the same error on every rank
+    assert "different numbers of token ids" in first["drafter"] and "(rank 0: 3, rank 1: 4)" in first["drafter"]
+    assert "(rank 0: 0, rank 1: 2)" in first["drafter_empty"]
+    assert "(rank 0: 1 x 2, rank 1: 1 x 3)" in first["requests"]  # one request row of 2 or 3 ids
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, cause", [("recompile_alone", "exchange 3 of 'compile'"),
                                              ("stale_alone", "exchange 1 of 'refresh'")])
 def test_a_rank_that_recompiles_or_refreshes_alone_ends_in_the_same_error_not_a_hang(scenario, cause):

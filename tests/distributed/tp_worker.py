@@ -450,16 +450,21 @@ def _compiled_drafter(rank: int, world: int, bias: bool = False):
     return model, torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
 
 
+def _fed_drafter(rank: int, world: int):
+    """A compiled drafter with a bias after one checked step of ``fed``: (model, compiled, fed, its state)."""
+    model, compiled = _compiled_drafter(rank, world, bias=True)
+    fed = torch.tensor([3, 50, 7, 90])
+    with torch.no_grad():
+        out = compiled(fed.view(1, 4))
+    return model, compiled, fed, _check_step(model, fed.view(1, 4), out, fed.tolist())
+
+
 def diverge(rank: int, world: int) -> dict:
     """Ranks whose collectives would stay in step but whose ids differ (a silent difference before), and local
     decisions taken on one rank only: each case ends in the same error on every rank, the group still usable,
     the sets unchanged and identical (or, where every rank takes the same decision, identical correct results)."""
     report = {}
-    model, compiled = _compiled_drafter(rank, world, bias=True)
-    fed = torch.tensor([3, 50, 7, 90])
-    with torch.no_grad():
-        out = compiled(fed.view(1, 4))
-    state = _check_step(model, fed.view(1, 4), out, fed.tolist())
+    model, compiled, fed, state = _fed_drafter(rank, world)
     before = state.token_ids().tolist()
     ids = torch.tensor([11, 60, 12, 70])
     report["reordered"] = _raised(lambda: state.observe(ids if rank == 0 else ids.flip(0)), RuntimeError)
@@ -528,11 +533,41 @@ def stale_alone(rank: int, world: int) -> dict:
         return {"error": _raised(lambda: compiled(torch.tensor([[4, 5, 6]])), RuntimeError)}
 
 
+def id_counts(rank: int, world: int) -> dict:
+    """An eager observe given a different number of ids on each rank (its row fetch would differ in size: gloo
+    aborted the process, nothing to catch): the same error on every rank, both sets unchanged and the group still
+    usable, for a drafter's state (with a bias: two fetches) and for per-request sets."""
+    from nanospec_fx.tensor_parallel import RanksDiverged, ShardedRequestVocabs, VocabShard
+
+    report = {}
+    model, compiled, fed, state = _fed_drafter(rank, world)
+    before = state.token_ids().tolist()
+    report["drafter"] = _raised(lambda: state.observe(torch.arange(10, 13 + rank)), RanksDiverged)
+    report["drafter_empty"] = _raised(lambda: state.observe(torch.arange(10, 10 + 2 * rank)), RanksDiverged)
+    assert state.token_ids().tolist() == before, "no rank changed its set"
+    state.observe(torch.tensor([11, 60]))  # the same ids on every rank: the group still works
+    with torch.no_grad():
+        out = compiled(fed.view(1, 4))
+    _check_step(model, fed.view(1, 4), out, fed.tolist() + [11, 60])
+    shard_rows = 48
+    full = torch.randn(world * shard_rows, H, generator=torch.Generator().manual_seed(0))
+    shard = VocabShard(dist.group.WORLD.group_name, world, rank, shard_rows)
+    vocabs = ShardedRequestVocabs(full[rank * shard_rows:(rank + 1) * shard_rows], shard=shard, max_requests=2,
+                                  capacity=12)
+    vocabs.assign("a")
+    vocabs.observe("a", [5, 6])
+    report["requests"] = _raised(lambda: vocabs.observe("a", list(range(20, 22 + rank))), RanksDiverged)
+    assert vocabs.token_ids("a").tolist() == [5, 6], "no rank changed its set"
+    vocabs.observe("a", [7])
+    assert _all_equal(vocabs.token_ids("a").tolist()) and vocabs.token_ids("a").tolist() == [5, 6, 7]
+    return report
+
+
 SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
              "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head, "diverge": diverge,
-             "recompile_alone": recompile_alone, "stale_alone": stale_alone}
+             "recompile_alone": recompile_alone, "stale_alone": stale_alone, "id_counts": id_counts}
 # Scenarios that must end in an error, never a hang: a short collective and store timeout (seconds)
-SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20}
+SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20, "id_counts": 20}
 
 
 def main() -> None:

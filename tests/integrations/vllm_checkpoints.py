@@ -2,8 +2,9 @@
 
 vLLM's CPU attention needs ``head_dim >= 32``; an EAGLE-3 drafter of a small target needs
 ``eagle_aux_hidden_state_layer_ids`` without duplicates. No tokenizer: the tests pass token ids
-(``skip_tokenizer_init=True``). Plain torch + safetensors + json, no vLLM import, so the test
-process can build them before it starts the engine in a subprocess.
+(``skip_tokenizer_init=True``). Plain torch + safetensors + json (transformers' DeepSeek-V3 for
+:func:`build_deepseek_mtp`), no vLLM import, so the test process can build them before it starts the
+engine in a subprocess.
 """
 from __future__ import annotations
 
@@ -101,3 +102,75 @@ if __name__ == "__main__":
     import sys
 
     print(build(sys.argv[1]))
+
+
+def _qwen_config(model_type: str, architectures: list[str], layers: int, **extra) -> dict:
+    return _llama_config(layers, **extra) | {"model_type": model_type, "architectures": architectures}
+
+
+def build_mtp(root: str | Path, seed: int = 0) -> dict[str, Path]:
+    """``mimo``: a MiMo target (Qwen2 layers, ``architectures: ["MiMoForCausalLM"]``) with one MTP layer under
+    ``model.mtp_layers.0.*``, the layout vLLM's ``mtp`` method reads from the target's own checkpoint (the MTP layer
+    shares the target's embedding and head). ``dflash``: a one-layer DFlash drafter (``DFlashDraftModel``, Qwen3
+    attention with q/k norms) over the target of :func:`build` (aux layers 0, 1, 2), with no head of its own: vLLM
+    shares the target's."""
+    root, g = Path(root), torch.Generator().manual_seed(seed + 1)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    head = torch.randn(VOCAB, HIDDEN, generator=g) * 2.0 / HIDDEN ** 0.5
+
+    def qwen2_layer(prefix):
+        layer = _layer(prefix, g)
+        for p in ("q", "k", "v"):  # Qwen2's attention has q/k/v biases
+            layer[f"{prefix}.self_attn.{p}_proj.bias"] = torch.randn(HIDDEN, generator=g) * 0.1
+        return layer
+
+    mimo = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(HIDDEN), "lm_head.weight": head}
+    for i in range(TARGET_LAYERS):
+        mimo |= qwen2_layer(f"model.layers.{i}")
+    mtp = "model.mtp_layers.0"
+    mimo |= qwen2_layer(mtp) | {
+        f"{mtp}.token_layernorm.weight": torch.ones(HIDDEN), f"{mtp}.hidden_layernorm.weight": torch.ones(HIDDEN),
+        f"{mtp}.final_layernorm.weight": torch.ones(HIDDEN),
+        f"{mtp}.input_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / (2 * HIDDEN) ** 0.5,
+    }
+    dirs = {"mimo": _save(root / "mimo", _qwen_config("qwen2", ["MiMoForCausalLM"], TARGET_LAYERS,
+                                                      num_nextn_predict_layers=1), mimo)}
+
+    layer = _layer("layers.0", g) | {"layers.0.self_attn.q_norm.weight": torch.ones(HIDDEN // HEADS),
+                                     "layers.0.self_attn.k_norm.weight": torch.ones(HIDDEN // HEADS)}
+    dflash = {"fc.weight": torch.randn(HIDDEN, 3 * HIDDEN, generator=g) / (3 * HIDDEN) ** 0.5,
+              "hidden_norm.weight": torch.ones(HIDDEN), "norm.weight": torch.ones(HIDDEN)} | layer
+    config = _qwen_config("qwen3", ["DFlashDraftModel"], 1, dflash_config={
+        "mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1, 2]})
+    dirs["dflash"] = _save(root / "dflash", config, dflash)
+    return dirs
+
+
+def build_deepseek_mtp(root: str | Path, seed: int = 0) -> Path:
+    """A DeepSeek-V3 target with one MTP layer (``model.layers.{L}.*``: ``enorm``, ``hnorm``, ``eh_proj``, a decoder
+    block and ``shared_head.{norm,head}``), the layout vLLM's ``deepseek_mtp`` reads from the target's checkpoint.
+    Written with transformers' ``DeepseekV3ForCausalLM`` built one layer deeper (that layer's block is the MTP
+    block). MLA sizes as vLLM's CPU MLA decode kernel needs (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576);
+    dense MLPs (``first_k_dense_replace`` past every layer). ``shared_head.norm`` is not the identity, so a head
+    that skipped it would fail the first-call check."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    root, layers = Path(root) / "deepseek_mtp", 2
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=32,
+                  num_hidden_layers=layers + 1, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                  q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=100,
+                  n_group=1, topk_group=1, max_position_embeddings=512, rope_scaling=None, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    tensors = {k: v.contiguous() for k, v in DeepseekV3ForCausalLM(DeepseekV3Config(**config)).state_dict().items()}
+    g = torch.Generator().manual_seed(seed + 3)
+    mtp = f"model.layers.{layers}"
+    tensors |= {f"{mtp}.enorm.weight": torch.ones(HIDDEN), f"{mtp}.hnorm.weight": torch.ones(HIDDEN),
+                f"{mtp}.eh_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=g) / (2 * HIDDEN) ** 0.5,
+                f"{mtp}.shared_head.norm.weight": 1.0 + torch.rand(HIDDEN, generator=g),
+                f"{mtp}.shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    saved = json.loads(DeepseekV3Config(**config).to_json_string()) | {
+        "num_hidden_layers": layers, "num_nextn_predict_layers": 1, "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3", "torch_dtype": "float32"}
+    return _save(root, saved, tensors)

@@ -26,7 +26,7 @@ STATIC_LIST = list(range(1000, 0, -2))
 TP_TOKENS = 16  # tokens per request under tensor parallelism
 
 
-def run(dirs, spec, prompts, max_tokens, **engine):
+def run(dirs, spec, prompts, max_tokens, target="target", **engine):
     """Generate greedily; return outputs, the plugin heads' counters and released sets, and vLLM's counters."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -34,7 +34,7 @@ def run(dirs, spec, prompts, max_tokens, **engine):
     import nanospec_fx.vllm_plugin as plugin
 
     engine = {"max_model_len": 128, "max_num_seqs": 4, **engine}
-    llm = LLM(model=str(dirs["target"]), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
+    llm = LLM(model=str(dirs[target]), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
               enforce_eager=True, seed=0, distributed_executor_backend="uni", disable_log_stats=False, **engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -47,7 +47,8 @@ def run(dirs, spec, prompts, max_tokens, **engine):
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     status = plugin.status()[-1:]  # this engine's runner: the newest (earlier engines were collected)
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
-              "checked": h.checked, "disabled": h.disabled,
+              "checked": h.checked, "disabled": h.disabled, "parallel": h.parallel, "model": h.model_name,
+              "prepared": h.prepare is not None,
               "static": h.vocabs.token_ids(plugin.STATIC_ROW).tolist() if h.static else None,
               "released": h.released, "holding": list(h.vocabs.request_ids),
               "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
@@ -150,9 +151,12 @@ def _bypassed(dirs) -> dict:
 
 def methods(dirs):
     out = {"target": run(dirs, None, PROMPTS, 24)}
-    for method in ("draft_model", "eagle", "eagle3"):
+    for method in ("draft_model", "eagle", "eagle3", "dflash"):
         spec = {"method": method, "model": str(dirs[method]), "num_speculative_tokens": NUM_SPEC}
         out[method] = run(dirs, spec, PROMPTS, 24)
+    # MTP: the MiMo target's own MTP layer (vLLM's `mtp` method reads it from the target's checkpoint)
+    out["mimo_target"] = run(dirs, None, PROMPTS, 24, target="mimo")
+    out["mtp"] = run(dirs, {"method": "mtp", "num_speculative_tokens": NUM_SPEC}, PROMPTS, 24, target="mimo")
     # vLLM's asynchronous scheduling (sampled tokens reach the runner one step late on the host side)
     spec = {"method": "eagle", "model": str(dirs["eagle"]), "num_speculative_tokens": NUM_SPEC}
     out["eagle_async"] = run(dirs, spec, PROMPTS, 24, async_scheduling=True)
@@ -177,6 +181,31 @@ def methods(dirs):
     except RuntimeError as e:
         out["old_version_error"] = str(e)
     return out
+
+
+def deepseek_mtp(dirs):
+    """vLLM's `mtp` method on a DeepSeek-V3 target (MLA, the MTP layer's shared_head: norm then the target's head):
+    the target alone, the MTP drafter without the plugin (vLLM's own output: the oracle), then with it."""
+    dirs = dirs | {"deepseek": vllm_checkpoints.build_deepseek_mtp(dirs["target"].parent)}
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    out = {"target": run(dirs, None, PROMPTS, 16, target="deepseek")}
+    os.environ["NANOSPEC_VLLM"] = "0"  # register() ran at start: take the hooks back out for the plugin-less run
+    out["no_plugin"] = _without_plugin(lambda: run(dirs, spec, PROMPTS, 16, target="deepseek"))
+    os.environ["NANOSPEC_VLLM"] = "1"
+    out["plugin"] = run(dirs, spec, PROMPTS, 16, target="deepseek")
+    return out
+
+
+def _without_plugin(call):
+    """Run ``call`` with vLLM's own proposer load_model (the plugin's hook put back to the original)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    patched = SpecDecodeBaseProposer.load_model
+    SpecDecodeBaseProposer.load_model = patched.__wrapped__
+    try:
+        return call()
+    finally:
+        SpecDecodeBaseProposer.load_model = patched
 
 
 def preemption(dirs):
@@ -275,8 +304,8 @@ if __name__ == "__main__":
         os.environ["NANOSPEC_VLLM"] = "1"
     os.environ["NANOSPEC_VLLM_RECORD"] = "1"
     os.environ["NANOSPEC_VLLM_HEAD"] = "compact"  # these heads are tiny: the cost model would keep them dense
-    checkpoints = vllm_checkpoints.build(root / "checkpoints")
+    checkpoints = vllm_checkpoints.build(root / "checkpoints") | vllm_checkpoints.build_mtp(root / "checkpoints")
     scenarios = {"methods": methods, "preemption": preemption, "eagle_export": eagle_export,
-                 "tensor_parallel": tensor_parallel}
+                 "tensor_parallel": tensor_parallel, "deepseek_mtp": deepseek_mtp}
     result = scenarios[scenario](checkpoints)
     (root / f"{scenario}.json").write_text(json.dumps(result))

@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
-from nanospec_fx.kernels import ops, reference as R, schema, triton_kernels as T  # noqa: E402
+from nanospec_fx.kernels import host as H, ops, reference as R, schema, triton_kernels as T  # noqa: E402
 from nanospec_fx.kernels import triton_head, triton_observe, triton_select, triton_util  # noqa: E402
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch  # noqa: E402
 from helpers import ROOT, run_command, run_python  # noqa: E402
@@ -87,6 +88,8 @@ def test_every_wrapper_launches_under_the_device_guard(monkeypatch):
     vocab, hidden, capacity = 40, 8, 16
     w = torch.randn(vocab, hidden)
     s = schema.new_state(vocab, hidden, capacity, torch.float32, "cpu")
+    q = schema.new_request_state(3, vocab, hidden, capacity, torch.float32, "cpu")  # with rows: a per-request state
+    rows = torch.tensor([1, 0])
     with direct_launch():
         for name, call in [
             ("observe", lambda: T.observe(torch.tensor([3, 7, 3]), w, None, *s, 0)),
@@ -94,6 +97,11 @@ def test_every_wrapper_launches_under_the_device_guard(monkeypatch):
             ("head_logits", lambda: T.head_logits(torch.randn(2, hidden), s[3], None, s[0], s[2], vocab)),
             ("scatter_logits", lambda: T.scatter_logits(torch.randn(2, capacity), s[0], s[2], vocab)),
             ("compact_topk", lambda: T.compact_topk(torch.randn(2, capacity), s[0], s[2], 3)),
+            ("rows-observe", lambda: T.observe(torch.tensor([[3, 4], [5, -1]]), w, None, *q, 0, rows)),
+            ("rows-compact_logits", lambda: T.compact_logits(torch.randn(2, hidden), q[3], None, q[2], rows)),
+            ("rows-head_logits", lambda: T.head_logits(torch.randn(2, hidden), q[3], None, q[0], q[2], vocab, rows)),
+            ("rows-scatter_logits", lambda: T.scatter_logits(torch.randn(2, capacity), q[0], q[2], vocab, rows)),
+            ("rows-compact_topk", lambda: T.compact_topk(torch.randn(2, capacity), q[0], q[2], 3, True, rows)),
         ]:
             before = len(seen)
             call()
@@ -237,7 +245,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
-from nanospec_fx.kernels import triton_head as th, triton_per_request as tp, triton_select as ts
+from nanospec_fx.kernels import triton_head as th, triton_select as ts
 
 class Sm90:  # inductor asks the active driver for the target; no GPU here
     def get_current_target(self):
@@ -260,9 +268,9 @@ cases.append((ts._topk_kernel, dict(src_ptr=out, ids_ptr=ids, cursor_ptr=cur, va
     LARGEST=True, BLOCK=32), {"val_ptr", "tok_ptr"}))
 rows, cw, cb, curs, rids = (torch.tensor([1, 0, 1, 2]), torch.randn(3, 32, 64), torch.randn(3, 32),
                             torch.zeros(3, dtype=torch.int64), torch.zeros(3, 32, dtype=torch.int64))
-for scatter in (False, True):  # the per-request head (kernels/triton_per_request.py)
-    cases.append((tp._head_rows_kernel, dict(x_ptr=x, rows_ptr=rows, w_ptr=cw, b_ptr=cb, cursor_ptr=curs,
-        ids_ptr=rids, out_ptr=out, C=32, H=64, V=100, stride_xm=64, stride_wr=32 * 64, stride_wc=64, stride_br=32,
+for scatter in (False, True):  # the per-request head (rows given)
+    cases.append((th._head_rows_kernel, dict(x_ptr=x, rows_ptr=rows, w_ptr=cw, b_ptr=cb, cursor_ptr=curs,
+        ids_ptr=rids, out_ptr=out, R=3, C=32, H=64, V=100, stride_xm=64, stride_wr=32 * 64, stride_wc=64, stride_br=32,
         stride_ir=32, stride_om=32, HAS_BIAS=True, SCATTER=scatter, BLOCK_C=32, BLOCK_K=64), {"out_ptr"}))
 for kernel, kwargs, want in cases:
     acc = identify_accessed_tensors(kernel, kwargs, {})
@@ -285,7 +293,7 @@ def test_inductor_sees_the_read_only_kernels_as_read_only():
 @pytest.mark.parametrize("op", schema.OPS)
 def test_every_implementation_follows_the_schema(op):
     want = schema.arguments(op)
-    impls = [getattr(ops, f"_{op}"), getattr(R, op), getattr(T, op)]
+    impls = [getattr(ops, f"_{op}"), getattr(R, op), getattr(H, op), getattr(T, op)]
     for fn in impls:
         assert tuple(inspect.signature(fn).parameters) == want, (op, fn.__module__)
     registered = getattr(torch.ops.nanospec, op).default._schema
@@ -355,3 +363,69 @@ def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     checks = json.loads((results / "gpu_bench_cpu_small.json").read_text())["checks"]
     assert checks["observe_stress"] == "pass"  # the JSON was written before the failing step
     assert checks["logits_match_dense_rows1"].startswith("FAIL")
+
+
+# --------------------------------------------------------------------------- 8. the request axis (rows given)
+class NoHostReads(TorchDispatchMode):
+    """Fails on any read of tensor data by the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host read of a tensor value: this would sync with a GPU")
+        return func(*args, **(kwargs or {}))
+
+
+@needs_interpreter
+def test_the_triton_path_with_rows_never_reads_data_on_the_host(monkeypatch):
+    """Padding rows (-1) included: the device paths clamp and mask them on the device."""
+    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+    vocab, hidden, capacity, requests = 29, 8, 7, 3
+    w, b = torch.randn(vocab, hidden), torch.randn(vocab)
+    state = schema.new_request_state(requests, vocab, hidden, capacity, torch.float32, "cpu")
+    ids, _, cursor, cache_w, cache_b = state
+    rows = torch.tensor([2, 0, 2, 1, -1])
+    with NoHostReads():
+        ops.observe(torch.randint(0, vocab, (5, 3)), w, b, *state, 1, rows)
+        x = torch.randn(5, hidden)
+        compact = ops.compact_logits(x, cache_w, cache_b, cursor, rows)
+        ops.head_logits(x, cache_w, cache_b, ids, cursor, vocab, rows)
+        ops.scatter_logits(compact, ids, cursor, vocab, rows)
+        ops.compact_topk(compact, ids, cursor, 3, True, rows)
+        ops.compact_argmax(compact, ids, cursor, rows)
+    assert int(cursor.sum()) > 0  # it did observe
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():  # the detector works: the host path reads
+        H.compact_logits(x, cache_w, cache_b, cursor, rows)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_per_request_path_matches_the_reference_without_syncing(monkeypatch):
+    """On CUDA tensors (auto -> Triton): equal to the reference on CPU, and no host sync (sync debug mode errors)."""
+    from nanospec_fx import RequestVocabs
+
+    vocab, hidden, capacity, requests = 29, 8, 7, 3
+    monkeypatch.delenv("NANOSPEC_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(vocab, hidden, generator=g), torch.randn(vocab, generator=g)
+    cpu, gpu = RequestVocabs(w, b, requests, capacity), RequestVocabs(w.cuda(), b.cuda(), requests, capacity)
+    for v in (cpu, gpu):
+        for rid in "abc":
+            v.assign(rid)
+    batch, tokens = ["c", "a", "c", "b"], torch.randint(-1, vocab, (4, 5), generator=g)
+    x = torch.randn(4, hidden, generator=g)
+    cpu.observe_rows(cpu.rows_for(batch), tokens)
+    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    want = cpu.logits(x, cpu.rows_for(batch)), cpu.topk(x, cpu.rows_for(batch), 3)
+    monkeypatch.delenv("NANOSPEC_KERNELS")
+    rows, tokens, x = gpu.rows_for(batch), tokens.cuda(), x.cuda()  # copies before the check: they may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu.observe_rows(rows, tokens)
+        logits, (vals, toks) = gpu.logits(x, rows), gpu.topk(x, rows, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(logits.cpu(), want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(vals.cpu(), want[1][0], rtol=1e-5, atol=1e-4)
+    assert torch.equal(toks.cpu(), want[1][1])
+    for name, got, ref in zip(schema.STATE, gpu.tensors(), cpu.tensors()):
+        assert torch.equal(got.cpu(), ref), name

@@ -2,7 +2,9 @@
 
 opcheck runs each op through its schema (declared mutations and aliasing), its fake (meta) implementation,
 its autograd registration and AOT dispatch: the ways torch.compile reaches an op that a plain call never does.
-The state is written out by hand (not by ``observe``), so the inputs do not depend on the op under test.
+The state is written out by hand (not by ``observe``), so the inputs do not depend on the op under test. Every op
+is checked on the shared set and with ``rows`` on a per-request state (inputs that need no gradient: per-request
+calls are inference only).
 """
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import pytest
 import torch
 
 from nanospec_fx.kernels import ops, schema  # noqa: F401  (importing ops registers torch.ops.nanospec)
+from helpers import request_state_by_hand
 
 V, H, C, ACTIVE = 20, 4, 8, 5
+REQUEST_SETS = [[3, 17, 0, 11], [], [5, 6, 7, 8, 9, 10, 12, 13]]  # per request: some, none, full (C = 8)
 
 
 def _state(dtype=torch.float32, with_bias=True):
@@ -28,6 +32,39 @@ def _state(dtype=torch.float32, with_bias=True):
     if bias is not None:
         cache_b[:ACTIVE] = bias[tokens]
     return weight, bias, [ids, slot_of, cursor, cache_w, cache_b]
+
+
+def _request_state(with_bias=True):
+    """A per-request state holding REQUEST_SETS of a random head, and that head (weight, bias)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, H, generator=g)
+    bias = torch.randn(V, generator=g) if with_bias else None
+    state = request_state_by_hand(weight, bias, REQUEST_SETS, C)
+    return weight, bias, state
+
+
+def _request_cases():
+    """(name, op, args) with ``rows`` (last): repeated rows, a padding row (-1), leading dims."""
+    for with_bias in (True, False):
+        weight, bias, state = _request_state(with_bias)
+        ids, _, cursor, cache_w, cache_b = state
+        b = cache_b if with_bias else None
+        tag = "bias" if with_bias else "nobias"
+        rows = torch.tensor([2, 0, 2, 1, -1])
+        tokens = torch.tensor([[1, 2], [3, -1], [4, 14], [2, 2], [15, 16]])  # new, active, evicting, padding
+        yield f"rows-observe-{tag}", "observe", (tokens, weight, bias, *state, 1, rows)
+        x = torch.randn(2, 2, H)
+        rows2 = torch.tensor([[0, 2], [1, -1]])
+        yield f"rows-compact_logits-{tag}", "compact_logits", (x, cache_w, b, cursor, rows2)
+        yield f"rows-head_logits-{tag}", "head_logits", (x, cache_w, b, ids, cursor, V, rows2)
+    _, _, (ids, _, cursor, cache_w, _) = _request_state()
+    compact = torch.randn(3, C)
+    rows = torch.tensor([1, 2, 0])
+    yield "rows-scatter_logits", "scatter_logits", (compact, ids, cursor, V, rows)
+    for largest in (True, False):
+        yield f"rows-compact_topk-{largest}", "compact_topk", (compact, ids, cursor, 3, largest, rows)
+    yield "rows-compact_topk-k-past-capacity", "compact_topk", (compact, ids, cursor, C + 2, True, rows)
+    yield "rows-compact_argmax", "compact_argmax", (compact, ids, cursor, rows)
 
 
 def _compact(grad: bool):
@@ -89,11 +126,12 @@ def test_observe_copies_the_exact_rows_of_every_head_weight(kernels, name, weigh
                        else weight[[4, 19, 0]])
 
 
-CASES = list(_cases())
+CASES = list(_cases()) + list(_request_cases())
 
 
 def test_every_op_in_the_schema_is_checked():
-    assert {op for _, op, _ in CASES} == set(schema.OPS)
+    assert {op for name, op, _ in CASES if not name.startswith("rows-")} == set(schema.OPS)
+    assert {op for name, op, _ in CASES if name.startswith("rows-")} == set(schema.OPS)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanospec_fx import RequestVocabs, VocabConfig
+from nanospec_fx import ActiveVocab, RequestVocabs, VocabConfig
 from nanospec_fx.kernels.triton_util import INTERPRET
 from nanospec_fx.request_vocab import token_to_row_from_d2t
 
@@ -148,6 +148,28 @@ def test_validation_and_token_map(kernels):
     x = torch.randn(1, H)
     finite = torch.isfinite(vocabs.logits(x, vocabs.rows_for([0])))[0]
     assert finite.nonzero().flatten().tolist() == [2, 5]  # head rows (draft ids) of tokens 4 and 10
+    # one meaning per name, as on ActiveVocab: rows = head rows (the last dim of logits), token ids apart
+    assert (vocabs.rows, vocabs.token_vocab_size) == (V, 100)
+    active = ActiveVocab(weight, capacity=8, token_to_row=token_to_row_from_d2t(d2t, 100))
+    assert (active.rows, active.vocab_size) == (V, 100)
+    with pytest.warns(DeprecationWarning, match="rows"):
+        assert vocabs.vocab_size == V  # the old name keeps its old meaning for one release, with a warning
+    assert vocabs.contains(0, [4, 10, 5, 100, -1]).tolist() == [True, True, False, False, False]
+
+
+def test_padding_rows_read_as_an_empty_set(kernels):
+    """Every head call reads a padding row (-1, or past max_requests) as an empty set, never another request's."""
+    weight, bias = _head(13)
+    vocabs = RequestVocabs(weight, bias, max_requests=2, capacity=8)
+    vocabs.assign("a"), vocabs.assign("b")
+    vocabs.observe("a", [1, 2]), vocabs.observe("b", [3, 4])
+    rows = torch.tensor([-1, vocabs.row_of("a"), 2, vocabs.row_of("b")])
+    x = torch.randn(4, H)
+    want = _oracle(x, weight, bias, [set(), {1, 2}, set(), {3, 4}])
+    torch.testing.assert_close(vocabs.logits(x, rows), want, **TOL)
+    vals, toks = vocabs.topk(x, rows, 3)
+    assert toks[0].tolist() == [0, 1, 2] and torch.isneginf(vals[0]).all()  # an empty set's padding
+    assert vocabs.argmax(x, rows).tolist() == [0, int(want[1].argmax()), 0, int(want[3].argmax())]
 
 
 def test_weight_written_in_place_is_followed(kernels):

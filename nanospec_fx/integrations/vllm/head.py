@@ -2,9 +2,13 @@
 
 :class:`NanoSpecHead` takes plain values (the head's weight, the logits post-ops, the dense ``compute_logits`` to
 fall back on) and a :class:`~nanospec_fx.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
-version adapters (``v0_32``, ``v0_33``) read them off vLLM's objects. No vLLM here.
+version adapters (``v0_32``, ``v0_33``) read them off vLLM's objects. For Model Runner V2, whose draft loop runs in a
+captured CUDA graph, :class:`CompactLMHead` takes the drafter's ``lm_head`` slot instead and finds each batch row's
+request on the device (:class:`SlotRows`). No vLLM here.
 """
 from __future__ import annotations
+
+import torch
 
 from nanospec_fx.integrations.vllm.config import Settings
 from nanospec_fx.integrations.vllm.metrics import warn
@@ -51,6 +55,11 @@ class NanoSpecHead:
     """``compute_logits`` over per-request active sets: row ``i`` of the hidden states against the set of the
     request at batch row ``i`` (:attr:`rows`, set by the adapter for each draft step), ``-inf`` elsewhere.
 
+    ``prepare``: what the drafter's ``compute_logits`` applies to the hidden states before the head (MTP layers whose
+    ``shared_head`` norms them first: DeepSeek-V3, GLM-4-MoE), None when the head reads them as they come. A parallel
+    drafter (DFlash: ``parallel`` set) scores its K positions of every request in one call, request-major: ``B*K``
+    rows for ``B`` requests, each request's row repeated K times.
+
     Outside a draft step (``rows`` unset, e.g. warm-up), with an unexpected row count, or after the first compact
     call differed from ``dense_compute_logits`` (a model whose logits are more than its head), the call runs
     ``dense_compute_logits``: exact, counted in ``dense_calls``. Counters (plain ints, read by tests and metrics):
@@ -60,7 +69,7 @@ class NanoSpecHead:
 
     def __init__(self, vocabs, dense_compute_logits, settings: Settings, *, scale: float = 1.0, soft_cap=None,
                  logits_dtype=None, target_vocab_size: int, name: str = "drafter", group_name: str | None = None,
-                 rank: int = 0):
+                 rank: int = 0, prepare=None, parallel: bool = False):
         import torch
 
         self.vocabs = vocabs
@@ -74,6 +83,7 @@ class NanoSpecHead:
         self.group_name, self.rank = group_name, rank
         self.topk = settings.topk
         self.rows = None  # batch row -> request row for the drafter calls of the current step
+        self.prepare, self.parallel = prepare, parallel
         self.compact_calls = self.dense_calls = self.assigned = self.released = 0
         self.checked = False  # the first compact call is compared with the dense compute_logits
         self.disabled = False  # it differed: the full head from then on
@@ -83,12 +93,11 @@ class NanoSpecHead:
 
     # ----------------------------------------------------------------- compute_logits
     def __call__(self, hidden_states, *args, **kwargs):
-        rows = self.rows
-        if (rows is None or self.disabled or args or kwargs or hidden_states.dim() != 2
-                or hidden_states.shape[0] != rows.numel()):
-            if rows is not None and not self.disabled:
+        rows = self.rows_of_call(hidden_states)
+        if rows is None or self.disabled or args or kwargs:
+            if self.rows is not None and not self.disabled:
                 warn(f"the drafter's compute_logits got {tuple(hidden_states.shape)} rows for a batch of "
-                     f"{rows.numel()} requests; this call uses the full head (exact, not compact)")
+                     f"{self.rows.numel()} requests; this call uses the full head (exact, not compact)")
             self.dense_calls += 1
             return self.dense_compute_logits(hidden_states, *args, **kwargs)
         logits = self._compact(hidden_states, rows)
@@ -111,7 +120,22 @@ class NanoSpecHead:
         self.compact_calls += 1
         return logits
 
+    def rows_of_call(self, hidden_states):
+        """The request row of each row of ``hidden_states`` (None: this call cannot be served compact). One row per
+        request; a parallel drafter's ``B*K`` rows, request-major, repeat each request's row K times."""
+        rows = self.rows
+        if rows is None or hidden_states.dim() != 2 or rows.numel() == 0:
+            return None
+        n, m = hidden_states.shape[0], rows.numel()
+        if n == m:
+            return rows
+        if self.parallel and n % m == 0:
+            return rows.repeat_interleave(n // m)
+        return None
+
     def _compact(self, hidden_states, rows):
+        if self.prepare is not None:
+            hidden_states = self.prepare(hidden_states)
         x = hidden_states.to(self.vocabs.weight.dtype)
         logits = self.vocabs.logits(x, rows)
         if self.soft_cap is not None:  # vLLM's LogitsProcessor post-ops, keeping -inf at inactive tokens
@@ -176,3 +200,110 @@ def same_where_active(compact, dense) -> bool:
     tol = 1e-3 if compact.dtype == torch.float32 else 3e-2
     scale = float(theirs.abs().max()) if theirs.numel() else 1.0
     return bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * max(1.0, scale)))
+
+
+# --------------------------------------------------------------------------- Model Runner V2 (vLLM 0.33)
+#: the request id of the empty row that padded batch rows of a V2 step read (never a vLLM request id)
+PAD_ROW = ("nanospec", "padding")
+
+
+class SlotRows:
+    """An engine's request slots -> :class:`~nanospec_fx.request_vocab.RequestVocabs` rows, as a device tensor.
+
+    vLLM's Model Runner V2 names each request of a step by its request-state slot (``idx_mapping``, a device buffer,
+    -1 for a padded row) and runs the draft loop inside a captured CUDA graph, so the row of each batch row must be
+    found on the device: ``rows(slots)`` is one gather from :attr:`map`, whose last entry (the one -1 reads) points
+    at an empty row reserved for padding. :meth:`add` and :meth:`remove` run on the host between steps (one small
+    host-to-device write each); :meth:`observe` is device ops only (no host read)."""
+
+    def __init__(self, vocabs, num_slots: int):
+        import torch
+
+        if vocabs.max_requests < num_slots + 1:
+            raise ValueError(f"{num_slots} request slots need {num_slots + 1} request rows (one for padding), "
+                             f"got {vocabs.max_requests}")
+        self.vocabs = vocabs
+        self.pad = vocabs.assign(PAD_ROW)  # stays empty: nothing is observed into it
+        self.map = torch.full((num_slots + 1,), self.pad, dtype=torch.int64, device=vocabs.device)
+        self.request_of: dict[int, object] = {}
+
+    def add(self, slot: int, request_id, seen=None) -> None:
+        """Request ``request_id`` took slot ``slot``: give it a row, seeded with ``seen`` (its prompt) if any."""
+        if slot in self.request_of:
+            self.remove(slot)
+        row = self.vocabs.assign(request_id)
+        self.map[slot] = row
+        self.request_of[slot] = request_id
+        if seen is not None and len(seen):
+            self.vocabs.observe(request_id, seen, validate=False)
+
+    def remove(self, slot: int) -> None:
+        request_id = self.request_of.pop(slot, None)
+        if request_id is not None:
+            self.vocabs.release(request_id)
+        self.map[slot] = self.pad
+
+    def rows(self, slots):
+        """int64 rows of the batch rows named by ``slots`` (-1: padding -> the empty row). Device ops only."""
+        return self.map[slots.long()]
+
+    def observe(self, slots, tokens, valid=None) -> None:
+        """``tokens [B, n]`` (or ``[B]``) join the sets of the requests in ``slots [B]``; -1 ids, entries where
+        ``valid`` is False, and padded rows (slot -1) join nothing. Device ops only."""
+        import torch
+
+        slots = slots.long()
+        tokens = tokens.long().reshape(slots.numel(), -1)
+        if valid is not None:
+            tokens = tokens.masked_fill(~valid.reshape(tokens.shape), -1)
+        rows = torch.where(slots >= 0, self.map[slots.clamp(min=0)], torch.full_like(slots, -1))
+        self.vocabs.observe_rows(rows, tokens)
+
+
+class _CompactApply:
+    """The ``quant_method`` of :class:`CompactLMHead`: vLLM's ``LogitsProcessor`` computes a head's logits as
+    ``lm_head.quant_method.apply(lm_head, hidden_states, bias=...)``."""
+
+    def __init__(self, head: CompactLMHead):
+        self.head = head
+
+    def apply(self, layer, x, bias=None):
+        return self.head.logits(x, bias)
+
+
+class CompactLMHead(torch.nn.Module):
+    """A module for a drafter's ``lm_head`` slot that vLLM's ``LogitsProcessor`` reads as it reads the
+    ``ParallelLMHead`` it replaces (as vLLM's own quantized draft head does): ``quant_method.apply``, ``weight``,
+    ``tp_size``, ``shard_indices``, ``org_vocab_size``, ``num_embeddings_per_partition``. Its logits are each batch
+    row's request's compact head, -inf elsewhere (vocabulary padding columns included): the rows come from ``slots``
+    (the engine's per-step device buffer of request slots, read at call time: V2's ``speculator.idx_mapping``)
+    through ``slot_rows``, so a captured graph replays with the step's requests. A parallel drafter's
+    ``B * positions_per_request`` rows are request-major. The target's head is untouched (it verifies dense)."""
+
+    def __init__(self, source, vocabs, slot_rows: SlotRows, slots, positions_per_request: int = 1):
+        super().__init__()
+        self.weight = source.weight  # shared, not copied (LogitsProcessor reads its dtype and device)
+        self.tp_size, self.tp_rank = 1, 0
+        self.org_vocab_size = int(getattr(source, "org_vocab_size", source.weight.shape[0]))
+        self.num_embeddings_per_partition = int(source.weight.shape[0])
+        self.embedding_dim = int(source.weight.shape[1])
+        self.shard_indices = getattr(source, "shard_indices", None)
+        self.quant_method = _CompactApply(self)
+        self.vocabs, self.slot_rows, self.slots = vocabs, slot_rows, slots
+        self.positions_per_request = positions_per_request
+        self.compact_calls = self.dense_calls = 0  # Python-side: under a captured graph, counted at capture
+
+    def logits(self, x, bias=None):
+        n, k = (x.shape[0] if x.dim() == 2 else -1), self.positions_per_request
+        if bias is not None or x.dim() != 2 or n % k or n // k > self.slots.numel():
+            self.dense_calls += 1  # a shape-static decision: the same on every replay of a captured graph
+            return torch.nn.functional.linear(x, self.weight, bias)
+        slots = self.slots[: n // k]
+        if k > 1:
+            slots = slots.repeat_interleave(k)
+        out = self.vocabs.logits(x.to(self.weight.dtype), self.slot_rows.rows(slots)).to(x.dtype)
+        pad = self.num_embeddings_per_partition - out.shape[-1]  # vocabulary padding rows: never a token
+        if pad:
+            out = torch.nn.functional.pad(out, (0, pad), value=float("-inf"))
+        self.compact_calls += 1
+        return out

