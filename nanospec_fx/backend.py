@@ -15,15 +15,18 @@ tokens) are observed into the drafter's active vocabulary, on the device.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._dynamo.utils import counters
+from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanospec_fx import diagnosis
+from nanospec_fx import diagnosis, pass_reports
 from nanospec_fx.draft_vocab import draft_vocab_hint
 from nanospec_fx.dynamo_limits import record_compiled_frame
 from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
@@ -35,7 +38,7 @@ from nanospec_fx.passes import (
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
-from nanospec_fx.passes.observe_inputs import embedding_lookups, one_hot_internals, token_id_lookups
+from nanospec_fx.passes.lookups import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
 from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap
@@ -44,6 +47,7 @@ from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import StateConfig
 
 BACKEND_NAME = "nanospec"
+log = logging.getLogger(__name__)  # debug: each head's decision (counted in torch._dynamo.utils.counters["nanospec"])
 
 
 def nanospec_backend(
@@ -88,7 +92,9 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             notes.extend(found)
             if hint := draft_vocab_hint(gm, example_inputs):  # an EAGLE-3 head compiled without the option
                 notes.insert(0, hint)
+    counters["nanospec"]["heads_found"] += len(heads)
     if not heads:
+        counters["nanospec"]["graphs_without_head"] += 1
         embeds = position.whole_call and _is_prefill(gm)
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
@@ -113,7 +119,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     for head in heads:
         reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
-            said.append(f"nanospec: the head {head.name} runs dense: {reason}")
+            _runs_dense(said, head, reason)
         else:
             rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
     _agree(heads, rewritable, said, opts)  # before any state is built: that may run a collective
@@ -122,7 +128,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             compiled = _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
         except DenseFallback as reason:
             head = reason.args[1]
-            said.append(f"nanospec: the head {head.name} runs dense: {reason.args[0]}")
+            _runs_dense(said, head, reason.args[0])
             rewritable = [r for r in rewritable if r[0] is not head]
             continue
         except Exception as error:  # still meet the others' second consensus: they would wait for it
@@ -135,6 +141,21 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         return compiled
     _agree(heads, rewritable, said, opts)
     return _dense(gm, example_inputs, opts, config_patches, said)
+
+
+def _runs_dense(said: list[str], head: HeadMatch, reason: str) -> None:
+    """Say why ``head`` runs dense, and count it: ``heads_dense``, and ``dense: <the reason's first clause>``."""
+    said.append(f"nanospec: the head {head.name} runs dense: {reason}")
+    counters["nanospec"]["heads_dense"] += 1
+    counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
+    log.debug("head %s runs dense: %s", head.name, reason)
+
+
+def reason_key(reason: str) -> str:
+    """A dense reason's counter key: its first clause (up to a colon, semicolon or parenthesis), at most 80
+    characters."""
+    cut = min((i for i in (reason.find(c) for c in ":;(") if i > 0), default=len(reason))
+    return reason[:cut].strip()[:80]
 
 
 def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: NanoSpecOptions,
@@ -332,7 +353,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
             into.transposed = True
         try:
-            report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
+            with GraphTransformObserver(builder.gm, "nanospec_rewrite_head", subsystem="nanospec"):
+                report = rewrite_head(builder.graph, mapped, into.state, state.capacity)
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
         if report.chain_outputs and (position.ends_at or position.called_from):
@@ -341,7 +363,8 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                 "would give inactive tokens finite values. Remove that graph break", head)
         observe = opts.observe_inputs and state.observes
         try:
-            report.observers = insert_input_observers(builder.graph, into) if observe else 0
+            with GraphTransformObserver(builder.gm, "nanospec_observe_inputs", subsystem="nanospec"):
+                report.observers = insert_input_observers(builder.graph, into) if observe else 0
         except DenseFallback as reason:
             raise DenseFallback(str(reason), head) from None
         kind.finish_observers(builder, state, into, head, report.observers)
@@ -366,7 +389,11 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                                         _weight_positions(gm, example_inputs), kind))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
-        state.rewrites.append(report)
+        pass_reports.record(state, report)
+        counters["nanospec"]["heads_rewritten"] += 1
+        counters["nanospec"]["observers_inserted"] += report.observers
+        log.debug("head %s rewritten: consumers %s, %d input observer(s)", report.head, report.consumers,
+                  report.observers)
     return compiled
 
 
@@ -456,8 +483,7 @@ class _DrafterBinding(_Binding):
             old = self.state
             self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory(),
                                  transposed=old.transposed))
-            if not self.state.rewrites:
-                self.state.rewrites = list(old.rewrites)
+            pass_reports.carry(old, self.state)
             self.sync()
             changed = True
         return changed
@@ -665,7 +691,8 @@ class _GraphBuilder:
     def compile(self, example_inputs: list, bindings: list, opts: NanoSpecOptions, config_patches: dict) -> Callable:
         graph = self.graph
         # Placeholders and every op with a side effect (observe, `z.div_(t)`, `torch.clamp_(x)`, `out=`) stay.
-        effects.dead_code_eliminate(graph)
+        with GraphTransformObserver(self.gm, "nanospec_dead_code_elimination", subsystem="nanospec"):
+            effects.dead_code_eliminate(graph)
         graph.lint()
         self.gm.recompile()
         extra = [t for b in bindings for t in b.tensors()]

@@ -3,7 +3,7 @@
 ``explain``, ``active_vocab``'s ``LookupError``, ``assert_equivalent``'s failure and the warnings below all say
 what :func:`diagnose` finds, so they never guess different causes. What it reads, all recorded as it happens:
 
-* the heads of the model with a compiled graph (their ``ActiveVocab.rewrites``) and those without;
+* the heads of the model with a compiled graph (their ``pass_reports``) and those without;
 * the dense fallbacks of the model's graphs (the backend's warning text: the reason, ``file:line``, the fixes);
 * compiled calls of the model that looked up token ids and scored no head (a prefill, or a head computed
   outside the compiled call: an engine-style ``compute_logits(h)``, a head in a ``@torch.compiler.disable``
@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nanospec_fx import pass_reports
 from nanospec_fx.module_heads import module_tensors, state_names, unwrap
 from nanospec_fx.warning import warn_once
 
@@ -129,7 +130,7 @@ def note_headless_call(table: torch.Tensor) -> None:
 def note_target_call(state, vocab: Any, calls: int) -> None:
     """A target observer fed ``state`` for the ``calls``-th time, ``vocab`` being what it was compiled with: a
     ``torch.compile`` wrapper whose head no compiled graph ever read by then is one transformers bypassed."""
-    if calls != HEADLESS_CALLS or not hasattr(vocab, "_orig_mod") or state.rewrites or state in _SETTLED:
+    if calls != HEADLESS_CALLS or not hasattr(vocab, "_orig_mod") or pass_reports.reports(state) or state in _SETTLED:
         return
     _SETTLED[state] = True
     found = diagnose(vocab)
@@ -277,7 +278,7 @@ def diagnose(model: Any) -> Diagnosis:
     found = Diagnosis(type(module).__name__, wrapper=wrapper)
     if not isinstance(module, nn.Module):
         return found
-    found.rewritten = [names[0] for state, names in state_names(module).items() if state.rewrites]
+    found.rewritten = [names[0] for state, names in state_names(module).items() if pass_reports.reports(state)]
     tensors = list(_tensors(module))
     for t in tensors:
         for message in _DENSE.get(t, ()):

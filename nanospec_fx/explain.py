@@ -8,6 +8,7 @@ from typing import TextIO
 import torch
 import torch.nn as nn
 
+from nanospec_fx import pass_reports
 from nanospec_fx.calibration import MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
 from nanospec_fx.diagnosis import Diagnosis, diagnose, target_observers
@@ -147,7 +148,7 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
     heads = []
     for state, names in state_names(module).items():
         name = names[0]
-        reports = state.rewrites
+        reports = pass_reports.reports(state)
         compact_only = bool(reports) and all(not r.exits for r in reports)
         path = path_for(state.cache_w.device)
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()

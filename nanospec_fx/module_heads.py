@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from nanospec_fx import pass_reports
 from nanospec_fx.state import ActiveVocab, registered_state
 
 
@@ -42,8 +43,8 @@ def state_names(module: nn.Module) -> dict[ActiveVocab, list[str]]:
                 if n and n not in names:
                     names.append(n)
     for state, names in found.items():
-        for report in state.rewrites:
-            head, path = getattr(report, "head", None), getattr(report, "module_path", None)
+        for report in pass_reports.reports(state):
+            head, path = report.head, report.module_path
             if head in names:  # the name the pass reported first (explain shows it)
                 names.insert(0, names.pop(names.index(head)))
             if path and path not in names:

@@ -183,7 +183,6 @@ class ActiveVocab(VocabState):
         self.bias = bias
         self.rows, self.hidden_size, self.capacity, self.num_pinned = rows, hidden, capacity, num_pinned
         self.policy, self.observes = policy, observes
-        self.rewrites: list = []  # what the pass did for this head (passes.RewriteReport), for explain()
         self._users: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers reading these tensors
         self.generation = 0  # bumped when rebuilt in place with new tensors (see state_for)
         self.vocab_size = self._set_token_map(token_to_row, rows, dev)
@@ -363,7 +362,7 @@ class ActiveVocab(VocabState):
         handle the user holds stays valid. The new configuration is validated before anything changes."""
         fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed))
         kept = self.token_ids() if self.observes else None
-        keep = {"_users": self._users, "generation": self.generation + 1, "rewrites": self.rewrites,
+        keep = {"_users": self._users, "generation": self.generation + 1,
                 "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(keep)

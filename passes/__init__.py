@@ -1,6 +1,12 @@
 """FX graph passes of nanospec: find the LM head, rewrite it, observe token inputs.
 
+In stage order (each imports only the ones above it):
+
+* ``graph``          - helpers every pass shares: ``call_arg`` (one index convention), ``node_name``, ``where``
+* ``contract``       - what the passes and the backend hand each other: ``DenseFallback``, ``StateNodes``,
+  ``RewriteReport``, ``ObserveInto``
 * ``patterns``       - what is matched and why (projections, post-ops, views, consumers)
+* ``lookups``        - which table rows a graph reads by integer ids (token embeddings, unreadable lookups)
 * ``find_head``      - which projection is the LM head
 * ``row_weight``     - a head weight computed row by row (quantised, parametrised): only the active rows
 * ``rewrite_head``   - head -> compact logits -> post-ops -> scatter
@@ -32,14 +38,13 @@ The contract these passes implement (README, "The contract"):
   all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call
   that raises on a bad id observes nothing).
 """
+from .contract import DenseFallback, ObserveInto, RewriteReport, StateNodes
 from .find_head import HeadMatch, HeadSelectionError, find_heads
 from .grad_mode import grad_enabled_at
 from .graph_position import GraphPosition, graph_position
-from .observe_inputs import (
-    ObserveInto, insert_input_observers, insert_observe, insert_topk_observers, snapshot_state_reads, token_id_lookups,
-    unobserved_lookup,
-)
-from .rewrite_head import DenseFallback, RewriteReport, StateNodes, rewrite_head
+from .lookups import token_id_lookups, unobserved_lookup
+from .observe_inputs import insert_input_observers, insert_observe, insert_topk_observers, snapshot_state_reads
+from .rewrite_head import rewrite_head
 
 __all__ = [
     "HeadMatch", "HeadSelectionError", "find_heads", "ObserveInto", "insert_input_observers", "insert_observe",

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
+
+log = logging.getLogger(__name__)
 
 # Python operators: in-place ones write (and return) their first operand; getitem returns a view
 # for basic indexing (a copy for advanced indexing: treated as a view, conservatively).
@@ -262,6 +266,11 @@ def may_alias_input(node: fx.Node) -> bool:
 
 
 def dead_code_eliminate(graph: fx.Graph) -> None:
-    """Dead-code elimination that removes only unused nodes known to be pure (see :func:`is_pure`)."""
+    """Dead-code elimination that removes only unused nodes known to be pure (see :func:`is_pure`); counts them
+    (``torch._dynamo.utils.counters["nanospec"]["dce_removed"]``)."""
+    before = len(graph.nodes)
     graph.eliminate_dead_code(is_impure_node=has_side_effect)
+    removed = before - len(graph.nodes)
+    counters["nanospec"]["dce_removed"] += removed
+    log.debug("dead-code elimination removed %d node(s)", removed)
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import patterns
-from .observe_inputs import embedding_lookups
+from .lookups import embedding_lookups
 from .row_weight import row_weight
 
 

@@ -46,7 +46,7 @@ inactive tokens, and every *use* of a chain value is exactly one of
 3. **a reason to stay dense** - a write through a view that selects part of the vocabulary axis, an
    elementwise step or write on the result of an unknown op that may alias the logits, or anything
    else the walk cannot classify: the head is left dense with one ``NanoSpecWarning`` naming the op
-   and its place (``rewrite_head.DenseFallback``).
+   and its place (``contract.DenseFallback``).
 
 Unknown ops are assumed to alias and write nothing the schema does not say; in-place ops with
 no compact form are materialisation points, never dropped. Every dead-code elimination the
@@ -63,6 +63,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .graph import call_arg
 
 LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -416,14 +418,6 @@ TOPK_FUNCTIONS = {torch.topk}
 ARGMAX_FUNCTIONS = {torch.argmax}
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``name`` of a call, positional index counted without ``self``/``input``."""
-    args = node.args[1:]
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return args[index] if index < len(args) else default
-
-
 def _is_last_dim(dim: Any, ndim: int) -> bool:
     return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
 
@@ -433,7 +427,7 @@ def match_topk(user: fx.Node, logits: fx.Node) -> tuple[int, bool] | None:
     if not is_call(user, TOPK_FUNCTIONS, {"topk"}) or user.args[0] is not logits:
         return None
     shape = tensor_shape(logits)
-    k, dim, largest = _arg(user, 0, "k"), _arg(user, 1, "dim", -1), _arg(user, 2, "largest", True)
+    k, dim, largest = call_arg(user, 1, "k"), call_arg(user, 2, "dim", -1), call_arg(user, 3, "largest", True)
     if shape is None or not isinstance(k, int) or not isinstance(largest, bool) or not _is_last_dim(dim, len(shape)):
         return None
     return k, largest
@@ -444,7 +438,7 @@ def match_argmax(user: fx.Node, logits: fx.Node) -> bool | None:
     if not is_call(user, ARGMAX_FUNCTIONS, {"argmax"}) or user.args[0] is not logits:
         return None
     shape = tensor_shape(logits)
-    dim, keepdim = _arg(user, 0, "dim"), _arg(user, 1, "keepdim", False)
+    dim, keepdim = call_arg(user, 1, "dim"), call_arg(user, 2, "keepdim", False)
     if shape is None or not _is_last_dim(dim, len(shape)) or not isinstance(keepdim, bool):
         return None
     return keepdim
@@ -462,7 +456,7 @@ def match_softmax(user: fx.Node, logits: fx.Node) -> bool:
         return False
     shape = tensor_shape(logits)
     dtype = user.kwargs.get("dtype", user.args[3] if user.op == "call_function" and len(user.args) > 3 else None)
-    return shape is not None and dtype is None and _is_last_dim(_arg(user, 0, "dim"), len(shape))
+    return shape is not None and dtype is None and _is_last_dim(call_arg(user, 1, "dim"), len(shape))
 
 
 # ---------------------------------------------------------------------------- column-keeping views

@@ -30,8 +30,7 @@ run later (and other heads' rewrites) see correct shapes.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -39,39 +38,11 @@ import torch.fx as fx
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
 from . import effects, patterns, transforms
+from .contract import DenseFallback, RewriteReport, StateNodes
+from .find_head import HeadMatch
+from .graph import describe, where
 from .patterns import set_example_value
 from .row_weight import gathered_rows, row_weight
-
-if TYPE_CHECKING:
-    from .find_head import HeadMatch
-
-
-@dataclass
-class StateNodes:
-    """Placeholders through which the compiled graph receives one ActiveVocab's tensors."""
-
-    ids: fx.Node
-    slot_of: fx.Node
-    cursor: fx.Node
-    cache_w: fx.Node
-    cache_b: fx.Node
-
-
-@dataclass
-class RewriteReport:
-    """What the rewrite did to one head (shown by ``nanospec_fx.explain``)."""
-
-    head: str  # the weight's parameter name
-    module_path: str | None
-    vocab_size: int
-    hidden_size: int
-    projections: int
-    post_ops: list[str]  # ops run on the compact logits
-    exits: list[str]  # users that read the [..., V] logits (after a scatter)
-    consumers: list[str]  # top-k / argmax (/ softmax) run on the compact logits
-    observers: int = 0  # observe ops inserted on token-id inputs
-    materialised: list[str] = field(default_factory=list)  # ops that write or alias the logits: [..., V] built there
-    chain_outputs: int = 0  # graph outputs that hold logits of the chain (-inf at inactive tokens)
 
 
 @dataclass
@@ -174,10 +145,6 @@ class Mask:
 
     base: fx.Node
     trailing: int = 0
-
-
-class DenseFallback(Exception):
-    """The head cannot be rewritten soundly here; the message names the op and its place."""
 
 
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
@@ -626,15 +593,3 @@ def _retarget_view(user: fx.Node, capacity: int) -> None:
         user.args = (user.args[0], *dims)
 
 
-def describe(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
-def where(node: fx.Node) -> str:
-    """Where ``node`` comes from in the user's code (its last stack frame), or its graph name."""
-    trace = node.meta.get("stack_trace")
-    if trace:
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-        if lines:
-            return lines[-1]
-    return f"graph node {node.name}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .graph import node_name
+
 # The calls Dynamo emits to enter and leave each transform's level, by name (``torch._C._functorch`` or its
 # pre-dispatch wrappers in ``torch._functorch.predispatch``), and how the user wrote the transform.
 ENTER = {
@@ -28,10 +30,6 @@ EXIT = {
 ADD_BATCH_DIM = "_add_batch_dim"
 
 
-def _name(node: fx.Node) -> str | None:
-    return getattr(node.target, "__name__", None) if node.op == "call_function" else None
-
-
 def transform_regions(graph: fx.Graph) -> dict[fx.Node, str]:
     """Every node inside a transform's span -> the outermost transform it runs in (as the user wrote it).
 
@@ -41,7 +39,7 @@ def transform_regions(graph: fx.Graph) -> dict[fx.Node, str]:
     stack: list[str] = []
     seen: list[fx.Node] = []
     for node in graph.nodes:
-        name = _name(node)
+        name = node_name(node)
         if name in EXIT:
             if stack:
                 stack.pop()
@@ -59,7 +57,7 @@ def outside_value(node: fx.Node, regions: dict[fx.Node, str]) -> fx.Node | None:
     """The tensor outside every transform that ``node`` is a batched copy of (``_add_batch_dim(x, dim, level)``,
     maybe nested: it holds exactly x's values), or None when ``node`` is computed inside one."""
     while node in regions:
-        if _name(node) != ADD_BATCH_DIM or not node.args or not isinstance(node.args[0], fx.Node):
+        if node_name(node) != ADD_BATCH_DIM or not node.args or not isinstance(node.args[0], fx.Node):
             return None
         node = node.args[0]
     return node

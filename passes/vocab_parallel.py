@@ -28,9 +28,42 @@ import torch.fx as fx
 
 from . import effects, patterns
 from .find_head import HeadMatch
+from .graph import call_arg, node_name
 
 FRESH_BUFFERS = {"empty_like", "new_empty", "empty", "zeros_like", "new_zeros", "zeros"}
 CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """The slices of ranks 0..tp-1 stacked along dim 0 (what ``all_gather_into_tensor`` returns)."""
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A list of the slices in rank order (``chunk(tp)`` / ``split(rows)`` of the stacked slices)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rank ``rank``'s slice."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The slices stacked along a new axis ``axis`` of the slice's shape (``view(tp, B, ...)``, ``movedim``)."""
+
+    axis: int
+
+
+@dataclass(frozen=True)
+class Full:
+    """The slices side by side along the last axis in rank order: ``[..., V]``."""
+
+
+Layout = Stacked | Pieces | Block | Ranked | Full  # how gathered slices are laid out (what :func:`_step` follows)
 
 
 def _is_c10d(node: fx.Node, name: str) -> bool:
@@ -95,14 +128,14 @@ def match_dtensor(proj: fx.Node) -> Gather | str | None:
     bias = patterns.example_value(b) if b is not None else None
     if bias is not None and tuple(getattr(bias, "placements", ())) != tuple(placements):
         return "its bias is not sharded like its weight"
-    if not (isinstance(x, fx.Node) and _name(x) == "from_local" and all(
-            isinstance(p, Replicate) for p in _arg(x, 2, "placements", ()))):
+    if not (isinstance(x, fx.Node) and node_name(x) == "from_local" and all(
+            isinstance(p, Replicate) for p in call_arg(x, 2, "placements", ()))):
         return "its input is not a replicated DTensor made with DTensor.from_local"
     users = list(proj.users)
-    redistribute = users[0] if len(users) == 1 and _name(users[0]) == "redistribute" else None
-    layout = _arg(redistribute, 1, "placements", ()) if redistribute is not None else ()
+    redistribute = users[0] if len(users) == 1 and node_name(users[0]) == "redistribute" else None
+    layout = call_arg(redistribute, 1, "placements", ()) if redistribute is not None else ()
     after = list(redistribute.users) if redistribute is not None else []
-    if len(after) != 1 or _name(after[0]) != "to_local":
+    if len(after) != 1 or node_name(after[0]) != "to_local":
         return "its output is not redistributed and read through to_local()"
     group = mesh.get_group().group_name
     ndim = len(patterns.tensor_shape(proj) or ())
@@ -144,9 +177,9 @@ def match_gather(local: fx.Node) -> Gather | str | None:
     if not isinstance(world, int) or not shape:
         return f"{gather.name} gathers over a group whose size is not static"
     rows = shape[0]
-    values: dict[fx.Node, tuple] = {gather: ("stack",)}
+    values: dict[fx.Node, Layout] = {gather: Stacked()}
     nodes = list(local.graph.nodes)
-    fresh = {n for n in nodes if n.op in ("call_function", "call_method") and _name(n) in FRESH_BUFFERS}
+    fresh = {n for n in nodes if n.op in ("call_function", "call_method") and node_name(n) in FRESH_BUFFERS}
     pattern = [gather]
     full = None
     for n in nodes[nodes.index(gather) + 1:]:
@@ -160,11 +193,11 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if isinstance(value, str):
             return value
         pattern.append(n)
-        if value == ("full",):
+        if isinstance(value, Full):
             full = n
             break
         values[n] = value
-        if _name(n) == "copy_":  # the buffer holds the copied value from here on
+        if node_name(n) == "copy_":  # the buffer holds the copied value from here on
             values[n.args[0]] = value
             if n.args[0] is not sliced:  # the slice itself (Megatron's list) is erased with the projection
                 pattern.append(n.args[0])
@@ -178,7 +211,7 @@ def match_gather(local: fx.Node) -> Gather | str | None:
         if stray:
             return (f"{stray[0].name} reads {n.name}, a value of the gather of {local.name} other than the full "
                     "logits")
-    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and node_name(u) not in FRESH_BUFFERS]
     if stray:
         return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
     return Gather(local, prefix, world, group, full, _in_graph_order(pattern))
@@ -198,45 +231,40 @@ def _elementwise_prefix(local: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tuple) -> tuple | str:
-    """What ``n`` holds, given what its inputs hold (a reason when it is not a step of the gather).
-
-    ``("stack",)``: the slices stacked along dim 0; ``("pieces",)``: a list of the slices in rank order;
-    ``("block", r)``: rank r's slice; ``("ranked", a)``: the slices stacked along a new axis ``a`` of the slice's
-    shape (``view(tp, B, ...)``, then ``movedim``/``permute``); ``("full",)``: ``[..., V]`` in rank order.
-    """
-    name = _name(n)
+def _step(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, rows: int, local: tuple) -> Layout | str:
+    """The :data:`Layout` ``n`` holds, given its inputs' (a reason when it is not a step of the gather)."""
+    name = node_name(n)
     src = n.args[0] if n.args else None
     held = values.get(src)
     last = len(local) - 1
     out = patterns.tensor_shape(n)
-    if _is_c10d(n, "wait_tensor") and held == ("stack",):
+    if _is_c10d(n, "wait_tensor") and isinstance(held, Stacked):
         return held
     if name == "contiguous" and held is not None:
         return held
-    if name in ("view", "reshape", "unflatten") and held == ("stack",) and _same(out, (world,) + tuple(local)):
-        return ("ranked", 0)
-    if name in ("view", "reshape") and held == ("stack",) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+    if name in ("view", "reshape", "unflatten") and isinstance(held, Stacked) and _same(out, (world,) + tuple(local)):
+        return Ranked(0)
+    if name in ("view", "reshape") and isinstance(held, Stacked) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
             and _same(out, tuple(local[:-1]) + (world * local[-1],)):
-        return ("full",)  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
-    if held is not None and held[0] == "ranked":
-        moved = _moved_axis(n, held[1], len(local) + 1)
+        return Full()  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
+    if isinstance(held, Ranked):
+        moved = _moved_axis(n, held.axis, len(local) + 1)
         if moved is not None:
-            return ("ranked", moved)
-        if name in ("view", "reshape", "flatten") and held[1] == last \
+            return Ranked(moved)
+        if name in ("view", "reshape", "flatten") and held.axis == last \
                 and _same(out, tuple(local[:-1]) + (world * local[-1],)):
-            return ("full",)
-    if name == "chunk" and held == ("stack",) and _arg(n, 1, "chunks") == world and _arg(n, 2, "dim", 0) == 0:
-        return ("pieces",)
-    if name == "split" and held == ("stack",) and _arg(n, 1, "split_size_or_sections", _arg(n, 1, "split_size")) \
-            == rows and _arg(n, 2, "dim", 0) == 0:
-        return ("pieces",)
-    if n.target is operator.getitem and held == ("pieces",) and isinstance(n.args[1], int):
-        return ("block", n.args[1] % world)
-    if n.target is operator.getitem and held == ("stack",):
+            return Full()
+    if name == "chunk" and isinstance(held, Stacked) and call_arg(n, 1, "chunks") == world and call_arg(n, 2, "dim", 0) == 0:
+        return Pieces()
+    if name == "split" and isinstance(held, Stacked) and call_arg(n, 1, "split_size_or_sections", call_arg(n, 1, "split_size")) \
+            == rows and call_arg(n, 2, "dim", 0) == 0:
+        return Pieces()
+    if n.target is operator.getitem and isinstance(held, Pieces) and isinstance(n.args[1], int):
+        return Block(n.args[1] % world)
+    if n.target is operator.getitem and isinstance(held, Stacked):
         r = _rank_slice(n.args[1], rows)
         if r is not None:
-            return ("block", r)
+            return Block(r)
     # a copy into a fresh buffer, or into the gathered slice itself (Megatron's ``out[rank] = local`` before
     # ``dist.all_gather(out, local)``: the collective read the slice first, so it is a buffer from here on)
     if name == "copy_" and len(n.args) == 2 and n.args[0] in fresh and n.args[1] in values \
@@ -246,16 +274,16 @@ def _step(n: fx.Node, values: dict, fresh: set, world: int, rows: int, local: tu
         return (f"{n.name} copies a gathered slice into {n.args[0].name}, a tensor this call did not create (a buffer "
                 "or an input, which outlives the call: removing the gather would lose that write)")
     if n.op == "call_function" and n.target is torch.stack:  # the slices of ranks 0..tp-1 along a new axis
-        parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 1, "dim", 0)
+        parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), call_arg(n, 1, "dim", 0)
         if isinstance(parts, (list, tuple)) and isinstance(dim, int) \
-                and [values.get(p) for p in parts] == [("block", r) for r in range(world)]:
-            return ("ranked", dim % (len(local) + 1))
+                and [values.get(p) for p in parts] == [Block(r) for r in range(world)]:
+            return Ranked(dim % (len(local) + 1))
     if n.op == "call_function" and n.target in CAT_FUNCTIONS:
         parts = n.args[0] if n.args else n.kwargs.get("tensors")
-        dim = _arg(n, 1, "dim", 0)
-        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [("block", r) for r in range(world)] \
+        dim = call_arg(n, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and [values.get(p) for p in parts] == [Block(r) for r in range(world)] \
                 and dim in (last, -1):
-            return ("full",)
+            return Full()
     return f"{n.name} ({name}) uses the gathered logits in a way nanospec does not follow"
 
 
@@ -268,7 +296,7 @@ def _same(shape: tuple | None, expected: tuple) -> bool:
 
 def _moved_axis(n: fx.Node, axis: int, ndim: int) -> int | None:
     """Where ``permute``/``movedim``/``transpose`` move ``axis`` to, when they keep every other axis in order."""
-    name, args = _name(n), [a for a in n.args[1:]]
+    name, args = node_name(n), [a for a in n.args[1:]]
     if name == "permute":
         perm = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
     elif name in ("movedim", "moveaxis") and len(args) == 2 and all(isinstance(a, int) for a in args):
@@ -313,18 +341,6 @@ def _expr(value) -> sympy.Expr | None:
         return sympy.Integer(value)
     if isinstance(value, torch.SymInt):
         return value.node.expr
-    return None
-
-
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    return node.kwargs.get(name, node.args[index] if len(node.args) > index else default)
-
-
-def _name(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", None)
     return None
 
 
@@ -400,7 +416,7 @@ def erase_local_slice(graph: fx.Graph, local: fx.Node, prefix: list[fx.Node]) ->
     """Erase this rank's slice and its elementwise prefix once nothing reads them, with the fresh buffers an
     in-place collective copied them into (dead-code elimination keeps nodes next to side-effecting ones)."""
     sliced = [local, *prefix]
-    for buffer in [u for n in sliced for u in n.users if _name(u) in FRESH_BUFFERS and not u.users]:
+    for buffer in [u for n in sliced for u in n.users if node_name(u) in FRESH_BUFFERS and not u.users]:
         graph.erase_node(buffer)
     for node in reversed(sliced):
         graph.erase_node(node)

@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
 from . import patterns
-from .patterns import _arg
+from .graph import call_arg, node_name
 from .vocab_parallel import (
-    CAT_FUNCTIONS, FRESH_BUFFERS, _elementwise_prefix, erase_local_slice, _in_graph_order, _is_c10d, _name, _same, _step,
+    CAT_FUNCTIONS, FRESH_BUFFERS, Block, Full, Layout, Ranked, Stacked, _elementwise_prefix, erase_local_slice,
+    _in_graph_order, _is_c10d, _same, _step,
 )
 
 ADD = {operator.add, torch.add}
@@ -69,6 +71,163 @@ class Exchange:
     head_nodes: list[fx.Node] = field(default_factory=list)  # between them: redistribute, to_local
 
 
+# The abstract values: what a node between the local selection and the final pick holds, one class each.
+
+
+@dataclass(frozen=True)
+class Size:
+    """A size, or arithmetic on sizes (dynamic shapes): reads no candidate."""
+
+
+@dataclass(frozen=True)
+class LocalValues:
+    """This rank's candidate values (the local selection's ``[0]``, or a widening cast of it)."""
+
+
+@dataclass(frozen=True)
+class LocalIds:
+    """This rank's candidate positions in its slice, ``0 .. V / tp - 1`` (the local selection's ``[1]``)."""
+
+
+@dataclass(frozen=True)
+class GlobalIds:
+    """The local ids offset by this rank's first row: ids in ``0 .. V - 1``."""
+
+
+@dataclass(frozen=True)
+class FloatIds:
+    """The global ids cast to a floating dtype, to travel in one tensor with the values (checked at the exchange)."""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One rank's values and global ids in one tensor: ``stack`` (size 2) or ``cat`` along ``axis``; ``first``: 0
+    when the values come first; ``shape``: the packed tensor's."""
+
+    kind: str  # "stack" | "cat"
+    axis: int
+    first: int
+    shape: tuple
+
+
+@dataclass(frozen=True)
+class GatheredPacked:
+    """Every rank's packed tensor, gathered and laid out as ``layout``."""
+
+    pack: Packed
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The gathered packed tensor split in two (``unbind``, ``chunk(2)``, ``split(k)``); part ``first`` holds the
+    values."""
+
+    first: int
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Every rank's candidate values (``what == "val"``) or global ids (``"id"``), laid out as ``layout``."""
+
+    what: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """A selection of ``k2`` along axis ``axis`` of candidates laid out as ``layout``; ``kept``: that axis is kept."""
+
+    k2: int
+    layout: Layout
+    axis: int
+    kept: bool
+
+
+@dataclass(frozen=True)
+class Pick(_Picked):
+    """A ``topk(k2)`` or ``max`` (k2 = 1) over the gathered values: a (values, positions) pair."""
+
+
+@dataclass(frozen=True)
+class Positions(_Picked):
+    """The positions picked (an ``argmax``, or a pick's ``[1]``)."""
+
+
+@dataclass(frozen=True)
+class Selected:
+    """``topk(full logits, k2)``'s values (``which == 0``) or ids (``which == 1``): what the pattern may give out."""
+
+    which: int
+    k2: int
+
+
+Value = Size | LocalValues | LocalIds | GlobalIds | FloatIds | Packed | GatheredPacked | Parts | Gathered | Pick \
+    | Positions | Selected
+
+
+@dataclass
+class _Interpretation:
+    """What is known while following one local selection forward: every node's abstract value, the nodes of the
+    pattern, the id offsets to check against this rank's first row, the exchange's group once seen."""
+
+    sel: fx.Node  # the local top-k / max
+    k: int  # candidates per rank
+    keep: bool  # the local selection keeps its k axis
+    rows: int  # V / tp
+    lead: tuple  # the slice's shape but its last axis
+    example_of: dict
+    fresh: set[fx.Node]
+    values: dict[fx.Node, Value] = field(default_factory=dict)
+    pattern: list[fx.Node] = field(default_factory=list)
+    offsets: list[tuple[fx.Node, int]] = field(default_factory=list)
+    picks: list[fx.Node] = field(default_factory=list)
+    world: int | None = None
+    group: str | None = None
+
+    @property
+    def cand(self) -> tuple:
+        """One rank's candidates' shape."""
+        return self.lead + ((self.k,) if self.keep else ())
+
+    @property
+    def first_max(self) -> bool:
+        """The local selection returns its slice's first maximum (``max``; a ``topk(1)`` does not promise it)."""
+        return node_name(self.sel) == "max"
+
+    def visit(self, n: fx.Node) -> str | None:
+        """Record what ``n`` holds; a reason when it reads the candidates in a way not followed."""
+        inputs = [a for a in n.all_input_nodes if a in self.values]
+        if not inputs or n.op == "output":  # what the output reads is checked by :func:`_finals`
+            return None
+        if n in self.fresh:  # ``torch.empty_like(candidates)``: reads only its shape
+            self.pattern.append(n)
+            return None
+        tensors = [a for a in inputs if not isinstance(self.values[a], Size)]
+        if not tensors or node_name(n) in SHAPE_READS:  # a size, or arithmetic on sizes (dynamic shapes)
+            self.pattern.append(n)
+            self.values[n] = Size()
+            return None
+        transfer = TRANSFER.get(type(self.values[tensors[0]]))
+        value = transfer(self, n, tensors[0]) if transfer is not None else None
+        if value is None:
+            value = f"{n.name} ({node_name(n)}) uses the exchanged candidates in a way nanospec does not follow"
+        if isinstance(value, str):
+            return value
+        self.pattern.append(n)
+        self.values[n] = value
+        if node_name(n) == "copy_":  # the buffer holds the copied value from here on
+            self.values[n.args[0]] = value
+            self.pattern.append(n.args[0])
+        return None
+
+    def layouts(self, same_as: Value) -> dict[fx.Node, Layout]:
+        """The layout of every gathered value of ``same_as``'s kind (what :func:`vocab_parallel._step` follows)."""
+        return {a: v.layout for a, v in self.values.items()
+                if type(v) is type(same_as) and getattr(v, "what", None) == getattr(same_as, "what", None)}
+
+
 def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None) -> Exchange | str | None:
     """How ``local`` (this rank's ``[..., V / tp]`` slice) is selected from across ranks: an :class:`Exchange`,
     a reason (str) when the form cannot be proven equal to a selection over the full logits, or None when the
@@ -83,142 +242,196 @@ def match_exchange(local: fx.Node, example_of: dict | None = None, sharded=None)
     if found is None or isinstance(found, str):
         return found
     sel, k, keep = found
-    first_max = _name(sel) == "max"
-    rows, lead = shape[-1], tuple(shape[:-1])
-    cand = lead + ((k,) if keep else ())  # one rank's candidates
-    values: dict[fx.Node, tuple] = {}
-    pattern, offsets = [sel], []
+    nodes = list(local.graph.nodes)
+    run = _Interpretation(sel, k, keep, shape[-1], tuple(shape[:-1]), example_of or {},
+                          {n for n in nodes if node_name(n) in FRESH_BUFFERS}, pattern=[sel])
     for user in sel.users:
         if user.target is not operator.getitem or user.args[1] not in (0, 1):
             return f"{user.name} reads {sel.name} other than as (values, indices)"
-        values[user] = ("lval",) if user.args[1] == 0 else ("lidx",)
-        pattern.append(user)
-    nodes = list(local.graph.nodes)
-    fresh = {n for n in nodes if _name(n) in FRESH_BUFFERS}
-    world = group = None
-    picks: list[fx.Node] = []
+        run.values[user] = LocalValues() if user.args[1] == 0 else LocalIds()
+        run.pattern.append(user)
     for n in nodes[nodes.index(sel) + 1:]:
-        inputs = [a for a in n.all_input_nodes if a in values]
-        if not inputs or n.op == "output":  # what the output reads is checked below
-            continue
-        if n in fresh:  # ``torch.empty_like(candidates)``: reads only its shape
-            pattern.append(n)
-            continue
-        tensors = [a for a in inputs if values[a][0] != "shape"]
-        if not tensors or _name(n) in SHAPE_READS:  # a size, or arithmetic on sizes (dynamic shapes)
-            pattern.append(n)
-            values[n] = ("shape",)
-            continue
-        held = values[tensors[0]]
-        tag = held[0]
-        value: tuple | str | None = None
-        if n.op == "call_function" and n.target in PACKS and tag in ("lval", "fid"):
-            value = _pack(n, values, cand)
-        elif tag == "lval" and _cast_to(n) is not None:
-            value = held if _widens(patterns.example_value(tensors[0]).dtype, _cast_to(n)) else \
-                f"{n.name} casts the local values to {_cast_to(n)}, which does not hold every value exactly"
-        elif tag == "gidx" and _cast_to(n) is not None and _cast_to(n).is_floating_point:
-            value = ("fid",)  # the global ids as floats, to travel with the values (checked at the exchange)
-        elif tag == "lidx":
-            offset = _offset(n, values, rows, example_of or {})
-            if isinstance(offset, tuple):
-                offsets.append((n, offset[0]))
-                pattern += offset[1]
-                value = ("gidx",)
-            elif offset is None and _is_c10d(n, "all_gather_into_tensor"):
-                value = f"{n.name} exchanges the local ids (0..{rows - 1}) without this rank's first row added"
-            else:
-                value = offset or f"{n.name} ({_name(n)}) reads the local ids other than to offset them"
-        elif tag in ("lval", "gidx", "packed"):
-            expected = held[4] if tag == "packed" else cand
-            if not _is_c10d(n, "all_gather_into_tensor") or n.args[0] is not inputs[0]:
-                value = f"{n.name} ({_name(n)}) reads the local candidates other than by exchanging them"
-            elif not isinstance(n.args[1], int) or world not in (None, n.args[1]) or group not in (None, n.args[2]):
-                value = f"{n.name} exchanges the candidates over a group unlike the other's, or not static"
-            elif not _same(patterns.tensor_shape(inputs[0]), expected):
-                value = f"{n.name} gathers candidates of an unexpected shape"
-            elif tag == "packed" and not ids_round_trip(n.args[1] * rows, patterns.example_value(n).dtype):
-                dtype = patterns.example_value(n).dtype
-                value = (f"{n.name} exchanges ids up to {n.args[1] * rows - 1} cast to {dtype}, which holds every "
-                         f"integer exactly only up to {exact_integers(dtype)}: they would not round-trip")
-            else:
-                world, group = n.args[1], n.args[2]
-                value = ("gp", held[1:], ("stack",)) if tag == "packed" else \
-                    ("g", "val" if tag == "lval" else "id", ("stack",))
-        elif tag == "gp":  # values and ids in one gathered tensor: their layout, or one of them taken out
-            value = _unpack(n, held, cand)
-            if value is None:
-                layouts = {a: v[2] for a, v in values.items() if v[0] == "gp"}
-                pshape = held[1][3]
-                value = _step(n, layouts, fresh, world, pshape[0], pshape)
-                value = None if isinstance(value, str) else ("gp", held[1], value)
-        elif tag == "parts" and n.target is operator.getitem and isinstance(n.args[1], int):
-            value = ("g", _part(held[1], n.args[1]), held[2])
-        elif tag == "g" and held[1] == "id" and _cast_to(n) is not None:
-            value = held if _holds_ids(_cast_to(n), world * rows) else None
-        elif tag == "g" and held[1] == "val" and _name(n) in ("topk", "argmax", "max"):
-            value = _pick(n, held[2], keep, first_max, k)
-            picks.append(n)
-            if len(picks) > 1:  # values of one pick with ids of another could disagree on ties
-                value = f"{n.name} picks from the exchanged candidates a second time ({picks[0].name} did)"
-        elif tag == "g" and held[1] == "id" and (n.target in GATHER_FUNCTIONS or _name(n) == "gather"):
-            value = _lookup(n, values)
-        elif tag == "g":
-            layouts = {a: v[2] for a, v in values.items() if v[0] == "g" and v[1] == held[1]}
-            value = _step(n, layouts, fresh, world, cand[0] if cand else 1, cand)
-            value = None if isinstance(value, str) else ("g", held[1], value)  # None: the reason below
-        elif tag == "pick" and n.target is operator.getitem and held[1] in ("topk", "max"):
-            value = ("sel", 0, held[2]) if n.args[1] == 0 else ("pos",) + held[2:]
-        elif tag == "pos" and _name(n) == "unsqueeze" and not held[-1] \
-                and _arg(n, 0, "dim") % len(patterns.tensor_shape(n)) == held[3]:
-            value = held[:-1] + (True,)
-        elif tag == "sel" and _name(n) in SELECTED_VIEWS:
-            value = held  # the selection's row-major order is kept (its other axes are 1 or the lead's)
-        elif tag == "sel" and held[1] == 1 and _cast_to(n) is not None and _holds_ids(_cast_to(n), world * rows):
-            value = held  # ids exchanged as floats, cast back (exact: they round-trip)
-        if value is None:
-            value = f"{n.name} ({_name(n)}) uses the exchanged candidates in a way nanospec does not follow"
-        if isinstance(value, str):  # before any exchange: a plain local selection, no vocabulary-parallel head
-            return value if world is not None or _is_c10d(n, "all_gather_into_tensor") else None
-        pattern.append(n)
-        values[n] = value
-        if _name(n) == "copy_":  # the buffer holds the copied value from here on
-            values[n.args[0]] = value
-            pattern.append(n.args[0])
-    if world is None:
+        reason = run.visit(n)
+        if reason is not None:  # before any exchange: a plain local selection, no vocabulary-parallel head
+            return reason if run.world is not None or _is_c10d(n, "all_gather_into_tensor") else None
+    if run.world is None:
         return None
-    rank = group_rank(group)
-    for n, offset in offsets:
-        if offset != rank * rows:
-            return f"{n.name} offsets the local ids by {offset}, not this rank's first row {rank} * {rows}"
-    if not offsets:
+    return _conclude(run, local, prefix, sharded)
+
+
+def _conclude(run: _Interpretation, local: fx.Node, prefix: list[fx.Node], sharded) -> Exchange | str:
+    """The :class:`Exchange` once every node is followed, if the offsets are this rank's and only selected values
+    and ids are read outside the pattern; a reason otherwise."""
+    rank = group_rank(run.group)
+    for n, offset in run.offsets:
+        if offset != rank * run.rows:
+            return f"{n.name} offsets the local ids by {offset}, not this rank's first row {rank} * {run.rows}"
+    if not run.offsets:
         return "the exchanged ids are local ids (no offset by this rank's first row)"
-    inside = set(pattern) | {local, *prefix}
-    finals: dict[fx.Node, int] = {}
-    for n in pattern:
-        outside = [u for u in n.users if u not in inside]
-        if not outside:
-            continue
-        state = values.get(n)
-        if state is None or state[0] != "sel":
-            what = "a size" if state == ("shape",) else "a value"
-            return f"{outside[0].name} reads {n.name}, {what} of the exchange other than the selected values or ids"
-        k2, out = state[2], patterns.tensor_shape(n)
-        if not (_same(out, lead + (k2,)) or k2 == 1 and _same(out, lead)):
-            return f"{n.name} holds the selection in a shape nanospec does not follow"
-        finals[n] = state[1]
+    inside = set(run.pattern) | {local, *prefix}
+    finals = _finals(run, inside)
+    if isinstance(finals, str):
+        return finals
     if 1 not in finals.values():
         return "the exchanged ids are never read"
-    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and _name(u) not in FRESH_BUFFERS]
+    stray = [u for n in (local, *prefix) for u in n.users if u not in inside and node_name(u) not in FRESH_BUFFERS]
     if stray:
         return f"{stray[0].name} reads this rank's slice of the logits ({local.name}) itself"
-    k2 = {values[n][2] for n in finals}
-    if sharded is not None and (sharded.world_size, sharded.group_name) != (world, group):
+    k2 = {run.values[n].k2 for n in finals}
+    if sharded is not None and (sharded.world_size, sharded.group_name) != (run.world, run.group):
         return "the candidates are exchanged over another group than the DTensor head's mesh"
-    exchange = Exchange(local, prefix, world, group, k2.pop(), finals, _in_graph_order(pattern))
+    exchange = Exchange(local, prefix, run.world, run.group, k2.pop(), finals, _in_graph_order(run.pattern))
     if sharded is not None:
         exchange.proj, exchange.head_nodes, exchange.dtensor_input = sharded.proj, sharded.nodes, sharded.dtensor_input
     return exchange
+
+
+def _finals(run: _Interpretation, inside: set[fx.Node]) -> dict[fx.Node, int] | str:
+    """The pattern's nodes read from outside it -> 0 (selected values) / 1 (their ids); a reason when something
+    else is read from outside, or a selection in a shape not followed."""
+    finals: dict[fx.Node, int] = {}
+    for n in run.pattern:
+        outside = [u for u in n.users if u not in inside]
+        if not outside:
+            continue
+        held = run.values.get(n)
+        if not isinstance(held, Selected):
+            what = "a size" if isinstance(held, Size) else "a value"
+            return f"{outside[0].name} reads {n.name}, {what} of the exchange other than the selected values or ids"
+        out = patterns.tensor_shape(n)
+        if not (_same(out, run.lead + (held.k2,)) or held.k2 == 1 and _same(out, run.lead)):
+            return f"{n.name} holds the selection in a shape nanospec does not follow"
+        finals[n] = held.which
+    return finals
+
+
+# The transfer functions: what ``n`` holds when it reads ``src`` (its first input holding a candidate), one per
+# kind of value ``src`` holds; None when ``n`` is no step nanospec follows (the caller says so).
+
+
+def _exchange(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
+    """``n`` gathers one rank's candidates (values, global ids, or both packed) from every rank."""
+    held = run.values[src]
+    if not _is_c10d(n, "all_gather_into_tensor") or n.args[0] is not src:
+        return f"{n.name} ({node_name(n)}) reads the local candidates other than by exchanging them"
+    world, group = n.args[1], n.args[2]
+    if not isinstance(world, int) or run.world not in (None, world) or run.group not in (None, group):
+        return f"{n.name} exchanges the candidates over a group unlike the other's, or not static"
+    if not _same(patterns.tensor_shape(src), held.shape if isinstance(held, Packed) else run.cand):
+        return f"{n.name} gathers candidates of an unexpected shape"
+    if isinstance(held, Packed) and not ids_round_trip(world * run.rows, patterns.example_value(n).dtype):
+        dtype = patterns.example_value(n).dtype
+        return (f"{n.name} exchanges ids up to {world * run.rows - 1} cast to {dtype}, which holds every "
+                f"integer exactly only up to {exact_integers(dtype)}: they would not round-trip")
+    run.world, run.group = world, group
+    if isinstance(held, Packed):
+        return GatheredPacked(held, Stacked())
+    return Gathered("val" if isinstance(held, LocalValues) else "id", Stacked())
+
+
+def _from_local_values(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
+    if n.op == "call_function" and n.target in PACKS:
+        return _pack(n, run.values, run.cand)
+    to = _cast_to(n)
+    if to is not None:
+        return run.values[src] if _widens(patterns.example_value(src).dtype, to) else \
+            f"{n.name} casts the local values to {to}, which does not hold every value exactly"
+    return _exchange(run, n, src)
+
+
+def _from_local_ids(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
+    offset = _offset(n, run.values, run.rows, run.example_of)
+    if isinstance(offset, tuple):
+        by, computing = offset
+        run.offsets.append((n, by))
+        run.pattern += computing
+        return GlobalIds()
+    if offset is None and _is_c10d(n, "all_gather_into_tensor"):
+        return f"{n.name} exchanges the local ids (0..{run.rows - 1}) without this rank's first row added"
+    return offset or f"{n.name} ({node_name(n)}) reads the local ids other than to offset them"
+
+
+def _from_global_ids(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
+    to = _cast_to(n)
+    if to is not None and to.is_floating_point:
+        return FloatIds()
+    return _exchange(run, n, src)
+
+
+def _from_float_ids(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str | None:
+    return _pack(n, run.values, run.cand) if n.op == "call_function" and n.target in PACKS else None
+
+
+def _from_packed(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str:
+    return _exchange(run, n, src)
+
+
+def _from_gathered_packed(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
+    """Values and ids in one gathered tensor: one of them taken out, or the tensor's layout changed."""
+    held = run.values[src]
+    value = _unpack(n, held, run.cand)
+    if value is not None:
+        return value
+    shape = held.pack.shape
+    layout = _step(n, run.layouts(held), run.fresh, run.world, shape[0], shape)
+    return None if isinstance(layout, str) else GatheredPacked(held.pack, layout)
+
+
+def _from_parts(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
+    held = run.values[src]
+    if n.target is operator.getitem and isinstance(n.args[1], int):
+        return Gathered(_part(held.first, n.args[1]), held.layout)
+    return None
+
+
+def _from_gathered(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | str | None:
+    """Every rank's values or ids: ids cast, values picked from, ids looked up at the picked positions, or either
+    laid out anew."""
+    held = run.values[src]
+    to = _cast_to(n)
+    if held.what == "id" and to is not None:
+        return held if _holds_ids(to, run.world * run.rows) else None
+    if held.what == "val" and node_name(n) in ("topk", "argmax", "max"):
+        run.picks.append(n)
+        if len(run.picks) > 1:  # values of one pick with ids of another could disagree on ties
+            return f"{n.name} picks from the exchanged candidates a second time ({run.picks[0].name} did)"
+        return _pick(n, held.layout, run.keep, run.first_max, run.k)
+    if held.what == "id" and (n.target in GATHER_FUNCTIONS or node_name(n) == "gather"):
+        return _lookup(n, run.values)
+    cand = run.cand
+    layout = _step(n, run.layouts(held), run.fresh, run.world, cand[0] if cand else 1, cand)
+    return None if isinstance(layout, str) else Gathered(held.what, layout)
+
+
+def _from_pick(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
+    held = run.values[src]
+    if n.target is not operator.getitem:
+        return None
+    return Selected(0, held.k2) if n.args[1] == 0 else Positions(held.k2, held.layout, held.axis, held.kept)
+
+
+def _from_positions(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
+    held = run.values[src]
+    if node_name(n) == "unsqueeze" and not held.kept and call_arg(n, 1, "dim") % len(patterns.tensor_shape(n)) == held.axis:
+        return replace(held, kept=True)
+    return None
+
+
+def _from_selected(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
+    held = run.values[src]
+    if node_name(n) in SELECTED_VIEWS:
+        return held  # the selection's row-major order is kept (its other axes are 1 or the lead's)
+    to = _cast_to(n)
+    if held.which == 1 and to is not None and _holds_ids(to, run.world * run.rows):
+        return held  # ids exchanged as floats, cast back (exact: they round-trip)
+    return None
+
+
+TRANSFER = {
+    LocalValues: _from_local_values, LocalIds: _from_local_ids, GlobalIds: _from_global_ids,
+    FloatIds: _from_float_ids, Packed: _from_packed, GatheredPacked: _from_gathered_packed, Parts: _from_parts,
+    Gathered: _from_gathered, Pick: _from_pick, Positions: _from_positions, Selected: _from_selected,
+}  # no entry for Size: a node reading only sizes is a Size (``visit``)
 
 
 PACKS = {torch.stack, *CAT_FUNCTIONS}
@@ -236,7 +449,7 @@ def group_rank(group_name: str) -> int:
 
 def _cast_to(n: fx.Node) -> torch.dtype | None:
     """The dtype ``n`` casts its input to (``.to(dtype)``, ``.float()``, ``.type_as(x)``...), same shape and device."""
-    if _name(n) not in CASTS or not n.args or not isinstance(n.args[0], fx.Node):
+    if node_name(n) not in CASTS or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     src, out = patterns.example_value(n.args[0]), patterns.example_value(n)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.shape != out.shape \
@@ -265,14 +478,13 @@ def _holds_ids(dtype: torch.dtype, vocab: int) -> bool:
     return not dtype.is_floating_point and dtype != torch.bool and torch.iinfo(dtype).max >= vocab - 1
 
 
-def _pack(n: fx.Node, values: dict, cand: tuple) -> tuple | str:
-    """``("packed", kind, axis, first, shape)`` when ``n`` puts one rank's values and its global ids (cast to the
-    values' dtype) into one tensor: ``stack`` along ``axis`` (size 2), or ``cat`` along it (values, then ids, or
-    the other way round); ``first``: 0 when the values come first."""
-    parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), _arg(n, 0, "dim", 0)
-    tags = [values.get(p, ("",))[0] for p in parts] if isinstance(parts, (list, tuple)) else []
-    if sorted(tags) != ["fid", "lval"] or not isinstance(dim, int):
-        return f"{n.name} ({_name(n)}) packs the candidates with something else than their values and global ids"
+def _pack(n: fx.Node, values: dict, cand: tuple) -> Packed | str:
+    """A :class:`Packed` when ``n`` puts one rank's values and its global ids (cast to the values' dtype) into one
+    tensor: ``stack`` along ``axis`` (size 2), or ``cat`` along it (values, then ids, or the other way round)."""
+    parts, dim = n.args[0] if n.args else n.kwargs.get("tensors"), call_arg(n, 1, "dim", 0)
+    kinds = [type(values.get(p)) for p in parts] if isinstance(parts, (list, tuple)) else []
+    if len(kinds) != 2 or set(kinds) != {FloatIds, LocalValues} or not isinstance(dim, int):
+        return f"{n.name} ({node_name(n)}) packs the candidates with something else than their values and global ids"
     dtypes = {patterns.example_value(p).dtype for p in (*parts, n)}
     if len(dtypes) != 1:
         return f"{n.name} packs values and ids of different dtypes ({sorted(map(str, dtypes))})"
@@ -283,54 +495,60 @@ def _pack(n: fx.Node, values: dict, cand: tuple) -> tuple | str:
     if n.target is not torch.stack and not (axis < len(cand) and _same(
             shape, cand[:axis] + (2 * cand[axis],) + cand[axis + 1:]) and isinstance(cand[axis], int)):
         return f"{n.name} concatenates candidates of an unexpected shape"
-    return ("packed", "stack" if n.target is torch.stack else "cat", axis, tags.index("lval"), shape)
+    return Packed("stack" if n.target is torch.stack else "cat", axis, kinds.index(LocalValues), shape)
 
 
 def _part(first: int, which: int) -> str:
     return "val" if which == first else "id"
 
 
-def _unpack(n: fx.Node, held: tuple, cand: tuple) -> tuple | None:
-    """``("g", "val"|"id", layout)`` when ``n`` takes the values or the ids out of the gathered packed tensor
-    (``g[:, 0]``, ``select``, ``g[..., :k]``, ``narrow``), ``("parts", first, layout)`` when it splits it in two
-    (``unbind``, ``chunk(2)``, ``split(k)``); None when it does neither."""
-    (kind, axis, first, shape), layout = held[1], held[2]
-    ndim = len(shape)
-    if layout == ("stack",) and axis != 0 or layout[0] == "block" or layout == ("full",) and axis != ndim - 1:
+def _unpack(n: fx.Node, held: GatheredPacked, cand: tuple) -> Gathered | Parts | None:
+    """:class:`Gathered` when ``n`` takes the values or the ids out of the gathered packed tensor (``g[:, 0]``,
+    ``select``, ``g[..., :k]``, ``narrow``), :class:`Parts` when it splits it in two (``unbind``, ``chunk(2)``,
+    ``split(k)``); None when it does neither."""
+    kind, axis, first, layout = held.pack.kind, held.pack.axis, held.pack.first, held.layout
+    ndim = len(held.pack.shape)
+    if isinstance(layout, Stacked) and axis != 0 or isinstance(layout, Block) \
+            or isinstance(layout, Full) and axis != ndim - 1:
         where, out = axis, layout  # the pack axis is where it was in one rank's tensor
-    elif layout[0] == "ranked":
-        where = axis if axis < layout[1] else axis + 1
-        out = ("ranked", layout[1] - 1 if kind == "stack" and where < layout[1] else layout[1])
+    elif isinstance(layout, Ranked):
+        where = axis if axis < layout.axis else axis + 1
+        out = Ranked(layout.axis - 1 if kind == "stack" and where < layout.axis else layout.axis)
         ndim += 1
     else:
         return None
     size = cand[axis] if kind == "cat" else 1
-    name, args = _name(n), list(n.args[1:])
+    name, args = node_name(n), list(n.args[1:])
     if n.target is operator.getitem:
         at = _index_at(n.args[1], ndim)
-        if at is None or at[0] != where:
+        if at is None or at.axis != where:
             return None
-        which = _which(kind, at[1], size)
+        which = _which(kind, at.entry, size)
     elif name == "select" and len(args) == 2 and kind == "stack" and _dim(args[0], ndim) == where:
         which = _which(kind, args[1], size)
     elif name == "narrow" and len(args) == 3 and kind == "cat" and _dim(args[0], ndim) == where \
             and args[2] == size:
         which = _which(kind, slice(args[1], args[1] + size), size)
-    elif name == "unbind" and kind == "stack" and _dim(_arg(n, 0, "dim", 0), ndim) == where:
-        return ("parts", first, out)
-    elif name in ("chunk", "split") and kind == "cat" and _dim(_arg(n, 1, "dim", 0), ndim) == where \
+    elif name == "unbind" and kind == "stack" and _dim(call_arg(n, 1, "dim", 0), ndim) == where:
+        return Parts(first, out)
+    elif name in ("chunk", "split") and kind == "cat" and _dim(call_arg(n, 2, "dim", 0), ndim) == where \
             and (name == "chunk" and args[0] == 2 or name == "split" and args[0] in (size, [size, size], (size, size))):
-        return ("parts", first, out)
+        return Parts(first, out)
     else:
         return None
-    return None if which is None else ("g", _part(first, which), out)
+    return None if which is None else Gathered(_part(first, which), out)
 
 
 def _dim(dim, ndim: int) -> int | None:
     return dim % ndim if isinstance(dim, int) and not isinstance(dim, bool) else None
 
 
-def _index_at(index, ndim: int) -> tuple | None:
+class _IndexAt(NamedTuple):
+    axis: int
+    entry: object
+
+
+def _index_at(index, ndim: int) -> _IndexAt | None:
     """(axis, entry) for an index that is ``:`` everywhere but one axis (``...`` expanded)."""
     index = list(index) if isinstance(index, tuple) else [index]
     if index.count(Ellipsis) > 1:
@@ -339,7 +557,7 @@ def _index_at(index, ndim: int) -> tuple | None:
         e = index.index(Ellipsis)
         index = index[:e] + [slice(None)] * (ndim - len(index) + 1) + index[e + 1:]
     picked = [(a, i) for a, i in enumerate(index) if i != slice(None)]
-    return picked[0] if len(picked) == 1 and len(index) <= ndim else None
+    return _IndexAt(*picked[0]) if len(picked) == 1 and len(index) <= ndim else None
 
 
 def _which(kind: str, entry, size: int) -> int | None:
@@ -354,17 +572,17 @@ def _which(kind: str, entry, size: int) -> int | None:
 
 def _local_selection(sliced: fx.Node, ndim: int) -> tuple | str | None:
     """(node, k, keeps its k axis) for the one top-k / max reading ``sliced`` over its last axis."""
-    users = [u for u in sliced.users if _name(u) not in FRESH_BUFFERS]
+    users = [u for u in sliced.users if node_name(u) not in FRESH_BUFFERS]
     if len(users) != 1 or users[0].args[0] is not sliced:
         return None
     (sel,) = users
-    if _name(sel) == "topk":
-        k, dim, largest = _arg(sel, 0, "k"), _arg(sel, 1, "dim", -1), _arg(sel, 2, "largest", True)
+    if node_name(sel) == "topk":
+        k, dim, largest = call_arg(sel, 1, "k"), call_arg(sel, 2, "dim", -1), call_arg(sel, 3, "largest", True)
         if not isinstance(k, int) or not isinstance(dim, int) or dim % ndim != ndim - 1 or largest is not True:
             return f"{sel.name} is not a largest top-k of this rank's slice over the vocabulary axis"
         return sel, k, True
-    if _name(sel) == "max" and len(sel.args) + len(sel.kwargs) > 1:  # max(dim): (values, first indices)
-        dim, keep = _arg(sel, 0, "dim"), _arg(sel, 1, "keepdim", False)
+    if node_name(sel) == "max" and len(sel.args) + len(sel.kwargs) > 1:  # max(dim): (values, first indices)
+        dim, keep = call_arg(sel, 1, "dim"), call_arg(sel, 2, "keepdim", False)
         if not isinstance(dim, int) or dim % ndim != ndim - 1 or not isinstance(keep, bool):
             return f"{sel.name} is not a max of this rank's slice over the vocabulary axis"
         return sel, 1, keep
@@ -374,7 +592,7 @@ def _local_selection(sliced: fx.Node, ndim: int) -> tuple | str | None:
 def _offset(n: fx.Node, values: dict, rows: int, example_of: dict) -> tuple | str | None:
     """(offset, nodes computing it) when ``n`` turns local ids into global ids: ``ids + c`` (an int, a scalar
     buffer), ``arange(c, c + rows)[ids]`` / ``(arange(rows) + c)[ids]``; a reason or None otherwise."""
-    name = _name(n)
+    name = node_name(n)
     if (n.target in ADD or name == "add") and len(n.args) == 2 and not n.kwargs:
         other = n.args[1] if n.args[0] in values else n.args[0]
         if isinstance(other, int) and not isinstance(other, bool):
@@ -401,7 +619,7 @@ def _arange_offset(node, rows: int) -> tuple | None:
         start, end, step = (0, args[0], 1) if len(args) == 1 else (tuple(args) + (1,))[:3]
         if all(isinstance(a, int) for a in (start, end, step)) and step == 1 and end - start == rows:
             return start, [node]
-    if (node.target in ADD or _name(node) == "add") and len(node.args) == 2 and not node.kwargs:
+    if (node.target in ADD or node_name(node) == "add") and len(node.args) == 2 and not node.kwargs:
         base, c = node.args
         inner = _arange_offset(base, rows)
         if inner is not None and isinstance(c, int) and not isinstance(c, bool):
@@ -409,49 +627,49 @@ def _arange_offset(node, rows: int) -> tuple | None:
     return None
 
 
-def _pick(n: fx.Node, layout: tuple, keep: bool, first_max: bool, k: int) -> tuple | str:
-    """``("pick", kind, k2, layout, dim, kept)`` when ``n`` selects over the exchanged values' candidate axis."""
+def _pick(n: fx.Node, layout: Layout, keep: bool, first_max: bool, k: int) -> Pick | Positions | str:
+    """A :class:`Pick` (or the :class:`Positions` of an ``argmax``) when ``n`` selects over the exchanged values'
+    candidate axis."""
     ndim = len(patterns.tensor_shape(n.args[0]))
-    if layout == ("full",) and keep:  # [..., tp * k]: rank-major along the last axis
+    if isinstance(layout, Full) and keep:  # [..., tp * k]: rank-major along the last axis
         axis = ndim - 1
-    elif layout[0] == "ranked" and k == 1:  # a rank axis next to one candidate per rank
-        axis = layout[1]
+    elif isinstance(layout, Ranked) and k == 1:  # a rank axis next to one candidate per rank
+        axis = layout.axis
     else:
         return f"{n.name} picks from candidates laid out in a way nanospec does not follow"
-    name = _name(n)
+    name = node_name(n)
     if name == "topk":
-        k2, dim = _arg(n, 0, "k"), _arg(n, 1, "dim", -1)
-        largest, ordered = _arg(n, 2, "largest", True), _arg(n, 3, "sorted", True)
+        k2, dim = call_arg(n, 1, "k"), call_arg(n, 2, "dim", -1)
+        largest, ordered = call_arg(n, 3, "largest", True), call_arg(n, 4, "sorted", True)
         if not isinstance(k2, int) or not isinstance(dim, int) or dim % ndim != axis or largest is not True \
                 or ordered is not True:
             return f"{n.name} is not a sorted largest top-k over the exchanged candidates"
         if k2 > k:
             return f"{n.name} takes the top {k2} of each rank's top {k}: not the top {k2} of the vocabulary"
-        return ("pick", "topk", k2, layout, axis, True)
-    dim, keepdim = _arg(n, 0, "dim"), _arg(n, 1, "keepdim", False)
+        return Pick(k2, layout, axis, True)
+    dim, keepdim = call_arg(n, 1, "dim"), call_arg(n, 2, "keepdim", False)
     if not isinstance(dim, int) or dim % ndim != axis or not isinstance(keepdim, bool):
         return f"{n.name} picks over another axis than the exchanged candidates'"
     if not first_max:
         return (f"{n.name} takes the first maximum of top-{k} candidates: a local topk does not promise its "
                 "shard's first maximum, so ties could pick another id than argmax of the logits (use max(-1))")
     if name == "argmax":
-        return ("pos", 1, layout, axis, keepdim)
-    return ("pick", "max", 1, layout, axis, keepdim)
+        return Positions(1, layout, axis, keepdim)
+    return Pick(1, layout, axis, keepdim)
 
 
-def _lookup(n: fx.Node, values: dict) -> tuple | str:
+def _lookup(n: fx.Node, values: dict) -> Selected | str:
     """``ids.gather(dim, pos)`` / ``torch.take_along_dim(ids, pos, dim)`` at the picked positions (kept axis)."""
     if n.target is torch.take_along_dim:
-        ids, pos, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("indices"), _arg(n, 1, "dim")
+        ids, pos, dim = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("indices"), call_arg(n, 2, "dim")
     else:
-        ids, dim, pos = n.args[0], _arg(n, 0, "dim"), _arg(n, 1, "index")
+        ids, dim, pos = n.args[0], call_arg(n, 1, "dim"), call_arg(n, 2, "index")
     held, where = values.get(ids), values.get(pos)
-    if held is None or held[0] != "g" or where is None or where[0] != "pos" or not isinstance(dim, int):
+    if not isinstance(held, Gathered) or not isinstance(where, Positions) or not isinstance(dim, int):
         return f"{n.name} looks up exchanged ids at positions nanospec did not follow"
-    _, k2, layout, axis, kept = where
-    if held[2] != layout or dim % len(patterns.tensor_shape(ids)) != axis or not kept:
+    if held.layout != where.layout or dim % len(patterns.tensor_shape(ids)) != where.axis or not where.kept:
         return f"{n.name} looks up the ids along another axis or layout than the values were picked from"
-    return ("sel", 1, k2)
+    return Selected(1, where.k2)
 
 
 def remapped(exchange: Exchange, node_map: dict[fx.Node, fx.Node]) -> Exchange:

@@ -22,8 +22,9 @@ import torch
 import torch.fx as fx
 
 from . import patterns
-from .observe_inputs import ObserveInto, insert_observe
-from .rewrite_head import set_example_value
+from .contract import ObserveInto
+from .observe_inputs import insert_observe
+from .patterns import set_example_value
 from .vocab_parallel_select import group_rank, ids_round_trip
 
 C10D = torch.ops._c10d_functional

@@ -106,17 +106,14 @@ def _package_modules() -> dict[str, tuple[Path, bool]]:
 
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports, at any depth (a lazy import in a function closes a cycle just
-    the same); imports under ``if TYPE_CHECKING:`` never run and do not count."""
+    the same), type-only ones (``if TYPE_CHECKING:``) included: a module that needs another's types to be read
+    depends on it as much as one that runs it."""
     modules, graph = _package_modules(), {}
     for module, (path, is_package) in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
-        skipped = {id(n) for node in guarded for statement in node.body for n in ast.walk(statement)}
         package = module if is_package else module.rpartition(".")[0]
         edges = set()
         for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.Import):
                 edges |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -189,3 +186,16 @@ def test_a_top_level_kernels_import_from_the_checkout_is_never_our_package():
         run_python("import transformers.integrations.hub_kernels", cwd=ROOT)
     else:
         assert out[0] == str(ROOT / "kernels" / "__init__.py")
+
+
+# The passes in stage order: shared helpers and types, the matching rules, the lookup analysis, then the stages
+# themselves (find the head, rewrite it, observe the ids). A module imports only modules before it.
+PASS_STAGES = ["graph", "contract", "effects", "patterns", "transforms", "lookups", "row_weight", "find_head",
+               "rewrite_head", "observe_inputs"]
+
+
+def test_the_passes_import_only_earlier_stages():
+    graph = _import_graph()
+    for i, stage in enumerate(PASS_STAGES):
+        later = {f"nanospec_fx.passes.{s}" for s in PASS_STAGES[i + 1:]}
+        assert not graph[f"nanospec_fx.passes.{stage}"] & later, f"{stage} imports a later stage"

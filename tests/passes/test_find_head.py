@@ -7,6 +7,7 @@ import torch
 import nanospec_fx
 from drafters import HEAD_KINDS, NoHead, TinyDrafter, TwoHeads
 from helpers import active_mask, compile_nanospec
+from nanospec_fx import pass_reports
 
 
 @pytest.mark.parametrize("head", HEAD_KINDS)
@@ -16,7 +17,7 @@ def test_every_head_pattern_is_rewritten(head):
     compiled = compile_nanospec(model, capacity=8)
     with torch.no_grad():
         compiled(torch.randint(0, 97, (1, 4)))
-    (report,) = nanospec_fx.active_vocab(model).rewrites
+    (report,) = pass_reports.reports(nanospec_fx.active_vocab(model))
     assert (report.vocab_size, report.hidden_size, report.projections) == (97, 8, 1)
     assert report.observers == 1  # the token embedding, not the position table
     if head == "matmul_T_bias":
@@ -32,7 +33,7 @@ def test_body_layer_as_wide_as_the_vocabulary_is_not_the_head():
     with torch.no_grad():
         out = compiled(ids)
         expected = model(ids, _mask=active_mask(model))
-    (report,) = nanospec_fx.active_vocab(model).rewrites
+    (report,) = pass_reports.reports(nanospec_fx.active_vocab(model))
     assert report.head == "lm_head.weight"
     torch.testing.assert_close(out, expected)
 
@@ -67,7 +68,7 @@ def test_head_option_settles_the_choice():
         a, b = compiled(ids)
     torch.testing.assert_close(a, model.head_a(model.embed(ids)))  # untouched
     state = nanospec_fx.active_vocab(model)
-    assert state.rewrites[0].head == "head_b.weight"
+    assert pass_reports.reports(state)[0].head == "head_b.weight"
     assert torch.isneginf(b[..., ~state.contains(torch.arange(50))]).all()
 
 
@@ -117,7 +118,7 @@ def test_position_table_with_vocabulary_rows_is_not_observed():
     with torch.no_grad():
         compiled(torch.tensor([[9, 11]]))
     state = nanospec_fx.active_vocab(model)
-    assert state.rewrites[-1].observers == 1
+    assert pass_reports.reports(state)[-1].observers == 1
     assert sorted(state.token_ids().tolist()) == [9, 11]  # positions 0 and 1 did not join
 
 

@@ -40,6 +40,7 @@ from fuzz_drafters import (  # noqa: E402
     GRAD_MODES, FuzzDrafter, Recipe, bad_inputs, compute_dtype, make_inputs, recipes,
 )
 from nanospec_fx.backend import NanoSpecWarning  # noqa: E402
+from nanospec_fx import pass_reports
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
 EXAMPLES = int(os.environ.get("NANOSPEC_FUZZ_EXAMPLES", "0"))
@@ -217,7 +218,7 @@ def _extra_states(model) -> list:
             state = nanospec_fx.active_vocab(head.weight)
         except LookupError:
             state = None
-        states.append(state if state is not None and state.rewrites else None)
+        states.append(state if state is not None and pass_reports.reports(state) else None)
     return states
 
 

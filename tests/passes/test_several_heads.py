@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from helpers import compile_nanospec
+from nanospec_fx import pass_reports
 
 V, H = 40, 8
 NEG = float("-inf")
@@ -93,7 +94,7 @@ def test_medusa_heads_are_each_rewritten_with_their_own_state(tied):
     assert len({id(s) for s in states}) == len(names)  # one state per head weight
     for state in states:
         assert sorted(state.token_ids().tolist()) == [1, 2, 3, 7, 9]
-        assert state.rewrites[-1].observers == 1
+        assert pass_reports.reports(state)[-1].observers == 1
     # a second call with new ids: every state sees them before its head reads
     ids2 = torch.tensor([[11, 12, 1]])
     out2, _ = _call(compiled, ids2)

@@ -9,6 +9,7 @@ import nanospec_fx
 from nanospec_fx import FrequencyTable
 from drafters import TinyDrafter
 from helpers import active_mask, compile_nanospec
+from nanospec_fx import pass_reports
 
 
 def test_frequency_table_counts_ranks_and_round_trips(tmp_path):
@@ -48,7 +49,7 @@ def test_static_policy_is_a_fixed_frequent_set():
         out = compiled(ids)
     state = nanospec_fx.active_vocab(model)
     assert state.token_ids().tolist() == [7, 8, 9]  # inputs are not observed
-    assert state.rewrites[-1].observers == 0
+    assert pass_reports.reports(state)[-1].observers == 0
     torch.testing.assert_close(out, model(ids, _mask=active_mask(model)))
     state.observe([1, 2])  # a frozen set ignores observe
     state.reset()  # and reset re-seeds it
