@@ -91,9 +91,9 @@ def test_strategies_draw_valid_values(x, active):
 
 
 # ----------------------------------------------------------------------------- failures
-def patch_reference(monkeypatch, name, wrap):
+def patch_reference(monkeypatch, name, wrap, use_kernels):
     """Replace reference kernel ``name`` by ``wrap(original)`` (and run the reference, not the CPU host path)."""
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    use_kernels("reference")
     module = sys.modules["nanospec_fx.kernels.reference"]
     monkeypatch.setattr(module, name, wrap(getattr(module, name)))
 
