@@ -3,7 +3,8 @@
 :class:`KernelConfig` holds the two per-call choices: ``kernels`` (``auto`` | ``reference`` | ``host`` |
 ``triton``, see :mod:`nanospec_fx.kernels.dispatch`) and ``head_config`` (a name in :data:`HEAD_CONFIGS`, the
 Triton head's tile settings). Their process defaults come from ``NANOSPEC_KERNELS`` and
-``NANOSPEC_HEAD_CONFIG``, read ONCE, at the first kernel call (a bad value raises there, as before);
+``NANOSPEC_HEAD_CONFIG``, read ONCE, at the first kernel call (a bad value raises there, as before; a
+program may still set them after ``import nanospec_fx``, before the first op runs);
 a later change to them has no effect and warns once (:class:`KernelSelectionWarning`).
 ``NANOSPEC_TRITON_OP`` (``auto`` | ``0`` | ``force``) is read once too, when the ops are registered: it
 decides whether the read-only ops are ``triton_op`` (traced into by inductor) or opaque, so it cannot
@@ -80,8 +81,9 @@ class KernelConfig:
         object.__setattr__(self, "head_config", _check_head_config(self.head_config, "head_config"))
 
 
-# The environment as read once: (raw values, default config, triton_op choice); None until first use.
-_defaults: tuple[tuple, KernelConfig, str] | None = None
+# The environment as read once: (raw values, default config); None until the first kernel call.
+_defaults: tuple[tuple, KernelConfig] | None = None
+_triton_op: str | None = None  # NANOSPEC_TRITON_OP as read at the ops' registration
 _defaults_lock = threading.Lock()
 _warned: set[tuple] = set()
 # Overrides in effect: ((device type or None for all devices, fields), ...), innermost last.
@@ -89,20 +91,17 @@ _overrides: contextvars.ContextVar[tuple] = contextvars.ContextVar("nanospec_ker
 
 
 def _read_env() -> tuple:
-    return tuple(os.environ.get(name) for name in _ENV)
+    return tuple(os.environ.get(name) for name in _ENV[:2])
 
 
-def _load() -> tuple[tuple, KernelConfig, str]:
+def _load() -> tuple[tuple, KernelConfig]:
     global _defaults
     with _defaults_lock:
         if _defaults is None:
             raw = _read_env()
             config = KernelConfig(_check_kernels(raw[0] or "auto", "NANOSPEC_KERNELS"),
                                   _check_head_config(raw[1] or "default", "NANOSPEC_HEAD_CONFIG"))
-            triton_op = (raw[2] or "auto").strip().lower() or "auto"
-            if triton_op not in TRITON_OP_CHOICES:
-                raise ValueError(f"NANOSPEC_TRITON_OP={raw[2]!r} is not one of {', '.join(TRITON_OP_CHOICES)}")
-            _defaults = (raw, config, triton_op)
+            _defaults = (raw, config)
         return _defaults
 
 
@@ -122,14 +121,22 @@ def _check_unchanged(raw: tuple) -> None:
 
 def default_config() -> KernelConfig:
     """The process defaults (from the environment, read on the first call)."""
-    raw, config, _ = _load()
+    raw, config = _load()
     _check_unchanged(raw)
     return config
 
 
 def triton_op_choice() -> str:
-    """``NANOSPEC_TRITON_OP`` as read once: ``auto``, ``0`` (opaque ops) or ``force``."""
-    return _load()[2]
+    """``NANOSPEC_TRITON_OP`` as read once (when the ops register): ``auto``, ``0`` (opaque ops) or ``force``."""
+    global _triton_op
+    with _defaults_lock:
+        if _triton_op is None:
+            raw = os.environ.get("NANOSPEC_TRITON_OP")
+            choice = (raw or "auto").strip().lower() or "auto"
+            if choice not in TRITON_OP_CHOICES:
+                raise ValueError(f"NANOSPEC_TRITON_OP={raw!r} is not one of {', '.join(TRITON_OP_CHOICES)}")
+            _triton_op = choice
+        return _triton_op
 
 
 def current_config(device_type: str | None = None) -> KernelConfig:
@@ -188,7 +195,7 @@ def inductor_cache_tag() -> Iterator[None]:
 
 def _reset_for_tests() -> None:
     """Forget the environment as read (tests of the read-once rule only)."""
-    global _defaults
+    global _defaults, _triton_op
     with _defaults_lock:
-        _defaults = None
+        _defaults = _triton_op = None
         _warned.clear()

@@ -105,7 +105,7 @@ def test_environment_gives_the_defaults_and_is_read_once(fresh_env):
 def test_a_bad_environment_value_raises_at_the_first_call(fresh_env, name, value):
     fresh_env.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name}='{value}' is not one of"):
-        current_config("cpu")
+        current_config("cpu") if name != "NANOSPEC_TRITON_OP" else selection.triton_op_choice()
 
 
 def test_cache_key_names_the_effective_config():
@@ -173,3 +173,14 @@ def test_inductor_does_not_reuse_a_graph_compiled_under_another_config():
     proc = run_python(_CACHE_SCRIPT, timeout=600)
     hits = [int(n) for n in proc.stdout.split()[-3:]]
     assert hits[0] == hits[1] == 0 and hits[2] > 0, (hits, proc.stderr[-3000:])
+
+
+def test_the_environment_sets_a_fresh_process_defaults():
+    """Set before the first kernel call (here: before the process starts), the variables are its defaults."""
+    proc = run_python("""
+        import nanospec_fx.kernels
+        from nanospec_fx.kernels.dispatch import path_for
+        from nanospec_fx.kernels.selection import current_config
+        print(path_for("cpu"), current_config("cuda").head_config)
+    """, env={"NANOSPEC_KERNELS": "reference", "NANOSPEC_HEAD_CONFIG": "c64_w8"}, timeout=300)
+    assert proc.stdout.split()[-2:] == ["reference", "c64_w8"], proc.stderr[-3000:]
