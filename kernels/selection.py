@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import threading
 import warnings
@@ -121,7 +122,7 @@ def _check_unchanged(raw: tuple) -> None:
 
 def default_config() -> KernelConfig:
     """The process defaults (from the environment, read on the first call)."""
-    raw, config = _load()
+    raw, config = _defaults or _load()
     _check_unchanged(raw)
     return config
 
@@ -142,10 +143,14 @@ def triton_op_choice() -> str:
 def current_config(device_type: str | None = None) -> KernelConfig:
     """The config in effect for a call on ``device_type`` (the defaults, then every enclosing override that
     covers this device type, innermost last)."""
-    config = default_config()
-    for device, fields in _overrides.get():
+    return _resolve(default_config(), _overrides.get(), device_type)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve(config: KernelConfig, overrides: tuple, device_type: str | None) -> KernelConfig:
+    for device, fields in overrides:
         if device is None or device == device_type:
-            config = dataclasses.replace(config, **fields)
+            config = dataclasses.replace(config, **dict(fields))
     return config
 
 
@@ -157,7 +162,7 @@ def use_kernels(kernels: str | None = None, *, device: str | None = None,
     or device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` means every CUDA device). Unset arguments keep the
     enclosing choice. Bad values raise ``ValueError`` here. Under a ``triton_op`` registration (CUDA), a
     compiled function keeps the choice in effect when it was compiled (see the module docstring)."""
-    fields = {}
+    fields: dict[str, str] = {}
     if kernels is not None:
         fields["kernels"] = _check_kernels(kernels, "kernels")
     if head_config is not None:
@@ -167,7 +172,7 @@ def use_kernels(kernels: str | None = None, *, device: str | None = None,
         import torch
 
         device_type = torch.device(device).type
-    token = _overrides.set((*_overrides.get(), (device_type, fields)))
+    token = _overrides.set((*_overrides.get(), (device_type, tuple(sorted(fields.items())))))
     try:
         yield
     finally:
@@ -178,7 +183,7 @@ def cache_key() -> str:
     """The effective config as a string, for compile caches: the defaults with every override in effect
     (all of them, whatever device they name) and ``NANOSPEC_TRITON_OP``."""
     parts = [f"default={default_config()}"]
-    parts += [f"{device or 'all'}:{sorted(fields.items())}" for device, fields in _overrides.get()]
+    parts += [f"{device or 'all'}:{list(fields)}" for device, fields in _overrides.get()]
     return f"nanospec-kernels({'; '.join(parts)}; triton_op={triton_op_choice()})"
 
 
