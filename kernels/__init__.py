@@ -9,8 +9,9 @@ would register the ``nanospec::*`` ops twice).
 if __name__ == "nanospec_fx.kernels":
     from . import ops, reference
     from .dispatch import kernel_mode
+    from .selection import KernelConfig, current_config, use_kernels
 
-    __all__ = ["ops", "reference", "kernel_mode"]
+    __all__ = ["ops", "reference", "kernel_mode", "KernelConfig", "current_config", "use_kernels"]
 elif __name__ == "kernels":
     import importlib.machinery as _machinery
     import importlib.util as _util

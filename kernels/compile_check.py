@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 
@@ -109,40 +108,34 @@ def _launch_everything() -> None:
     from . import triton_head as th
     from . import triton_kernels as T
     from .schema import new_state
+    from .selection import use_kernels
     from .triton_util import direct_launch
 
     # (V, H, C): sizes divisible by 16 (Llama-3 head: H = 4096, C = 3072, V % 16 == 0) and not.
     shapes = [(128256, 64, 3072), (1001, 100, 100)]
-    old_cfg = os.environ.get("NANOSPEC_HEAD_CONFIG")
-    try:
-        with direct_launch(), torch.no_grad():
-            for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                for vocab, hidden, capacity in shapes:
-                    w = torch.zeros(vocab, hidden, dtype=dtype)
-                    b = torch.zeros(vocab, dtype=dtype)
-                    state = new_state(vocab, hidden, capacity, dtype, "cpu")
-                    ids, _, cursor, cache_w, cache_b = state
-                    for tok_dtype in (torch.int32, torch.int64):
-                        for bias in (None, b):
-                            T.observe(torch.zeros(5, dtype=tok_dtype), w, bias, *state, 0)
-                    for rows in (1, 3, 10):
-                        x = torch.zeros(rows, hidden, dtype=dtype)
-                        for bias in (None, cache_b):
-                            names = (getattr(th, "HEAD_CONFIGS", ["default"])
-                                     if (dtype, vocab) == (torch.bfloat16, 128256) else ["default"])
-                            for name in names:
-                                os.environ["NANOSPEC_HEAD_CONFIG"] = name
+    with direct_launch(), torch.no_grad():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for vocab, hidden, capacity in shapes:
+                w = torch.zeros(vocab, hidden, dtype=dtype)
+                b = torch.zeros(vocab, dtype=dtype)
+                state = new_state(vocab, hidden, capacity, dtype, "cpu")
+                ids, _, cursor, cache_w, cache_b = state
+                for tok_dtype in (torch.int32, torch.int64):
+                    for bias in (None, b):
+                        T.observe(torch.zeros(5, dtype=tok_dtype), w, bias, *state, 0)
+                for rows in (1, 3, 10):
+                    x = torch.zeros(rows, hidden, dtype=dtype)
+                    for bias in (None, cache_b):
+                        names = (getattr(th, "HEAD_CONFIGS", ["default"])
+                                 if (dtype, vocab) == (torch.bfloat16, 128256) else ["default"])
+                        for name in names:
+                            with use_kernels(head_config=name):
                                 compact = T.compact_logits(x, cache_w, bias, cursor)
                                 T.head_logits(x, cache_w, bias, ids, cursor, vocab)
-                        T.scatter_logits(compact, ids, cursor, vocab)
-                        for largest in (True, False):
-                            T.compact_topk(compact, ids, cursor, min(10, capacity), largest)
-        _launch_per_request(shapes)
-    finally:
-        if old_cfg is None:
-            os.environ.pop("NANOSPEC_HEAD_CONFIG", None)
-        else:
-            os.environ["NANOSPEC_HEAD_CONFIG"] = old_cfg
+                    T.scatter_logits(compact, ids, cursor, vocab)
+                    for largest in (True, False):
+                        T.compact_topk(compact, ids, cursor, min(10, capacity), largest)
+    _launch_per_request(shapes)
 
 
 def _launch_per_request(shapes) -> None:

@@ -1,6 +1,7 @@
 """Which implementation a nanospec op runs: Triton kernels, the host path or the torch reference.
 
-``NANOSPEC_KERNELS`` selects it:
+The ``kernels`` choice of :func:`nanospec_fx.kernels.selection.current_config` selects it
+(``with nanospec_fx.kernels.use_kernels("reference"): ...``; process default: ``NANOSPEC_KERNELS``, read once):
   * ``auto`` (default): Triton for CUDA tensors when triton imports, the host path
     (:mod:`kernels.host`: reads the count on the host, computes only the active rows) for CPU
     tensors, the reference elsewhere;
@@ -9,8 +10,8 @@
   * ``triton``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``).
 A traced call (fake tensors, an active dispatch mode, Dynamo) never takes the host path: it reads
 data on the host. It takes the reference, which computes the same values.
-The variable is read on each call, so tests can switch it with ``monkeypatch.setenv``. Inside
-``torch.compile`` it is read when the op is traced (``triton_op``) or run (opaque op).
+The config is looked up on each call, for the call's device type. Inside ``torch.compile`` it is
+looked up when the op is traced (``triton_op``) or run (opaque op).
 """
 from __future__ import annotations
 
@@ -22,15 +23,12 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import host, reference
+from .selection import current_config
 
-_CHOICES = ("auto", "reference", "host", "triton")
 
-
-def kernel_mode() -> str:
-    mode = os.environ.get("NANOSPEC_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in _CHOICES:
-        raise ValueError(f"NANOSPEC_KERNELS={mode!r} is not one of {', '.join(_CHOICES)}")
-    return mode
+def kernel_mode(device_type: str | None = None) -> str:
+    """The ``kernels`` choice in effect for a call on ``device_type`` (None: the all-devices choice)."""
+    return current_config(device_type).kernels
 
 
 def _interpreting() -> bool:
@@ -58,7 +56,8 @@ def _host_readable(tensor: torch.Tensor) -> bool:
 
 def path_for(device: torch.device | str) -> str:
     """Which implementation set runs untraced ops on ``device``: "triton", "host" or "reference"."""
-    mode, kind = kernel_mode(), torch.device(device).type
+    kind = torch.device(device).type
+    mode = kernel_mode(kind)
     if mode == "triton" or (mode == "auto" and kind == "cuda" and _triton_ops() is not None):
         return "triton"
     if mode in ("auto", "host") and kind == "cpu":
@@ -68,17 +67,17 @@ def path_for(device: torch.device | str) -> str:
 
 def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     """The function that runs ``op`` for a call whose main tensor is ``tensor``."""
-    mode = kernel_mode()
+    mode = kernel_mode(tensor.device.type)
     if mode in ("auto", "host") and _host_readable(tensor):
         return getattr(host, op)
     if mode in ("reference", "host") or (mode == "auto" and tensor.device.type != "cuda"):
         return getattr(reference, op)
     if mode == "triton" and tensor.device.type == "cpu" and not _interpreting():
-        raise RuntimeError("NANOSPEC_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
+        raise RuntimeError("kernels=triton on CPU tensors needs TRITON_INTERPRET=1 "
                            "(set before importing triton)")
     triton_ops = _triton_ops()
     if triton_ops is None or not hasattr(triton_ops, op):
         if mode == "triton":
-            raise RuntimeError(f"NANOSPEC_KERNELS=triton but no Triton kernel for {op!r} could be imported")
+            raise RuntimeError(f"kernels=triton but no Triton kernel for {op!r} could be imported")
         return getattr(reference, op)
     return getattr(triton_ops, op)

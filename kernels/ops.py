@@ -11,10 +11,11 @@ How they are registered:
     (``wrap_triton``) instead of an opaque call (if that registration fails: the opaque op
     below). ``observe`` mutates the state and stays an opaque custom op (see ``_register``).
   * otherwise (CPU machines, ``TRITON_INTERPRET=1``): ``torch.library.custom_op`` with a fake
-    implementation; the body still runs the Triton kernels when ``NANOSPEC_KERNELS=triton``
+    implementation; the body still runs the Triton kernels under ``use_kernels("triton")`` (or ``NANOSPEC_KERNELS=triton``)
     (on CPU tensors through the interpreter).
 ``NANOSPEC_TRITON_OP=0`` forces the opaque registration; ``=force`` the triton_op one even
-without CUDA (CPU tensors then take the reference branch, inlined by the compiler).
+without CUDA (CPU tensors then take the reference branch, inlined by the compiler). It is read once, at
+registration (:mod:`nanospec_fx.kernels.selection`).
 
 The ops' signatures and the state's order are declared once, in :mod:`nanospec_fx.kernels.schema`;
 each op is registered with that schema string (and a test checks every implementation against it).
@@ -37,11 +38,12 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
+from .selection import triton_op_choice
 from .schema import arguments, check_num_pinned, mutated, schema_of
 
 
 def _want_triton_op() -> bool:
-    choice = os.environ.get("NANOSPEC_TRITON_OP", "auto")
+    choice = triton_op_choice()  # NANOSPEC_TRITON_OP, read once
     if choice == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1" or not hasattr(torch.library, "triton_op"):
         return False
     if choice != "force" and not torch.cuda.is_available():  # force: tests of the registration on CPU

@@ -16,7 +16,7 @@ Offsets are int64 wherever an index is multiplied by a stride: rows x V, C x H o
 2^31 elements (8,192 rows at V = 262,144), and an int32 product would wrap and store out of
 bounds without an error.
 
-Tile settings come from :data:`HEAD_CONFIGS` (``NANOSPEC_HEAD_CONFIG`` picks one per call;
+Tile settings come from :data:`HEAD_CONFIGS` (``use_kernels(head_config=...)`` picks one per call;
 ``benchmarks/gpu_bench.py`` sweeps them). There is no run-time autotuning: it would sync with the
 host and cannot run inside a CUDA graph.
 
@@ -34,8 +34,6 @@ No host sync anywhere.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +41,7 @@ from torch.library import wrap_triton
 
 from . import reference
 from . import request_rows as RR
+from .selection import HEAD_CONFIGS, current_config
 from .triton_util import FLOAT_DTYPES, INTERPRET, device_guard
 
 _BLOCK_M = 16  # rows per tile (padded): tl.dot needs >= 16
@@ -50,25 +49,10 @@ _SCATTER_BLOCK = 1024
 _FMA_MAX_ROWS = 4  # fp32 heads with at most this many rows skip tl.dot
 _FMA_BLOCK_K = 64  # [rows, 64, BLOCK_C] products in registers
 
-#: Tile and launch settings of the head kernel. At Llama-3-8B shape (C = 3,072, H = 4,096, bf16)
-#: ``default`` launches 96 programs per row block on a 132-SM H100/H200, ~1.5 MB in flight;
-#: ``c16_k256_s4`` launches 192 with twice the bytes per k-step and a deeper pipeline, and
-#: ``c16_k128_s4`` / ``c64_w8`` are the two directions around it. None has been timed on a GPU yet
-#: (``bash benchmarks/gpu_check.sh`` sweeps them all).
-HEAD_CONFIGS: dict[str, dict] = {
-    "default": dict(BLOCK_C=32, BLOCK_K=128, num_warps=4, num_stages=3),
-    "c16_k256_s4": dict(BLOCK_C=16, BLOCK_K=256, num_warps=4, num_stages=4),
-    "c16_k128_s4": dict(BLOCK_C=16, BLOCK_K=128, num_warps=4, num_stages=4),
-    "c64_w8": dict(BLOCK_C=64, BLOCK_K=128, num_warps=8, num_stages=3),
-}
-
-
-def head_config() -> dict:
-    """The tile settings for this call: ``HEAD_CONFIGS[$NANOSPEC_HEAD_CONFIG]`` (default: ``default``)."""
-    name = os.environ.get("NANOSPEC_HEAD_CONFIG", "").strip() or "default"
-    if name not in HEAD_CONFIGS:
-        raise ValueError(f"NANOSPEC_HEAD_CONFIG={name!r} is not one of {', '.join(HEAD_CONFIGS)}")
-    return HEAD_CONFIGS[name]
+def head_config(device_type: str = "cuda") -> dict:
+    """The tile settings for a call on ``device_type``: ``HEAD_CONFIGS[name]`` for the ``head_config`` in
+    effect there (``use_kernels(head_config=...)``; process default ``NANOSPEC_HEAD_CONFIG``, read once)."""
+    return HEAD_CONFIGS[current_config(device_type).head_config]
 
 
 @triton.jit
@@ -227,7 +211,7 @@ def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatte
     m, hidden = x2.shape
     capacity = cache_w.shape[0]
     has_bias = cache_b is not None
-    cfg = head_config()
+    cfg = head_config(x.device.type)
     use_dot, block_m, block_k = _tiles(x.dtype, m, cfg)
     grid = (triton.cdiv(capacity, cfg["BLOCK_C"]), triton.cdiv(m, block_m))
     wrap_triton(_head_kernel)[grid](

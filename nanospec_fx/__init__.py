@@ -28,6 +28,7 @@ _EXPORTS = {
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
     "detach": "nanospec_fx.integrations",
     "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
+    "use_kernels": "nanospec_fx.kernels.selection", "KernelConfig": "nanospec_fx.kernels.selection",
 }
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from nanospec_fx.cost_model import HeadCost
     from nanospec_fx.explain import explain
     from nanospec_fx.integrations import attach, detach, speculative_pair
+    from nanospec_fx.kernels.selection import KernelConfig, use_kernels
     from nanospec_fx.lookup import active_vocab
     from nanospec_fx.options import NanoSpecOptions, OptionError
     from nanospec_fx.policies import FrequencyTable
@@ -91,5 +93,5 @@ __all__ = [
     "FrequencyTable",
     "POLICIES",
     "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "OptionError", "NanoSpecWarning", "nanospec_backend", "register",
-    "BACKEND_NAME", "compile",
+    "BACKEND_NAME", "compile", "use_kernels", "KernelConfig",
 ]

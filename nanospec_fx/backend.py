@@ -734,7 +734,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOptions, co
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+    from nanospec_fx.kernels.selection import inductor_cache_tag
+
+    with inductor_cache_tag():  # the kernel config is part of inductor's cache keys (triton_op bodies bake it in)
+        return compile_fx(gm, example_inputs, config_patches=config_patches or None)
 
 
 def _real_tensors(gm: fx.GraphModule, example_inputs: list) -> dict[fx.Node, torch.Tensor]:

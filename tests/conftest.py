@@ -52,3 +52,16 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def use_kernels():
+    """``use_kernels("reference")`` / ``use_kernels(head_config="c64_w8", device="cpu")``: the kernel selection
+    (:func:`nanospec_fx.use_kernels`) for the rest of the test, undone at its end (the fixture form of the
+    context manager; calls stack, the last wins)."""
+    import contextlib
+
+    from nanospec_fx.kernels.selection import use_kernels as scope
+
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **kwargs: stack.enter_context(scope(*args, **kwargs))

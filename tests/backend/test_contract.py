@@ -190,10 +190,10 @@ def test_in_place_post_ops_keep_inactive_tokens_at_minus_inf():
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(drafter_cases())
-def test_contract_with_triton_kernels(monkeypatch, case):
+def test_contract_with_triton_kernels(use_kernels, case):
     """The whole backend on our Triton kernels (the interpreter on CPU, real kernels on CUDA)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+    use_kernels("triton")
     from nanospec_fx.kernels.dispatch import implementation_for
 
     assert "triton" in implementation_for("observe", torch.zeros(1)).__module__

@@ -103,17 +103,17 @@ def test_explain_calibrated_says_where_its_constants_come_from():
     assert "cost model: constants measured on this machine" in text and "GB/s" in text
 
 
-def test_explain_names_the_kernels_and_predicts_for_them(monkeypatch):
+def test_explain_names_the_kernels_and_predicts_for_them(use_kernels):
     model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
     compiled = compile_nanospec(model, capacity=64)
     with torch.no_grad():
         compiled(torch.tensor([[4, 5, 6]]))
-    monkeypatch.setenv("NANOSPEC_KERNELS", "auto")
+    use_kernels("auto")
     (head,) = nanospec_fx.explain(compiled).heads
     assert head.path == "host" and head.cost.path == "host" and head.cost.capacity == 64
     assert "CPU host path" in str(nanospec_fx.explain(compiled))
     host_prediction = head.predictions()[1]
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    use_kernels("reference")
     (head,) = nanospec_fx.explain(compiled).heads
     assert head.path == "reference" and "computes all capacity rows" in str(nanospec_fx.explain(compiled))
     assert head.predictions()[1] < host_prediction

@@ -91,28 +91,32 @@ def test_strategies_draw_valid_values(x, active):
 
 
 # ----------------------------------------------------------------------------- failures
-def patch_reference(monkeypatch, name, wrap):
-    """Replace reference kernel ``name`` by ``wrap(original)`` (and run the reference, not the CPU host path)."""
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
-    module = sys.modules["nanospec_fx.kernels.reference"]
-    monkeypatch.setattr(module, name, wrap(getattr(module, name)))
+@pytest.fixture
+def patch_reference(monkeypatch, use_kernels):
+    """``patch_reference(name, wrap)``: replace reference kernel ``name`` by ``wrap(original)`` (and run the
+    reference, not the CPU host path) for the test."""
+    def patch(name, wrap):
+        use_kernels("reference")
+        module = sys.modules["nanospec_fx.kernels.reference"]
+        monkeypatch.setattr(module, name, wrap(getattr(module, name)))
+    return patch
 
 
-def test_fails_when_active_logits_are_wrong(monkeypatch):
-    patch_reference(monkeypatch, "compact_logits", lambda original: lambda *a: original(*a) + 0.01)
+def test_fails_when_active_logits_are_wrong(patch_reference):
+    patch_reference("compact_logits", lambda original: lambda *a: original(*a) + 0.01)
     with pytest.raises(AssertionError, match=r"out \(active tokens\): \d+ of \d+ entries differ .*max abs error") as caught:
         assert_equivalent(tiny(seed=3), (ids(),))
     assert "drafter.eval()" in str(caught.value) and "rtol=/atol=" in str(caught.value)
 
 
-def test_fails_when_inactive_logits_are_not_minus_inf(monkeypatch):
-    patch_reference(monkeypatch, "scatter_logits", lambda original: lambda *a: original(*a).clamp(min=-1e4))
+def test_fails_when_inactive_logits_are_not_minus_inf(patch_reference):
+    patch_reference("scatter_logits", lambda original: lambda *a: original(*a).clamp(min=-1e4))
     with pytest.raises(AssertionError, match=r"out\[0\]: \d+ of \d+ inactive logits are not -inf"):
         assert_equivalent(tiny("tied", "softcap", "tuple", seed=4), (ids(),))
 
 
-def test_fails_when_input_tokens_are_not_observed(monkeypatch):
-    patch_reference(monkeypatch, "observe", lambda original: lambda *a: None)
+def test_fails_when_input_tokens_are_not_observed(patch_reference):
+    patch_reference("observe", lambda original: lambda *a: None)
     with pytest.raises(AssertionError, match=r"input 0: \d+ of \d+ distinct token ids are not active") as caught:
         assert_equivalent(tiny(seed=7), (ids(),), active_ids=[3])
     assert "pass token_inputs= naming the inputs that do" in str(caught.value)  # positions or a mask: the remedy

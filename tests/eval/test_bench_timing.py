@@ -3,7 +3,6 @@ choices a kernel benchmark makes (nanospec_fx.eval.bench.kernel_config). No asse
 anything takes: only on which calls were made and what was selected."""
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -25,18 +24,18 @@ def test_graphed_is_none_off_cuda():
     assert graphs.graphed(lambda: None, "cpu") is None
 
 
-def test_kernel_choices_apply_inside_the_block_only(monkeypatch):
+def test_kernel_choices_apply_inside_the_block_only(use_kernels):
     from nanospec_fx.kernels.dispatch import path_for
+    from nanospec_fx.kernels.selection import current_config
 
-    monkeypatch.delenv("NANOSPEC_KERNELS", raising=False)
+    use_kernels("host", head_config="c64_w8")
     assert path_for("cpu") == "host"
     with kernel_config.kernels("reference"):
         assert path_for("cpu") == "reference"
-    assert path_for("cpu") == "host" and "NANOSPEC_KERNELS" not in os.environ
-    monkeypatch.setenv("NANOSPEC_HEAD_CONFIG", "c64_w8")
+    assert path_for("cpu") == "host"
     with kernel_config.head_config("default"):
-        assert os.environ["NANOSPEC_HEAD_CONFIG"] == "default"
-    assert os.environ["NANOSPEC_HEAD_CONFIG"] == "c64_w8"
+        assert current_config("cuda").head_config == "default"
+    assert current_config("cuda").head_config == "c64_w8"
 
 
 def test_op_state_is_an_empty_state_in_the_ops_order():

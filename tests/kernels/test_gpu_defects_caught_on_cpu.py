@@ -219,8 +219,8 @@ def test_fp32_head_with_few_rows_skips_the_padded_dot(rows):
 
 @needs_interpreter
 @pytest.mark.parametrize("name", list(triton_head.HEAD_CONFIGS))
-def test_every_head_configuration_matches_the_reference(name, monkeypatch):
-    monkeypatch.setenv("NANOSPEC_HEAD_CONFIG", name)
+def test_every_head_configuration_matches_the_reference(name, use_kernels):
+    use_kernels(head_config=name)
     g = torch.Generator().manual_seed(0)
     vocab, hidden, capacity = 90, 40, 48
     w = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
@@ -234,10 +234,9 @@ def test_every_head_configuration_matches_the_reference(name, monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
 
 
-def test_unknown_head_configuration_is_an_error(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_HEAD_CONFIG", "fastest")
+def test_unknown_head_configuration_is_an_error(use_kernels):
     with pytest.raises(ValueError, match="default"):
-        triton_head.head_config()
+        use_kernels(head_config="fastest")
 
 
 _MUTATION_SCRIPT = r"""
@@ -376,9 +375,9 @@ class NoHostReads(TorchDispatchMode):
 
 
 @needs_interpreter
-def test_the_triton_path_with_rows_never_reads_data_on_the_host(monkeypatch):
+def test_the_triton_path_with_rows_never_reads_data_on_the_host(use_kernels):
     """Padding rows (-1) included: the device paths clamp and mask them on the device."""
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+    use_kernels("triton")
     vocab, hidden, capacity, requests = 29, 8, 7, 3
     w, b = torch.randn(vocab, hidden), torch.randn(vocab)
     state = schema.new_request_state(requests, vocab, hidden, capacity, torch.float32, "cpu")
@@ -398,12 +397,13 @@ def test_the_triton_path_with_rows_never_reads_data_on_the_host(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_the_per_request_path_matches_the_reference_without_syncing(monkeypatch):
+def test_on_a_gpu_the_per_request_path_matches_the_reference_without_syncing(use_kernels):
     """On CUDA tensors (auto -> Triton): equal to the reference on CPU, and no host sync (sync debug mode errors)."""
     from nanospec_fx import RequestVocabs
 
     vocab, hidden, capacity, requests = 29, 8, 7, 3
-    monkeypatch.delenv("NANOSPEC_KERNELS", raising=False)
+    use_kernels("reference", device="cpu")  # the oracle
+    use_kernels("auto", device="cuda")
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(vocab, hidden, generator=g), torch.randn(vocab, generator=g)
     cpu, gpu = RequestVocabs(w, b, requests, capacity), RequestVocabs(w.cuda(), b.cuda(), requests, capacity)
@@ -413,9 +413,7 @@ def test_on_a_gpu_the_per_request_path_matches_the_reference_without_syncing(mon
     batch, tokens = ["c", "a", "c", "b"], torch.randint(-1, vocab, (4, 5), generator=g)
     x = torch.randn(4, hidden, generator=g)
     cpu.observe_rows(cpu.rows_for(batch), tokens)
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
     want = cpu.logits(x, cpu.rows_for(batch)), cpu.topk(x, cpu.rows_for(batch), 3)
-    monkeypatch.delenv("NANOSPEC_KERNELS")
     rows, tokens, x = gpu.rows_for(batch), tokens.cuda(), x.cuda()  # copies before the check: they may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -124,8 +124,8 @@ def test_head_flops_follow_the_active_count(n_active):
     }
 
 
-def test_dispatch_takes_the_host_path_for_real_cpu_tensors_only(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "auto")
+def test_dispatch_takes_the_host_path_for_real_cpu_tensors_only(use_kernels):
+    use_kernels("auto")
     cpu = torch.zeros(2)
     assert dispatch.implementation_for("compact_logits", cpu) is H.compact_logits
     assert dispatch.path_for("cpu") == "host"
@@ -136,17 +136,17 @@ def test_dispatch_takes_the_host_path_for_real_cpu_tensors_only(monkeypatch):
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(cpu)
     assert dispatch.implementation_for("observe", fake) is R.observe
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    use_kernels("reference")
     assert dispatch.implementation_for("compact_logits", cpu) is R.compact_logits
     assert dispatch.path_for("cpu") == "reference"
-    monkeypatch.setenv("NANOSPEC_KERNELS", "host")
+    use_kernels("host")
     assert dispatch.implementation_for("compact_topk", cpu) is H.compact_topk
     assert dispatch.path_for("meta") == "reference"
 
 
-def test_compiled_op_calls_run_the_host_path(monkeypatch):
+def test_compiled_op_calls_run_the_host_path(monkeypatch, use_kernels):
     """Inside a compiled graph the opaque ops run their body on real tensors: the host path."""
-    monkeypatch.setenv("NANOSPEC_KERNELS", "auto")
+    use_kernels("auto")
     called = []
     real = H.compact_logits
     monkeypatch.setattr(H, "compact_logits", lambda *a: called.append(1) or real(*a))

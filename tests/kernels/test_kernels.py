@@ -207,8 +207,8 @@ def test_topk_and_argmax_match_reference(
 
 # --------------------------------------------------------------------------- the switch
 @pytest.mark.parametrize("device", DEVICES)
-def test_custom_ops_route_to_triton_when_asked(device, monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+def test_custom_ops_route_to_triton_when_asked(device, monkeypatch, use_kernels):
+    use_kernels("triton")
     called = []
     for name in ("observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax"):
         real = getattr(T, name)
@@ -231,8 +231,8 @@ def test_custom_ops_route_to_triton_when_asked(device, monkeypatch):
     assert called == ["observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax"]
 
 
-def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch, use_kernels):
+    use_kernels("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from nanospec_fx.kernels.dispatch import implementation_for
 
@@ -305,8 +305,8 @@ def _step(tok, x, w, s, vocab):
 
 
 @pytest.mark.cuda
-def test_cuda_step_has_no_host_sync(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+def test_cuda_step_has_no_host_sync(use_kernels):
+    use_kernels("triton")
     w, s, x = _cuda_case()
     tok = torch.randint(0, 1000, (64,), device="cuda")
     _step(tok, x, w, s, 1000)  # compile the kernels first
@@ -319,8 +319,8 @@ def test_cuda_step_has_no_host_sync(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay_matches_eager(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+def test_cuda_graph_replay_matches_eager(use_kernels):
+    use_kernels("triton")
     w, s, x = _cuda_case()
     r = [t.clone() for t in s]
     tok = torch.zeros(32, dtype=torch.int64, device="cuda")
@@ -343,8 +343,8 @@ def test_cuda_graph_replay_matches_eager(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_inductor_sees_the_kernels(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+def test_cuda_inductor_sees_the_kernels(use_kernels):
+    use_kernels("triton")
     from torch._inductor.utils import run_and_get_code
 
     w, s, x = _cuda_case()

@@ -114,9 +114,9 @@ def _head_weights():
 
 @pytest.mark.parametrize("kernels", ["reference", "host", "triton"])
 @pytest.mark.parametrize("name,weight", list(_head_weights()), ids=lambda v: v if isinstance(v, str) else "")
-def test_observe_copies_the_exact_rows_of_every_head_weight(kernels, name, weight, monkeypatch):
+def test_observe_copies_the_exact_rows_of_every_head_weight(kernels, name, weight, use_kernels):
     """Every implementation caches the fed tokens' rows bit for bit (float8 is copied as its bytes)."""
-    monkeypatch.setenv("NANOSPEC_KERNELS", kernels)
+    use_kernels(kernels)
     ids, slot_of, cursor, cache_w, cache_b = schema.new_state(V, H, C, weight.dtype, "cpu")
     tokens = torch.tensor([4, 19, 4, 0])
     torch.ops.nanospec.observe(tokens, weight, None, ids, slot_of, cursor, cache_w, cache_b, 0)

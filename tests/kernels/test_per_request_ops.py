@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanospec_fx.kernels import ops, reference, schema  # noqa: F401  (ops registers torch.ops.nanospec)
+from nanospec_fx.kernels.selection import use_kernels as kernels_scope
 from nanospec_fx.kernels.triton_util import INTERPRET
 from helpers import request_state_by_hand
 
@@ -29,9 +30,9 @@ TOL = dict(rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request, monkeypatch):
+def impl(request, use_kernels):
     pytest.importorskip("triton") if request.param == "triton" else None
-    monkeypatch.setenv("NANOSPEC_KERNELS", request.param)
+    use_kernels(request.param)
     return request.param
 
 
@@ -236,8 +237,7 @@ def test_drawn_shapes_against_the_masked_dense_head(case):
     want = dense.masked_fill(~mask, NEG)
     k = min(3, vocab)
     for mode in ("reference", "host"):  # the Triton kernels: the fixed shapes above (the interpreter is slow)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("NANOSPEC_KERNELS", mode)
+        with kernels_scope(mode):
             b = cache_b if with_bias else None
             got = OPS.head_logits(x, cache_w, b, ids, cursor, vocab, rows)
             torch.testing.assert_close(got, want, **TOL)

@@ -299,8 +299,8 @@ def test_topk_pads_past_the_capacity_with_valid_inactive_ids():
 
 
 # --------------------------------------------------------------------------- the custom ops
-def test_custom_ops_run_the_reference_and_pass_opcheck(monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+def test_custom_ops_run_the_reference_and_pass_opcheck(use_kernels):
+    use_kernels("reference")
     torch.manual_seed(0)
     w, b, s = filled()
     x = torch.randn(3, 7)

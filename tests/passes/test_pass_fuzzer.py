@@ -573,13 +573,10 @@ def _settings(ci: int, derandomize: bool = True):
                     suppress_health_check=list(HealthCheck), print_blob=True)
 
 
-@contextlib.contextmanager
 def _kernels(name: str):
-    os.environ["NANOSPEC_KERNELS"] = name
-    try:
-        yield
-    finally:
-        os.environ.pop("NANOSPEC_KERNELS", None)
+    from nanospec_fx.kernels.selection import use_kernels
+
+    return use_kernels(name)
 
 
 @pytest.mark.slow

@@ -7,11 +7,11 @@ or warn and equal the dense drafter. A case whose defect is still open is an xfa
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from fuzz_drafters import Recipe
+from nanospec_fx.kernels.selection import use_kernels
 from test_pass_fuzzer import Scenario, run_case, run_scenario
 
 
@@ -216,11 +216,8 @@ CASES.update({
                    "tests, passes alone under pytest")
 def test_draft_loop_in_grad_mode_under_inductor():
     """Found by the CI draws of cov16 (test_fuzz_inductor); skipped there via KNOWN_OPEN_INDUCTOR."""
-    os.environ["NANOSPEC_KERNELS"] = "reference"
-    try:
+    with use_kernels("reference"):
         _run_inductor_draft_loop()
-    finally:
-        os.environ.pop("NANOSPEC_KERNELS", None)
 
 
 def _run_inductor_draft_loop():
@@ -231,11 +228,8 @@ def _run_inductor_draft_loop():
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in CASES.items()])
 def test_fuzzer_regression(name):
-    os.environ["NANOSPEC_KERNELS"] = "reference"
-    try:
+    with use_kernels("reference"):
         run_case(CASES[name][0])
-    finally:
-        os.environ.pop("NANOSPEC_KERNELS", None)
 
 
 def test_fuzzer_regression_state_leaks_between_drafters():
@@ -247,12 +241,9 @@ def test_fuzzer_regression_state_leaks_between_drafters():
                    feed_padded_ids=True, extra_active=20, n_ban=3, seed=1)
     second = R(vocab=140, hidden=8, head="matmul_bias", body=("mlp", "graph_break"), capacity=16, extra_active=20,
                batch=2, seq=4, seq2=4)
-    os.environ["NANOSPEC_KERNELS"] = "reference"
-    try:
+    with use_kernels("reference"):
         run_case(first)
         run_case(second)
-    finally:
-        os.environ.pop("NANOSPEC_KERNELS", None)
 
 
 _SAVE = _issue16(6, "the ActiveVocab lives in the head weight's __dict__: saving or pickling after a call raises")
@@ -301,8 +292,5 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in SCENARIOS.items()])
 def test_fuzzer_scenario_regression(name):
-    os.environ["NANOSPEC_KERNELS"] = "reference"
-    try:
+    with use_kernels("reference"):
         run_scenario(SCENARIOS[name][0])
-    finally:
-        os.environ.pop("NANOSPEC_KERNELS", None)

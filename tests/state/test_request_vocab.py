@@ -19,8 +19,8 @@ TOL = dict(rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(params=["host", "reference"])
-def kernels(request, monkeypatch):
-    monkeypatch.setenv("NANOSPEC_KERNELS", request.param)
+def kernels(request, use_kernels):
+    use_kernels(request.param)
     return request.param
 
 
@@ -196,9 +196,9 @@ def test_bad_arguments():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs the interpreter")
-def test_triton_path_end_to_end(monkeypatch):
+def test_triton_path_end_to_end(use_kernels):
     pytest.importorskip("triton")
-    monkeypatch.setenv("NANOSPEC_KERNELS", "triton")
+    use_kernels("triton")
     weight, bias = _head(11)
     vocabs = RequestVocabs(weight, bias, max_requests=2, capacity=5)
     vocabs.assign("a")

@@ -479,14 +479,14 @@ def test_a_compiled_drafter_keeps_every_id_it_was_fed_when_they_fit():
 
 
 @pytest.mark.parametrize("kernels,trials", [("reference", 60), ("triton", 12)])
-def test_every_fed_id_is_active_after_its_call_whenever_they_fit(kernels, trials, monkeypatch):
+def test_every_fed_id_is_active_after_its_call_whenever_they_fit(kernels, trials, use_kernels):
     """Random call sequences (out-of-range ids, duplicates, pinned slots): the state stays consistent and a
     call whose distinct ids fit in the ring leaves all of them active; both kernel sets agree."""
     if kernels == "triton":
         pytest.importorskip("triton")
     import random
 
-    monkeypatch.setenv("NANOSPEC_KERNELS", kernels)
+    use_kernels(kernels)
     rnd = random.Random(0)
     for _ in range(trials):
         vocab, capacity, pinned = rnd.choice([20, 40]), rnd.choice([4, 6, 8]), rnd.choice([0, 0, 1, 2])

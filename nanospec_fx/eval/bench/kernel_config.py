@@ -4,8 +4,6 @@ that a script in benchmarks/ never imports their internals (benchmarks/README.md
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Iterator
 
 import torch
 
@@ -25,37 +23,30 @@ def state_names() -> tuple[str, ...]:
     return tuple(STATE)
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
 def kernels(mode: str) -> contextlib.AbstractContextManager:
     """Eager op calls in the block run ``mode``'s implementation: ``"reference"`` (plain torch: the oracle of a
-    kernel check), ``"host"``, ``"triton"`` or ``"auto"`` (docs/kernels.md, ``NANOSPEC_KERNELS``)."""
-    return _environ("NANOSPEC_KERNELS", mode)
+    kernel check), ``"host"``, ``"triton"`` or ``"auto"`` (docs/kernels.md: :func:`nanospec_fx.use_kernels`)."""
+    from nanospec_fx.kernels.selection import use_kernels
+
+    return use_kernels(mode)
 
 
 def head_configs() -> dict[str, dict]:
     """The Triton compact-logits tile configurations by name (docs/kernels.md); empty without triton."""
     try:
-        from nanospec_fx.kernels import triton_head
+        import triton  # noqa: F401
     except ImportError:
         return {}
-    return dict(triton_head.HEAD_CONFIGS)
+    from nanospec_fx.kernels.selection import HEAD_CONFIGS
+
+    return dict(HEAD_CONFIGS)
 
 
 def head_config(name: str) -> contextlib.AbstractContextManager:
-    """Calls of the Triton head kernel in the block use the configuration ``name`` (``NANOSPEC_HEAD_CONFIG``)."""
-    return _environ("NANOSPEC_HEAD_CONFIG", name)
+    """Calls of the Triton head kernel in the block use the configuration ``name`` (:func:`nanospec_fx.use_kernels`)."""
+    from nanospec_fx.kernels.selection import use_kernels
+
+    return use_kernels(head_config=name)
 
 
 def triton_op_registration() -> bool:
