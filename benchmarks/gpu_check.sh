@@ -9,7 +9,8 @@
 #      every head configuration, observe timing with 0/2/16 new ids, zero host syncs, CUDA graphs;
 #   5. benchmarks/gpu_graph_per_request.py: a per-request draft step (observe_rows + logits + argmax of
 #      RequestVocabs) captured in a CUDA graph, replayed with new request rows, ids and hidden states, equal
-#      to eager and to a plain-torch oracle; 1 row per request and B*K rows (parallel drafters).
+#      to eager and to a plain-torch oracle; 1 row per request and B*K rows (parallel drafters); the same for
+#      vLLM Model Runner V2's head (CompactLMHead reading its rows from a slot buffer, padded slots included).
 # Logs and JSON (written after every step) go to benchmarks/results/ and, when set, to $OUT.
 # Budget: about 4-8 minutes.
 #   bash benchmarks/gpu_check.sh

@@ -2,7 +2,8 @@
 hidden states, against eager and against a plain-torch oracle (a Python set per request).
 
 What a serving engine whose draft loop runs in a captured graph (vLLM's model runner V2) needs of
-:class:`nanospec_fx.RequestVocabs`: observe and the head read no device value on the host, keep their tensors'
+:class:`nanospec_fx.RequestVocabs`, and of the V2 head built on it (``CompactLMHead`` reading its rows from the engine's
+slot buffer through ``SlotRows``): observe and the head read no device value on the host, keep their tensors'
 addresses, and give on replay exactly what eager gives. Shapes cover one row per request and parallel drafters'
 ``B*K`` rows per step (K positions per request), odd sizes included.
 
@@ -122,6 +123,101 @@ def scenario(dev: str, dtype: torch.dtype, requests: int, k: int, args, check) -
     check(tag, ok_all, f"max |eager - oracle| {worst:.2e}" + (", replay == eager" if replay and ok_all else ""))
 
 
+def v2_head_scenario(dev: str, dtype: torch.dtype, slots_n: int, k: int, args, check) -> None:
+    """The vLLM Model Runner V2 head (``CompactLMHead`` in the drafter's ``lm_head`` slot, rows read through
+    ``SlotRows`` from the engine's slot buffer at call time), as V2 would run it: observe the step's tokens by slot,
+    then ``LogitsProcessor``'s ``lm_head.quant_method.apply(lm_head, hidden)``, captured once and replayed with new
+    slot buffers (shuffled, a padded -1 slot some steps), new tokens and new hidden states."""
+    from nanospec_fx.integrations.vllm.head import CompactLMHead, SlotRows
+
+    gen = torch.Generator().manual_seed(slots_n * 1000 + k)
+    V, H, steps, per_row = args.vocab, args.hidden, args.steps, 5
+    capacity = per_row * k * (steps + 1) + 8
+    W = (torch.randn(V, H, generator=gen) / H**0.5).to(dev, dtype)
+    source = torch.nn.Linear(H, V, bias=False, device=dev, dtype=dtype)
+    with torch.no_grad():
+        source.weight.copy_(W)
+
+    def build():
+        rv = RequestVocabs(W, None, max_requests=slots_n + 1, capacity=capacity)
+        slot_rows = SlotRows(rv, num_slots=slots_n)
+        for s in range(slots_n):
+            slot_rows.add(s, f"req{s}")
+        slots = torch.zeros(slots_n, dtype=torch.int32, device=dev)  # V2's idx_mapping: a device buffer
+        return rv, slot_rows, slots, CompactLMHead(source, rv, slot_rows, slots, positions_per_request=k)
+
+    n = slots_n * k
+    x_buf = torch.zeros(n, H, device=dev, dtype=dtype)
+    tok_buf = torch.full((n, per_row), -1, dtype=torch.int64, device=dev)
+    graph_state = build()
+
+    def step(state):
+        _, slot_rows, slots, head = state
+        slot_rows.observe(slots.long().repeat_interleave(k), tok_buf)
+        return head.quant_method.apply(head, x_buf)
+
+    def new_slots(i: int) -> torch.Tensor:
+        slots = torch.randperm(slots_n, generator=gen)
+        if i % 2 and slots_n > 1:
+            slots[-1] = -1  # a padded batch row: reads the empty row, observes nothing
+        return slots.to(torch.int32)
+
+    replay = None
+    if dev == "cuda":
+        graph_state[2].copy_(new_slots(0))
+        tok_buf.copy_(torch.randint(0, V, (n, per_row), generator=gen))
+        x_buf.copy_(torch.randn(n, H, generator=gen))
+        outs: list = []
+        replay_graph = graphed(lambda: outs.append(step(graph_state)), dev)
+        static_out = outs[-1]
+        rv = graph_state[0]
+        rv.ids.fill_(-1)  # back to empty sets, in place (the graph keeps these addresses)
+        rv.slot_of.fill_(-1)
+        rv.cursor.zero_()
+
+        def replay():
+            replay_graph()
+            return static_out
+
+    eager = build()
+    sets: list[set] = [set() for _ in range(slots_n)]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    tag = f"V2 head {dev} {str(dtype).split('.')[-1]} slots={slots_n} k={k} rows={n}"
+    ok_all, worst = True, 0.0
+    for i in range(steps):
+        slots = new_slots(i)
+        toks = torch.randint(0, V, (n, per_row), generator=gen)
+        toks[torch.rand(n, per_row, generator=gen) < 0.2] = -1
+        x = torch.randn(n, H, generator=gen)
+        per_row_slot = slots.long().repeat_interleave(k)
+        for b, s in enumerate(per_row_slot.tolist()):
+            if s >= 0:
+                sets[s].update(t for t in toks[b].tolist() if t >= 0)
+        eager[2].copy_(slots)
+        tok_buf.copy_(toks)
+        x_buf.copy_(x.to(dev, dtype))
+        e_logits = step(eager).clone()
+        dense = x_buf.float() @ W.float().T
+        want = torch.full_like(dense, float("-inf"))
+        for b, s in enumerate(per_row_slot.tolist()):
+            ids = sorted(sets[s]) if s >= 0 else []
+            if ids:
+                want[b, ids] = dense[b, ids]
+        finite = torch.isfinite(want)
+        same_mask = bool((torch.isfinite(e_logits.float()) == finite).all())
+        err = float((e_logits.float()[finite] - want[finite]).abs().max()) if finite.any() else 0.0
+        ok = same_mask and err <= tol * max(1.0, float(want[finite].abs().max()) if finite.any() else 1.0)
+        if replay is not None:
+            graph_state[2].copy_(slots)
+            g_logits = replay()
+            same_state = all(torch.equal(a, b) for a, b in zip(graph_state[0].tensors()[:3], eager[0].tensors()[:3]))
+            ok = ok and torch.equal(g_logits, e_logits) and same_state
+        ok_all &= ok
+        worst = max(worst, err)
+    ok_all &= eager[3].dense_calls == 0
+    check(tag, ok_all, f"max |eager - oracle| {worst:.2e}" + (", replay == eager" if replay and ok_all else ""))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     dev = args.device
@@ -140,6 +236,7 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             requests, k = (int(v) for v in shape.split("x"))
             scenario(dev, dtype, requests, k, args, check)
+            v2_head_scenario(dev, dtype, requests, k, args, check)
     print(f"{'PASS' if not failures else 'FAIL'}: {len(failures)} failed")
     return 1 if failures else 0
 
