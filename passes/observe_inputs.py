@@ -107,8 +107,8 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
 def _observe_together(graph: fx.Graph, found: list, into: ObserveInto, first_read: fx.Node | None, after_read: set,
                       regions: dict) -> None:
     """Observe every ``(ids, at, lookup)`` at one point (the first read of the set, else the latest ``at``): each
-    ``ids`` kept (a fresh tensor) at its own ``at``, and all of them only if every lookup checked by
-    :func:`_all_lookups_valid` reads only rows its table has."""
+    ``ids`` kept (a fresh tensor) at its own ``at``, all of them in one observe (flattened, in lookup order), and
+    only if every lookup checked by :func:`_all_lookups_valid` reads only rows its table has."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     kept, flags = [], []
     for ids, at, lk in found:
@@ -123,6 +123,17 @@ def _observe_together(graph: fx.Graph, found: list, into: ObserveInto, first_rea
         for flag in flags[1:]:
             ok = graph.call_function(torch.logical_and, (ok, flag))
             set_example_value(ok)
+        if len(kept) > 1:  # one observe of all of them, in lookup order: a token fed by one lookup is then never
+            # evicted by another's new tokens (the ring renews the call's tokens within one observe only)
+            flat = []
+            for ids in kept:
+                ids = graph.call_function(torch.reshape, (ids, (-1,)))
+                set_example_value(ids)
+                ids = graph.call_method("to", (ids, torch.int64))
+                set_example_value(ids)
+                flat.append(ids)
+            kept = [graph.call_function(torch.cat, (flat,))]
+            set_example_value(kept[0])
         for ids in kept:
             if len(flags) > 1:
                 ids = graph.call_function(torch.where, (ok, ids, -1))

@@ -478,7 +478,14 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
     compiled = [_compile(m, r, options) for m, r in zip(models, scenario.drafters)]
     fed = [torch.zeros(0, dtype=torch.int64) for _ in models]
     n_calls = [0 for _ in models]
-    judges = [Judgement() for _ in models]  # a warning about one drafter excuses none of the others
+    # A warning about one drafter excuses none of the others, except drafters that share its head weight (a tied head
+    # on a shared nn.Embedding): one head, one state, one warning naming it; a graph holding only shared tensors
+    # cannot tell those drafters apart.
+    by_head: dict[int, Judgement] = {}
+    judges = []
+    for m in models:
+        w = m.head_weight()
+        judges.append(by_head.setdefault(id(w), Judgement()) if w is not None else Judgement())
     reproduce = f"run_scenario({scenario!r})"
     for step, (i, action) in enumerate(scenario.schedule):
         r = scenario.drafters[i]

@@ -40,6 +40,10 @@ _TOPK_SMALLEST = ()  # the contract: top-k(largest=False) over the masked logits
 
 # name -> (recipe, marks): found on f9ba722 (before the issue-9 fixes) or on the issue-9 branch (fuzz_findings.md).
 CASES = {
+    # found by a long run: two lookups of one table in a call (a vmap'd embedding and a second lookup) observed by two
+    # observe ops: the second's new tokens evicted a token the first fed (already active, at an old slot) from a full
+    # ring; now one observe of all of a call's ids
+    "two_lookups_in_one_call_fill_a_small_ring": (Recipe(vocab=40, hidden=24, head='functional_tied', head_bias=False, head_pad=0, embed_pad=0, position=True, body=('mlp',), order='embed_first', chain=(('gumbel',), ('softmax',), ('softmax',)), return_logits=True, extra_outputs=('hidden',), dtype='float16', mode='no_grad', autocast=False, capacity=4, batch=1, seq=2, seq2=2, feed_padded_ids=False, extra_active=20, n_ban=1, seed=720, lookup='vmap_embedding', head_break='', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='same_table', bad_call='', bad_at='ids', d2t=''), ()),
     # in-place writes of the logits lost or applied to stale compact values
     "setitem_then_softcap": (R(chain=(("setitem", "-inf"), ("softcap", 2.0))), ()),
     "setitem_view_then_masked_fill_": (R(chain=(("setitem_view", 0.0), ("masked_fill_", 0.0), ("scale", 0.5)),
@@ -282,6 +286,10 @@ SCENARIOS = {
     "two_instances_sharing_an_embedding_dense_head": (Scenario(
         drafters=(R(lookup="cond"), R(lookup="cond", seed=5)), schedule=((0, "call"), (1, "call")),
         shared_embedding=True), ()),
+    # found by a long run: three drafters on one shared, tied embedding (one head weight, one state) split by a graph
+    # break run one dense graph holding only shared tensors: the warning names that head for all three (the judge
+    # groups drafters by head weight)
+    "three_drafters_sharing_a_tied_head_split_by_a_break": (Scenario(drafters=(Recipe(vocab=142, hidden=32, head='functional_tied', head_bias=False, head_pad=0, embed_pad=0, position=True, body=('mlp',), order='embed_first', chain=(('unsqueeze',), ('to_probs',)), return_logits=False, extra_outputs=(), dtype='float32', mode='inference', autocast=True, capacity=512, batch=1, seq=4, seq2=5, feed_padded_ids=False, extra_active=0, n_ban=3, seed=374, lookup='embedding', head_break='helper_print', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='', bad_call='past_table', bad_at='ids', d2t=''), Recipe(vocab=142, hidden=32, head='functional_tied', head_bias=False, head_pad=0, embed_pad=0, position=True, body=('mlp',), order='embed_first', chain=(('unsqueeze',), ('to_probs',)), return_logits=False, extra_outputs=(), dtype='float32', mode='inference', autocast=True, capacity=512, batch=1, seq=4, seq2=5, feed_padded_ids=False, extra_active=0, n_ban=3, seed=1024, lookup='embedding', head_break='helper_print', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='', bad_call='past_table', bad_at='ids', d2t=''), Recipe(vocab=142, hidden=32, head='functional_tied', head_bias=False, head_pad=0, embed_pad=0, position=True, body=('mlp',), order='embed_first', chain=(('unsqueeze',), ('to_probs',)), return_logits=False, extra_outputs=(), dtype='float32', mode='inference', autocast=True, capacity=512, batch=1, seq=4, seq2=5, feed_padded_ids=False, extra_active=0, n_ban=3, seed=163, lookup='embedding', head_break='helper_print', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='', bad_call='past_table', bad_at='ids', d2t='')), schedule=((2, 'call'), (2, 'prefill'), (0, 'call'), (2, 'reset'), (1, 'prefill'), (0, 'call')), shared_embedding=True), ()),
     # found by a long run (a fuzzer defect, not the pass's): a draft loop over a draft vocabulary fed its head rows
     # back as target ids; the generator now maps them through d2t first, as EAGLE-3 does
     "draft_loop_over_a_draft_vocabulary": (Scenario(drafters=(R(
