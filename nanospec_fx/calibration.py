@@ -109,6 +109,7 @@ def calibrate(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int
         # the fixed cost: the path's own compact head with one active token, less the bytes it moves
         state = ActiveVocab(blocks[large], capacity=large)
         state.observe(torch.tensor([0]))
-        t_fixed = _cold_median(lambda: ops.compact_logits(x1, state.cache_w, None, state.cursor), flush, repeats)
+        t_fixed = _cold_median(
+            lambda: ops.compact_logits(x=x1, cache_w=state.cache_w, cache_b=None, cursor=state.cursor), flush, repeats)
         fixed_bytes = max(0, int(t_fixed * bandwidth) - 2 * hidden_size * b)
     return MachineConstants(fixed_bytes, efficiency, flops_per_byte, bandwidth, "measured on this machine")

@@ -127,9 +127,8 @@ def test_no_module_names_a_nanospec_op_outside_the_builder():
         assert not lines, f"{path.relative_to(ROOT)}:{lines} names a nanospec op outside the builder"
 
 
-# Eager calls still written by position: the timed calls of calibration and the head benchmarks. Nothing else may
-# join this list.
-POSITIONAL_CALLERS = {"calibration.py", "head.py", "draft.py"}
+# Eager calls written by position: none may be (a file that must would be listed here, with its reason).
+POSITIONAL_CALLERS: set[str] = set()
 
 
 def _positional_op_calls(tree: ast.AST) -> list[int]:

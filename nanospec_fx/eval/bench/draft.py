@@ -45,7 +45,8 @@ def head_variants(weight: torch.Tensor, active: int, static_n: int, compiled: bo
         "full": Head(weight).eval(),
         f"static-{static_n}": StaticHead(weight, active_ids(vocab, static_n, seed=1)).eval(),
         "nanospec-ops +scatter": lambda h: ops.scatter_logits(
-            ops.compact_logits(h, state.cache_w, None, state.cursor), state.ids, state.cursor, vocab),
+            compact=ops.compact_logits(x=h, cache_w=state.cache_w, cache_b=None, cursor=state.cursor),
+            ids=state.ids, cursor=state.cursor, vocab_size=vocab),
     }
     if compiled:
         torch._dynamo.reset()

@@ -105,9 +105,11 @@ def bench_head(shape: str, hidden: int, vocab: int, active: int = DEFAULT_CAPACI
         variants: dict[str, tuple[int, Callable]] = {
             "dense": (vocab, lambda: F.linear(x, weight)),
             f"static-{static_n}": (static_n, lambda: F.linear(x, w_static)),
-            "nanospec-ops compact": (active, lambda: ops.compact_logits(x, state.cache_w, None, state.cursor)),
+            "nanospec-ops compact": (active, lambda: ops.compact_logits(x=x, cache_w=state.cache_w, cache_b=None,
+                                                                        cursor=state.cursor)),
             "nanospec-ops +scatter": (active, lambda: ops.scatter_logits(
-                ops.compact_logits(x, state.cache_w, None, state.cursor), state.ids, state.cursor, vocab)),
+                compact=ops.compact_logits(x=x, cache_w=state.cache_w, cache_b=None, cursor=state.cursor),
+                ids=state.ids, cursor=state.cursor, vocab_size=vocab)),
         }
         if cmod is not None:
             with torch.inference_mode():  # it must really be the rewritten head (not an eager fallback)
@@ -142,7 +144,8 @@ def bench_head_sweep(shape: str, hidden: int, vocab: int, sizes, rows=(1, 10), r
             out.append(HeadTiming(shape, hidden, vocab, r, "dense", vocab, 1e3 * dense, 1.0, 1.0, 1.0, 1e3 * min(ts)))
             for n in sizes:
                 st = filled_state(weight, n)
-                ts = timings(lambda: ops.compact_logits(x, st.cache_w, None, st.cursor), repeats)
+                ts = timings(lambda: ops.compact_logits(x=x, cache_w=st.cache_w, cache_b=None, cursor=st.cursor),
+                             repeats)
                 t = statistics.median(ts)
                 out.append(HeadTiming(shape, hidden, vocab, r, "nanospec-ops compact", n, 1e3 * t, dense / t,
                                       vocab / n, dense / t / (vocab / n), 1e3 * min(ts)))
@@ -191,9 +194,10 @@ def bench_head_vs_active(hidden: int, vocab: int, actives=(1, 100, 1000, 3000), 
             dense = statistics.median(dense_ts)
             for n, st in states.items():
                 variants = {
-                    "compact": lambda: ops.compact_logits(x, st.cache_w, None, st.cursor),
+                    "compact": lambda: ops.compact_logits(x=x, cache_w=st.cache_w, cache_b=None, cursor=st.cursor),
                     "+scatter": lambda: ops.scatter_logits(
-                        ops.compact_logits(x, st.cache_w, None, st.cursor), st.ids, st.cursor, vocab),
+                        compact=ops.compact_logits(x=x, cache_w=st.cache_w, cache_b=None, cursor=st.cursor),
+                        ids=st.ids, cursor=st.cursor, vocab_size=vocab),
                 }
                 for variant, fn in variants.items():
                     ts = cold_timings(fn, repeats, flush)
