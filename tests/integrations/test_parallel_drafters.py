@@ -6,7 +6,7 @@
 * A P-EAGLE-style drafter written by hand and compiled with nanospec: one compact head call of ``B*K`` rows per
   step, the target's top-k observed once per verification (not once per position).
 
-Head calls and observes are counted on the reference kernels (``NANOSPEC_KERNELS=reference``), which every
+Head calls and observes are counted on the reference kernels (``use_kernels("reference")``), which every
 nanospec op runs through, compiled or eager.
 """
 from __future__ import annotations
@@ -37,12 +37,12 @@ def one_thread():
 
 
 @pytest.fixture
-def op_calls(monkeypatch):
+def op_calls(monkeypatch, use_kernels):
     """Every nanospec kernel call as (op, shape of its first argument), in order (not the calls one kernel makes
     of another: head_logits computes compact_logits)."""
     import nanospec_fx.kernels.reference  # noqa: F401
 
-    monkeypatch.setenv("NANOSPEC_KERNELS", "reference")
+    use_kernels("reference")
     module, calls, depth = sys.modules["nanospec_fx.kernels.reference"], [], [0]
     for name in ("observe", *HEAD_OPS):
         def counted(*args, _name=name, _original=getattr(module, name), **kwargs):

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import threads_option
-from nanospec_fx.eval.train_eagle import eagle_dir
 from nanospec_fx.vocab_config import DEFAULT_STATIC_SIZE
 
 TRAIN_CORPUS = "sharegpt-train"
@@ -78,6 +77,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     if window < 8 or tokens < 2 * window or val_tokens < window:
         fail(f"need --window >= 8, --tokens >= 2 x window and --val-tokens >= window; "
              f"got {window}, {tokens}, {val_tokens}")
+    from nanospec_fx.eval.train_eagle import eagle_dir  # imports torch: not at --help
+
     folder = eagle_dir(model, cache_dir)
     features = folder / "features"
     try:
