@@ -33,7 +33,7 @@ from nanospec_fx.sampling import SpeculativeSampler
 
 
 # ----------------------------------------------------------------------------- the drafter
-LAYOUTS = ("nanospec", "vllm")
+LAYOUTS = ("nanospec", "vllm", "mtp")
 #: our decoder layer's modules -> their names in a transformers Llama decoder layer (and under vLLM's ``layers.0``)
 LLAMA_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -155,20 +155,36 @@ class EagleDrafter(nn.Module):
         self.config = config
         self.norm = norm
         self.embed = embed if embed is not None else nn.Embedding(config.vocab_size, config.hidden_size)
-        vllm = config.layout == "vllm"
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=not vllm)
+        vllm, mtp = config.layout == "vllm", config.layout == "mtp"
+        if mtp:
+            self.enorm = nn.RMSNorm(config.hidden_size, eps=config.rms_eps)
+            self.hnorm = nn.RMSNorm(config.hidden_size, eps=config.rms_eps)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=not (vllm or mtp))
         self.layer = DecoderLayer(config)
         if vllm:  # vLLM's (and EAGLE's) first draft layer has no input norm
             self.layer.attn_norm = nn.Identity()
         self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v):
+    def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v, logits_to_keep: int = 0):
         """Args: ``input_ids [B, T]``, ``features [B, T, H]`` (the feature before each token),
         ``positions [B, T]`` (RoPE), ``slots [T]`` (cache rows written), ``mask [T, L]`` bool
-        (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place)."""
-        x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place).
+        ``logits_to_keep`` (as in transformers): score only the last N positions (0: all); the hidden state
+        is returned for every position."""
+        x = self.fuse(self.embed(input_ids), features.to(self.fc.weight.dtype))
         h = self.layer(x, positions, slots, mask, cache_k, cache_v)
-        return self.lm_head(self.head_input(h)), h
+        return self.lm_head(self.head_input(h[:, -logits_to_keep:] if logits_to_keep else h)), h
+
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The block's input from the token embeddings and the features: ``fc(cat(e, f))``, each normalised
+        first in the ``mtp`` layout."""
+        if self.config.layout == "mtp":
+            embeds, features = self.enorm(embeds), self.hnorm(features)
+        return self.fc(torch.cat([embeds, features], dim=-1))
+
+    def trained_modules(self) -> tuple[str, ...]:
+        """The drafter's own (trained) modules, by attribute name; the rest are the target's, shared."""
+        return ("enorm", "hnorm", "fc", "layer") if self.config.layout == "mtp" else ("fc", "layer")
 
     def target_features(self, features: torch.Tensor) -> torch.Tensor:
         """The drafter's input feature from the target's (the input of its final norm): the same tensor, or in
@@ -251,9 +267,22 @@ def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torc
     mask = torch.arange(cache.max_len, device=device) <= slots[:, None]
     convert = getattr(unwrap(drafter), "target_features", None)  # a vLLM-layout drafter reads normed features
     features = convert(features) if convert is not None else features
+    keep = {"logits_to_keep": 1} if _keeps_logits(drafter) else {}  # only the last position's logits are used
     logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask,
-                             cache.k, cache.v)
+                             cache.k, cache.v, **keep)
     return logits[0, -1], hidden[0, -1]
+
+
+def _keeps_logits(drafter: Callable) -> bool:
+    """Whether the drafter's forward takes ``logits_to_keep`` (an :class:`EagleDrafter` does; a user's callable
+    in the same convention may not, and then scores every fed position)."""
+    import inspect
+
+    forward = getattr(unwrap(drafter), "forward", unwrap(drafter))
+    try:
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,8 @@ def new_drafter(target: nn.Module, seed: int = 0, layout: str = "nanospec") -> E
     """An EAGLE drafter sharing the target's embedding, final norm and head (frozen); fc starts as
     "next feature = this feature" and the layer's output projections small, so training starts from
     the copy-the-feature baseline instead of noise. ``layout="vllm"``: the layout vLLM's ``eagle``
-    method runs (:class:`~nanospec_fx.eagle.EagleConfig`; exported by :mod:`nanospec_fx.eval.vllm_eagle`)."""
+    method runs (:class:`~nanospec_fx.eagle.EagleConfig`; exported by :mod:`nanospec_fx.eval.vllm_eagle`);
+    ``layout="mtp"``: an MTP module in DeepSeek-V3's layout (normed embedding and feature, ``eh_proj``, one block)."""
     torch.manual_seed(seed)
     config = EagleConfig.from_target(getattr(target.config, "text_config", target.config))
     config.layout = layout
@@ -172,8 +173,8 @@ def own_parameters(drafter: EagleDrafter) -> dict[str, torch.Tensor]:
     """The drafter's trained tensors (fc and layer), not the target's shared ones (while training:
     their values, not the parametrization's internals)."""
     out = {}
-    for prefix, mod in (("fc", drafter.fc), ("layer", drafter.layer)):
-        for name, sub in mod.named_modules():
+    for prefix in drafter.trained_modules():
+        for name, sub in getattr(drafter, prefix).named_modules():
             if "parametrizations" in name or isinstance(sub, RowScale):
                 continue
             for pname in ("weight", "bias"):
@@ -234,8 +235,9 @@ def load_drafter(target: nn.Module, folder: Path) -> EagleDrafter:
         raise ValueError(f"{folder}: drafter trained for V={config.vocab_size}, H={config.hidden_size}, "
                          f"target head is {tuple(drafter.lm_head.weight.shape)}")
     weights = load_file(str(folder / WEIGHTS))
-    drafter.fc.load_state_dict({k[3:]: v for k, v in weights.items() if k.startswith("fc.")})
-    drafter.layer.load_state_dict({k[6:]: v for k, v in weights.items() if k.startswith("layer.")})
+    for prefix in drafter.trained_modules():
+        getattr(drafter, prefix).load_state_dict(
+            {k[len(prefix) + 1:]: v for k, v in weights.items() if k.startswith(prefix + ".")})
     dtype = drafter.lm_head.weight.dtype
     return drafter.to(dtype).eval().requires_grad_(False)
 
@@ -272,7 +274,7 @@ def _forward(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor) -> t
     cache_v = torch.zeros_like(cache_k)
     slots = torch.arange(t)
     mask = slots[None, :] <= slots[:, None]
-    x = drafter.fc(torch.cat([drafter.embed(ids[:, 1:]), feats[:, :-1]], dim=-1))
+    x = drafter.fuse(drafter.embed(ids[:, 1:]), feats[:, :-1])
     return drafter.layer(x, slots.expand(b, t), slots, mask, cache_k, cache_v)
 
 
@@ -330,6 +332,9 @@ def train(drafter: EagleDrafter, ids: torch.Tensor, feats: torch.Tensor, cfg: Tr
     saved = torch.load(state_path, weights_only=False) if state_path is not None and state_path.exists() else None
     if saved is not None:
         drafter.load_state_dict(saved["drafter"], strict=False)
+    elif drafter.config.layout == "mtp":
+        with torch.no_grad():  # hnorm(f) then has the features' typical size, so fc = [.., I] starts as the copy
+            drafter.hnorm.weight.fill_(drafter_features(drafter, feats[:64]).pow(2).mean(-1).sqrt().mean().item())
     fc_columns = torch.cat([torch.ones_like(std), 1.0 / std])
     for module, name in _scaled(drafter):
         columns = fc_columns if module is drafter.fc and name == "weight" else None

@@ -53,12 +53,13 @@ def test_pack_windows_cuts_long_sequences():
     assert got == [[1, 1, 1, 1], [1, 1, 2, 2], [2, 3, 3, 3]]  # 6 of the 10 ones; the last 2 threes wait for more
 
 
-def test_training_learns_and_the_checkpoint_round_trips(tmp_path):
+@pytest.mark.parametrize("layout", ["nanospec", "mtp"])
+def test_training_learns_and_the_checkpoint_round_trips(tmp_path, layout):
     target = tiny_target()
     T.extract_features(target, windows(24, 64), tmp_path / "f", tokens=24 * 64, window=64, windows_per_shard=4)
     ids, feats = T.load_shards(tmp_path / "f", 1)
     val_ids, val_feats = T.load_shards(tmp_path / "f", 0, 1)
-    drafter = T.new_drafter(target, seed=0)
+    drafter = T.new_drafter(target, seed=0, layout=layout)
     before = T.validate(drafter, val_ids, val_feats)["top1_agreement"]
     frequent = torch.argsort(-torch.bincount(ids.flatten(), minlength=V))[:32]
     cfg = T.TrainConfig(steps=60, minutes=5, batch=4, lr=3e-3, warmup=5, random_negatives=32, checkpoint_every=30)
@@ -72,12 +73,14 @@ def test_training_learns_and_the_checkpoint_round_trips(tmp_path):
     # only the drafter's own tensors are saved, and loading gives the same drafter
     T.save_drafter(drafter, tmp_path / "ckpt", {"note": "test"})
     saved = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "ckpt" / T.WEIGHTS))
-    assert all(k.startswith(("fc.", "layer.")) for k in saved)
+    own = {"nanospec": ("fc.", "layer."), "mtp": ("enorm.", "hnorm.", "fc.", "layer.")}[layout]
+    assert all(k.startswith(own) for k in saved) and {k.split(".")[0] + "." for k in saved} == set(own)
     loaded = T.load_drafter(target, tmp_path / "ckpt")
+    assert loaded.config.layout == layout
     assert loaded.lm_head is target.lm_head and loaded.norm is final_norm(target)
     assert T.validate(loaded, val_ids, val_feats)["top1_agreement"] == after["top1_agreement"]
     # resuming from the training state continues where it stopped
-    log2 = T.train(T.new_drafter(target, seed=0), ids, feats, T.TrainConfig(**{**cfg.__dict__, "steps": 61}), frequent,
+    log2 = T.train(T.new_drafter(target, seed=0, layout=layout), ids, feats, T.TrainConfig(**{**cfg.__dict__, "steps": 61}), frequent,
                    state_path=tmp_path / "state.pt")
     assert log2.steps == 61
 
@@ -133,15 +136,28 @@ def test_train_eagle_then_e2e_eagle_is_lossless(tmp_path, tiny_model_dir, monkey
         ("the cat sat on the mat and the cat", "a"), ("def f(x):\n    return x + 1\n", "b")]))
     run("e2e", "--drafter", "eagle", "--model", tiny_model_dir, "--tokenizer", "bytes", "--corpus", requests,
         "--static-corpus", "sample", "--static-n", 64, "--capacity", 64, "--depth", 1, "--depth", 2,
-        "--variants", "full,static,context", "--max-new", 10, "--out", tmp_path, "--threads", 1)
-    rows = json.loads((tmp_path / "e2e-eagle.json").read_text())["rows"]
+        "--variants", "full,full-every-row,static,context,body", "--max-new", 10, "--out", tmp_path, "--threads", 1)
+    result = json.loads((tmp_path / "e2e-eagle.json").read_text())
+    rows = result["rows"]
     pooled = [r for r in rows if r["category"] == "all"]
-    assert [(r["variant"], r["depth"]) for r in pooled] == [
-        ("target only", 0), ("full head", 1), ("static-64", 1), ("nanospec context@64", 1),
-        ("full head", 2), ("static-64", 2), ("nanospec context@64", 2)]
+    every, body = "full head, every fed row", "body alone (no head)"
+    assert [(r["variant"], r["depth"]) for r in pooled] == [("target only", 0)] + [
+        (v, d) for d in (1, 2) for v in ("full head", every, "static-64", "nanospec context@64", body)]
     assert all(r["identical"] and r["tokens"] == 20 for r in pooled)
     assert {r["category"] for r in rows} == {"a", "b", "all"}
     nano = [r for r in pooled if r["variant"].startswith("nanospec")]
     assert all(0 < r["active_size"] <= 64 for r in nano)
     assert all(r["active_size"] != r["active_size"] for r in pooled if not r["variant"].startswith("nanospec"))  # NaN
+    # rows counted at the drafter's calls: a head scores one position per call (the last fed one, then each draft
+    # step); the every-row baseline scores each fed position, i.e. as many as the body ran
+    by = {(r["variant"], r["depth"]): r for r in pooled}
+    for d in (1, 2):
+        for v in ("full head", "static-64", "nanospec context@64", body):
+            calls = [q for q in result["requests"] if (q["variant"], q["depth"]) == (v, d)]
+            assert all(q["head_rows"] == q["rounds"] * d + 1 for q in calls), calls  # prefill + d per round
+        assert by[(every, d)]["head_rows_per_round"] == by[(every, d)]["body_rows_per_round"]
+        assert by[(every, d)]["head_rows_per_round"] > by[("full head", d)]["head_rows_per_round"]
+    against = {(c["a"], c["b"], c["metric"]) for c in result["comparisons"]}
+    assert ("nanospec context@64", body, "draft_ms_per_round") in against
+    assert ("nanospec context@64", every, "tokens_per_s") in against
     assert (tmp_path / "e2e-eagle.png").exists()

@@ -26,13 +26,38 @@ from nanospec_fx.speculative import DecodeStats, HFTarget, drafter_state, eagle_
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
 TARGET_ONLY = "target only"
+EVERY_ROW = "full head, every fed row"
+BODY = "body alone (no head)"
+VARIANTS = ("full", "full-every-row", "static", "context", "hybrid", "body")
 
 
-def _sibling(drafter: EagleDrafter, lm_head: nn.Module) -> EagleDrafter:
+def _sibling(drafter: EagleDrafter, lm_head: nn.Module, kind: type[EagleDrafter] = EagleDrafter) -> EagleDrafter:
     """A drafter sharing ``drafter``'s trained modules and the target's embedding and norm, with ``lm_head``."""
-    d = EagleDrafter(drafter.config, drafter.embed, lm_head, drafter.norm)
-    d.fc, d.layer = drafter.fc, drafter.layer
+    d = kind(drafter.config, drafter.embed, lm_head, drafter.norm)
+    for name in drafter.trained_modules():
+        setattr(d, name, getattr(drafter, name))
     return d.eval()
+
+
+class EveryRowDrafter(EagleDrafter):
+    """The baseline the earlier runs measured: the head scores every position fed to the drafter (the whole prompt
+    at prefill, every committed token after), though only the last one's logits are used."""
+
+    def forward(self, *args, logits_to_keep: int = 0):
+        return super().forward(*args)
+
+
+class NoHead(nn.Module):
+    """The drafter body alone: zero logits (uniform; its drafts are token 0) from no weight at all. Its draft time
+    per round is the limit a head restriction can approach (it still writes ``[.., V]`` logits, as every variant's
+    draft loop reads a full row)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.new_zeros(*h.shape[:-1], self.vocab)
 
 
 def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, capacity: int = DEFAULT_CAPACITY,
@@ -49,6 +74,10 @@ def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, c
     for kind in which:
         if kind == "full":
             out["full head"] = drafter
+        elif kind == "full-every-row":
+            out[EVERY_ROW] = _sibling(drafter, drafter.lm_head, EveryRowDrafter)
+        elif kind == "body":
+            out[BODY] = _sibling(drafter, NoHead(weight.shape[0]))
         elif kind == "static":
             if static_table is None:
                 raise ValueError("the static variant needs a frequency table (static_table)")
@@ -67,7 +96,7 @@ def drafter_variants(drafter: EagleDrafter, static_table: torch.Tensor | None, c
             name = f"nanospec {kind}@{capacity}" + (f" (pinned {pinned})" if kind == "hybrid" else "")
             out[name] = torch.compile(d, backend="nanospec", options=options)
         else:
-            raise ValueError(f"unknown variant {kind!r}: use full, static, context, hybrid")
+            raise ValueError(f"unknown variant {kind!r}: use one of {', '.join(VARIANTS)}")
     return out
 
 
@@ -90,6 +119,8 @@ class Run:
     total_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    head_rows: int = 0  # positions the drafter's head scored (all calls of the request)
+    body_rows: int = 0  # positions the drafter's body ran
 
 
 @dataclass
@@ -114,6 +145,8 @@ class Summary:
     speedup_high: float = float("nan")
     repeats: int = 1
     mismatches: int = 0  # runs whose output differed from the target alone's
+    head_rows_per_round: float = float("nan")  # positions the drafter's head scored, per round (prefill included)
+    body_rows_per_round: float = float("nan")  # positions its body ran, per round (prefill included)
 
 
 def reset_drafter(drafter: nn.Module) -> None:
@@ -157,15 +190,20 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
                 label = name + (f" [{setting_name(*s)}]" if stateful and len(settings) > 1 else "")
                 plan.append((label, name, d, k, s))
 
+    rows = {id(d): RowCount(d) for d in drafters.values()}
+
     def decode(d, ids, k, s, n):
-        """``(ids, stats, (total, draft, verify) seconds)``: the benchmark's clock, outside the loop's code."""
+        """``(ids, stats, (total, draft, verify) seconds, (head, body) rows)``: the benchmark's clock and row
+        counts, outside the loop's code."""
         if d is not None:
             reset_drafter(d)
+            rows[id(d)].head = rows[id(d)].body = 0
         phases, watch = PhaseTimer(), Stopwatch()
         with watch:
             out, stats = eagle_generate(runner, d, torch.tensor([ids]), n, depth=k, observe=s[0],
                                         target_topk=target_topk, prompt_topk=s[1], cache_len=cache_len, timer=phases)
-        return out, stats, (watch.seconds, phases.seconds("draft"), phases.seconds("verify"))
+        counted = (rows[id(d)].head, rows[id(d)].body) if d is not None else (0, 0)
+        return out, stats, (watch.seconds, phases.seconds("draft"), phases.seconds("verify")), counted
 
     for _, ids in requests[:warmup]:  # compile the nanospec drafters, warm the caches
         for _, _, d, k, s in plan:
@@ -184,10 +222,28 @@ def run_eagle_e2e(target: nn.Module, drafters: dict[str, nn.Module], requests: l
                              + (f" (repeat {r + 1})" if repeats > 1 else ""))
             reference.setdefault(i, done[(TARGET_ONLY, 0)][0])  # the target's greedy output, first repeat
             for label, head, d, k, s in plan:
-                out, stats, seconds, pos = done[(label, k)]
+                out, stats, seconds, counted, pos = done[(label, k)]
                 runs.append(Run(label, k, category, stats, bool(torch.equal(out, reference[i])), i, r, pos, head,
-                                setting_name(*s), *seconds))
+                                setting_name(*s), *seconds, *counted))
+    for count in rows.values():
+        count.remove()
     return runs
+
+
+class RowCount:
+    """Counts the positions a drafter's body ran (``input_ids``) and its head scored (the logits' rows), by a
+    forward hook on the module called (a ``torch.compile`` wrapper's hook sees its compiled call too)."""
+
+    def __init__(self, drafter: nn.Module):
+        self.head = self.body = 0
+        self._handle = drafter.register_forward_hook(self)
+
+    def __call__(self, module, args, output) -> None:
+        self.body += args[0].numel()
+        self.head += output[0].shape[:-1].numel()
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 def in_shard(index: int, shard: tuple[int, int]) -> bool:
@@ -227,7 +283,8 @@ def paired(runs: list[Run], a: tuple[str, int], b: tuple[str, int], metric: str 
 def comparisons(runs: list[Run]) -> list[dict]:
     """The paired comparisons the docs make, each inside this one run: every variant against the target alone
     and the full head (same depth); nanospec against FR-Spec's static head (tokens/s and draft ms per round);
-    a non-default setting against the same head's default; each depth against the first."""
+    a non-default setting against the same head's default; each depth against the first; every variant's draft
+    ms per round against the body alone's (same depth), where the run has it."""
     keys = list(dict.fromkeys((r.variant, r.depth) for r in runs if r.depth))
     info = {(r.variant, r.depth): (r.head, r.setting) for r in runs}
     first_setting = next((r.setting for r in runs), "")
@@ -240,11 +297,15 @@ def comparisons(runs: list[Run]) -> list[dict]:
         if head.startswith("nanospec"):
             for s in (k for k in keys if k[1] == d and k[0].startswith("static-")):
                 out += [paired(runs, (v, d), s), paired(runs, (v, d), s, "draft_ms_per_round")]
+            if (EVERY_ROW, d) in info:  # the ratio the earlier runs' baseline gave, in this run
+                out.append(paired(runs, (v, d), (EVERY_ROW, d)))
         if setting != first_setting:
             base = next(k for k in keys if k[1] == d and info[k] == (head, first_setting))
             out.append(paired(runs, (v, d), base))
         if d != keys[0][1] and (v, keys[0][1]) in info:
             out.append(paired(runs, (v, d), (v, keys[0][1])))
+        if head != BODY and (BODY, d) in info:  # the draft time as a multiple of the body alone's
+            out.append(paired(runs, (v, d), (BODY, d), "draft_ms_per_round"))
     return out
 
 
@@ -271,7 +332,8 @@ def summarise(runs: list[Run]) -> list[Summary]:
                 statistics.mean(sizes) if sizes else float("nan"), all(r.identical for r in rs),
                 1e3 * sum(r.draft_s for r in rs) / max(rounds, 1), 1e3 * sum(r.verify_s for r in rs) / max(rounds, 1),
                 [round(r.stats.mean_accept_length, 3) for r in rs], speed["low"], speed["high"],
-                len({r.repeat for r in rs}), sum(not r.identical for r in rs)))
+                len({r.repeat for r in rs}), sum(not r.identical for r in rs),
+                sum(r.head_rows for r in rs) / max(rounds, 1), sum(r.body_rows for r in rs) / max(rounds, 1)))
     return out
 
 
@@ -282,7 +344,8 @@ def request_rows(runs: list[Run]) -> list[dict]:
              "order": r.order, "head": r.head, "setting": r.setting, "identical": r.identical,
              "new_tokens": r.stats.new_tokens, "rounds": r.stats.rounds, "accepted": list(r.stats.accepted),
              "drafted": r.stats.drafted, "total_s": round(r.total_s, 6), "draft_s": round(r.draft_s, 6),
-             "verify_s": round(r.verify_s, 6), "active_size": r.stats.active_size} for r in runs]
+             "verify_s": round(r.verify_s, 6), "active_size": r.stats.active_size, "head_rows": r.head_rows,
+             "body_rows": r.body_rows} for r in runs]
 
 
 def runs_from_rows(rows: list[dict]) -> list[Run]:
@@ -293,5 +356,5 @@ def runs_from_rows(rows: list[dict]) -> list[Run]:
                 DecodeStats(rounds=r["rounds"], accepted=list(r["accepted"]), drafted=r["drafted"],
                             new_tokens=r["new_tokens"], active_size=r["active_size"]),
                 r["identical"], r["request"], r["repeat"], r["order"], r["head"], r["setting"], r["total_s"],
-                r["draft_s"], r["verify_s"]) for r in rows]
+                r["draft_s"], r["verify_s"], r.get("head_rows", 0), r.get("body_rows", 0)) for r in rows]
     return sorted(runs, key=lambda r: (r.repeat, r.request))  # stable: each block keeps its plan order

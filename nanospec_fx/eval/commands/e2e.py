@@ -32,12 +32,14 @@ def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
                    "sharegpt[:3] and humaneval[:3]; with --drafter eagle the six task categories, [:8] each.")
 @click.option("--drafter", type=click.Choice(["truncated", "eagle"]), default="truncated", show_default=True,
               help="truncated: the target's first layers, through transformers' assisted generation. eagle: the "
-                   "EAGLE drafter trained by `nanospec-fx train-eagle`, chain drafts on the target's KV cache "
+                   "EAGLE (or MTP) drafter trained by `nanospec-fx train-eagle`, chain drafts on the target's KV cache "
                    "(nanospec_fx.speculative), variants full / static / nanospec context / hybrid.")
 @click.option("--depth", "depths", multiple=True, type=int, default=(1, 2, 3, 4), show_default=True,
               help="--drafter eagle: drafts per round (repeatable: each depth is measured).")
 @click.option("--variants", default="full,static,context,hybrid", show_default=True,
-              help="--drafter eagle: drafter heads to measure (full, static, context, hybrid).")
+              help="--drafter eagle: drafter heads to measure: full, static, context, hybrid, and two references: "
+                   "full-every-row (the full head scoring every fed position, as runs before 2026-12 did) and body "
+                   "(no head: the drafter body's own time per round, which a head restriction can approach).")
 @click.option("--observe", default="verified", show_default=True,
               help="--drafter eagle: where the target's top-k joins the active set: every verified position "
                    "(rejected drafts included, as in the paper), the accepted ones only, or nowhere (none). A comma "

@@ -29,8 +29,8 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     set_threads(threads)
     name = "e2e-eagle" if name == "e2e" else name
     kinds = tuple(v.strip() for v in variants.split(",") if v.strip())
-    if not set(kinds) <= {"full", "static", "context", "hybrid"} or not kinds:
-        fail(f"--variants takes a comma list of full, static, context, hybrid; got {variants!r}")
+    if not set(kinds) <= set(B.VARIANTS) or not kinds:
+        fail(f"--variants takes a comma list of {', '.join(B.VARIANTS)}; got {variants!r}")
     if any(d < 1 for d in depths):
         fail(f"--depth must be >= 1, got {depths}")
     if repeats < 1:
@@ -145,7 +145,7 @@ def _print_comparisons(console, Table, compared):
 
 
 def _print(console, Table, spec, summaries, n_requests, max_new, observe, threads):
-    t = Table(title=f"{spec}: trained EAGLE drafter, chain drafts, {n_requests} requests x {max_new} new tokens, "
+    t = Table(title=f"{spec}: trained drafter, chain drafts, {n_requests} requests x {max_new} new tokens, "
                     f"greedy, target top-k at {observe} positions, {threads} CPU threads (pooled over categories)")
     for col in ("variant", "depth", "tau", "tok/s", "vs target", "draft share", "draft ms/round", "verify ms/round",
                 "mean |A|", "== target greedy"):

@@ -45,6 +45,12 @@ TRAIN_CORPUS = "sharegpt-train"
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where features and the checkpoint go (default: ~/.cache/nanospec-fx/eagle/<model>; "
                    "$NANOSPEC_FX_CACHE moves it).")
+@click.option("--layout", type=click.Choice(["eagle", "mtp"]), default="eagle", show_default=True,
+              help="eagle: EAGLE's drafter (fc over [embedding, feature], one decoder layer). mtp: a "
+                   "multi-token-prediction module in DeepSeek-V3's layout (the embedding and the feature each "
+                   "RMS-normed, concatenated, eh_proj, one block; the target's own embedding, final norm and head), "
+                   "kept in <cache>/mtp-layout; `nanospec-fx e2e --drafter eagle --eagle-dir <cache>/mtp-layout` "
+                   "measures it.")
 @click.option("--vllm-out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Train the drafter in the layout vLLM's `eagle` method runs (EAGLE-1: the target's final-norm "
                    "output as feature, no fc bias, no layer input norm, head(hidden)) and write it to this directory "
@@ -52,7 +58,7 @@ TRAIN_CORPUS = "sharegpt-train"
                    "checkpoint are kept apart from the default drafter's, in <cache>/vllm-layout (docs/vllm.md).")
 @threads_option
 def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, steps, batch, lr, token_weight, seed,
-                extract_only, fresh, cache_dir, vllm_out, threads):
+                extract_only, fresh, cache_dir, layout, vllm_out, threads):
     """Train an EAGLE drafter (one decoder layer on the target's features, its head shared) for a target model.
 
     Features are cached in shards and a rerun resumes where it stopped; the trained drafter is saved as
@@ -74,6 +80,8 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     )
 
     set_threads(threads)
+    if vllm_out and layout == "mtp":
+        fail("--vllm-out writes vLLM's EAGLE layout: it does not combine with --layout mtp")
     if window < 8 or tokens < 2 * window or val_tokens < window:
         fail(f"need --window >= 8, --tokens >= 2 x window and --val-tokens >= window; "
              f"got {window}, {tokens}, {val_tokens}")
@@ -130,10 +138,13 @@ def train_eagle(model, tokenizer, corpus, tokens, window, val_tokens, minutes, s
     counts = torch.bincount(ids.flatten(), minlength=vocab)
     frequent = torch.argsort(-counts, stable=True)
     cfg = T.TrainConfig(steps=steps, minutes=minutes, batch=batch, lr=lr, token_weight=token_weight, seed=seed)
-    layout = "vllm" if vllm_out else "nanospec"
-    drafter = T.new_drafter(target, seed, layout)
-    checkpoint = folder / "vllm-layout" if vllm_out else folder  # another architecture: never resume across them
+    arch = "vllm" if vllm_out else "mtp" if layout == "mtp" else "nanospec"
+    drafter = T.new_drafter(target, seed, arch)
+    # another architecture: its own folder, never resumed across
+    checkpoint = folder / "vllm-layout" if vllm_out else folder / "mtp-layout" if layout == "mtp" else folder
     checkpoint.mkdir(parents=True, exist_ok=True)
+    if checkpoint != folder:  # what e2e checks its requests against, beside the checkpoint it loads
+        (checkpoint / "train-prompts.txt").write_text((folder / "train-prompts.txt").read_text())
     state = checkpoint / T.TRAIN_STATE
     if fresh and state.exists():
         state.unlink()
