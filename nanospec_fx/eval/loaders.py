@@ -284,10 +284,12 @@ def _sharegpt_records():
         yield record
 
 
-def sharegpt(category: str = "conversation", pattern: str | None = None, start: int = 0) -> list[Sample]:
+def sharegpt(category: str = "conversation", pattern: str | None = None, start: int = 0,
+             chars: tuple[int, int] | None = None) -> list[Sample]:
     """First human turn -> first assistant answer of ShareGPT V3 conversations (records from ``start``).
 
-    With ``pattern`` only the conversations whose first request matches it (e.g. translation requests).
+    With ``pattern`` only the conversations whose first request matches it (e.g. translation requests); with
+    ``chars=(lo, hi)`` only the requests of ``lo`` to ``hi`` characters (long-context requests).
     """
     out, rx = [], re.compile(pattern, re.I) if pattern else None
     for i, rec in enumerate(_sharegpt_records()):
@@ -295,9 +297,36 @@ def sharegpt(category: str = "conversation", pattern: str | None = None, start: 
         if i < start or len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
             continue
         q, a = turns[0]["value"].strip(), turns[1]["value"].strip()
+        if chars is not None and not chars[0] <= len(q) <= chars[1]:
+            continue
         if q and a and (rx is None or rx.search(q[:300])):
             out.append(Sample(category, chat_prompt([], q), a, f"sharegpt:{i}"))
     return out
+
+
+def code_files(prompt_chars: int = 10_000, continuation_chars: int = 2_000) -> list[Sample]:
+    """Long code: the first ``prompt_chars`` of each Python file of the installed torch's ``nn/modules`` long
+    enough, continued by its next ``continuation_chars`` (files of the pinned torch: the same text everywhere)."""
+    root = Path(torch_module_dir()) / "nn" / "modules"
+    out = []
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if len(text) >= prompt_chars + continuation_chars:
+            out.append(Sample("long code", text[:prompt_chars], text[prompt_chars: prompt_chars + continuation_chars],
+                              f"torch-{torch_version()}:nn/modules/{path.name}"))
+    return out
+
+
+def torch_module_dir() -> str:
+    import torch
+
+    return str(Path(torch.__file__).parent)
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 def humaneval() -> list[Sample]:
@@ -393,6 +422,10 @@ CORPORA: dict[str, Callable[[], list[Sample]]] = {
     # every record an evaluation request comes from (Sample.record). Not WMT or CNN/DM: none is on PyPI.
     "sharegpt-translate": lambda: sharegpt("translation", TRANSLATE_PATTERN, start=4000),
     "sharegpt-summarize": lambda: sharegpt("summarisation", SUMMARIZE_PATTERN, start=4000),
+    # Long context (prompts of ~1.5k-4k tokens): ShareGPT requests of 6,000-16,000 characters (long records to
+    # summarise, documents, code to review) and long Python files (the pinned torch's nn/modules).
+    "sharegpt-long": lambda: sharegpt("long context", start=4000, chars=(6_000, 16_000)),
+    "code-files": code_files,
     "sample": bundled_sample,
 }
 DEFAULT_CORPORA = ["sharegpt[:32]", "humaneval[:32]", "shakespeare[:32]", "mtbench-math[:32]",

@@ -169,6 +169,17 @@ def test_corpus_files_and_slices(tmp_path):
     assert len(loaders.load_corpus("sample[:3]")) == 3
 
 
+def test_long_code_files_are_prefixes_of_the_installed_torchs_sources():
+    samples = loaders.load_corpus("code-files")
+    assert len(samples) >= 4 and {s.category for s in samples} == {"long code"}
+    for s in samples[:3]:
+        name = s.record.rsplit("/", 1)[1]
+        text = (loaders.Path(torch.__file__).parent / "nn" / "modules" / name).read_text(encoding="utf-8")
+        assert len(s.prompt) == 10_000 and text.startswith(s.prompt + s.continuation)
+        assert s.record.startswith(f"torch-{torch.__version__.split('+')[0]}:")
+    assert len(loaders.load_corpus("code-files[:2]")) == 2
+
+
 def test_missing_assets_say_how_to_install():
     with pytest.raises(loaders.MissingAsset, match="pip install some-pkg"):
         loaders._require("surely_not_an_installed_module", "pip install some-pkg")
