@@ -67,14 +67,18 @@ def e2e_eagle(data: dict) -> str:
     keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
     by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
     per_cat = table(["variant", "depth", *cats],
-                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {by[(v, d, c)]['speedup']:.2f}x"
+                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {interval(by[(v, d, c)])}"
                                    if (v, d, c) in by else "" for c in cats)] for v, d in keys])
     full = {(d, c): by[(v, d, c)] for v, d, c in by if v == "full head" and d}
 
     def against_full(r, f):
         return f"{100 * r['tau'] / f['tau']:.1f}% / {r['tokens_per_s'] / f['tokens_per_s']:.2f}x"
 
-    text = pooled + "\n\ntau / speedup over the target alone, per category:\n\n" + per_cat
+    text = pooled + "\n\ntau / speedup over the target alone [95% interval], per category:\n\n" + per_cat
+    draft_ms = table(["variant", "depth", *cats],
+                     [[v, str(d), *(f"{by[(v, d, c)]['draft_ms_per_round']:.1f}" if (v, d, c) in by else ""
+                                    for c in cats)] for v, d in keys])
+    text += "\n\ndraft ms per round, per category:\n\n" + draft_ms
     if full:  # a run without the full head (e.g. --variants context) has nothing to share it with
         ratio = table(["variant", "depth", *cats],
                       [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
@@ -135,8 +139,9 @@ def _with_full_rate(pooled: list[dict]) -> list[tuple[dict, float | None]]:
 def _eagle_pooled(pairs: list[tuple[dict, float | None]], detail: bool) -> str:
     """The pooled EAGLE table; ``detail`` adds the draft share and the identical-output check."""
     header = ["variant", "depth", "tau", "tok/s", "vs target alone", "vs full head"]
+    rows_counted = any(r.get("head_rows_per_round", 0) > 0 for r, _ in pairs)  # runs before 2026-12 have none
     header += ["draft share"] * detail + ["draft ms/round", "verify ms/round", "mean \\|A\\|"]
-    header += ["== target greedy"] * detail
+    header += ["head rows/round"] * rows_counted + ["== target greedy"] * detail
     out = []
     for r, full in pairs:
         row = [r["variant"], str(r["depth"] or ""), f"{r['tau']:.2f}", f"{r['tokens_per_s']:.2f}", interval(r),
@@ -144,6 +149,7 @@ def _eagle_pooled(pairs: list[tuple[dict, float | None]], detail: bool) -> str:
         row += [f"{100 * r['draft_share']:.0f}%"] * detail
         row += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}",
                 "" if r["active_size"] != r["active_size"] else f"{r['active_size']:,.0f}"]
+        row += [f"{r['head_rows_per_round']:.2f}" if r.get("head_rows_per_round", 0) > 0 else ""] * rows_counted
         row += ["yes" if r["identical"] else "**no**"] * detail
         out.append(row)
     return table(header, out)
