@@ -278,9 +278,9 @@ def _keeps_logits(drafter: Callable) -> bool:
     in the same convention may not, and then scores every fed position)."""
     import inspect
 
-    forward = getattr(unwrap(drafter), "forward", unwrap(drafter))
+    call = unwrap(drafter).forward if isinstance(drafter, nn.Module) else drafter  # a wrapper: its own signature
     try:
-        return "logits_to_keep" in inspect.signature(forward).parameters
+        return "logits_to_keep" in inspect.signature(call).parameters
     except (TypeError, ValueError):
         return False
 

@@ -160,3 +160,37 @@ def test_drafter_step_keeps_the_nanospec_contract():
     inputs = (ids, features, torch.full((1, k), start), slots, mask, cache.k, cache.v)
     state = assert_equivalent(drafter, inputs, options={"capacity": 64}, active_ids=[1, 2, 3], token_inputs=[0])
     assert state.contains(ids).all()
+
+
+def _step_inputs(drafter, k: int = 4, start: int = 6, length: int = 16):
+    cache = drafter.new_cache(length)
+    ids = torch.randint(0, V, (1, k), generator=torch.Generator().manual_seed(3))
+    slots = start + torch.arange(k)
+    mask = (torch.arange(length) < start) | (torch.arange(length) <= slots[:, None])
+    return (ids, torch.randn(1, k, 32), (start + torch.arange(k))[None], slots, mask, cache.k, cache.v)
+
+
+def test_logits_to_keep_scores_only_the_last_positions():
+    _, drafter = models()
+    with torch.inference_mode():
+        every, hidden = drafter(*_step_inputs(drafter))
+        last, hidden_kept = drafter(*_step_inputs(drafter), logits_to_keep=1)
+    assert every.shape[:2] == (1, 4) and last.shape[:2] == (1, 1)
+    torch.testing.assert_close(last[:, 0], every[:, -1])
+    torch.testing.assert_close(hidden_kept, hidden)  # the hidden state of every position is still returned
+
+
+def test_the_mtp_layout_normalises_both_inputs_and_keeps_the_contract():
+    target = tiny_llama(V, 1, 0)
+    config = EagleConfig.from_target(target.config)
+    config.layout = "mtp"
+    drafter = EagleDrafter(config, target.model.embed_tokens, target.lm_head, target.model.norm).eval()
+    assert drafter.fc.bias is None and drafter.trained_modules() == ("enorm", "hnorm", "fc", "layer")
+    inputs = _step_inputs(drafter)
+    with torch.inference_mode():
+        base, _ = drafter(*inputs)
+        scaled, _ = drafter(inputs[0], 1000 * inputs[1], *inputs[2:])  # hnorm: the feature's scale does not matter
+    torch.testing.assert_close(scaled, base, rtol=1e-4, atol=1e-4)
+    state = assert_equivalent(drafter, _step_inputs(drafter), options={"capacity": 64}, active_ids=[1, 2, 3],
+                              token_inputs=[0])
+    assert len(state) > 0
