@@ -20,6 +20,8 @@ position t-1) it counts whether the target's greedy next token, and the referenc
   position, verified every token: ``nanospec_fx.eval.coverage.context(R, topk=3)``, as ``nanospec-fx coverage``);
 * ``union``: the top clusters of R // 2 rows (whole clusters: ``(R // 2) // (V / C)``) and a NanoSpec set of the
   rest of the budget, their union (at most R rows);
+* ``union_filled``: NanoSpec's set of capacity R // 2 and as many whole top clusters as the rest of R holds beside
+  it at that position (``(R - |set|) // (V / C)``: the set is rarely full, so the clusters take the rows it leaves);
 * ``nanospec_in_centroids``: NanoSpec's set of capacity R restricted to the R rows of the top clusters (fewer rows).
 
 ``mean_rows`` is the mean number of rows scored per position. Only the ids and hidden states matter: no timing.
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from nanospec_fx.eval import coverage as C
 from nanospec_fx.eval import loaders
 from nanospec_fx.eval.bench.timing import PhaseTimer
+from nanospec_fx.eval.markdown import centroid_coverage
 from nanospec_fx.eval.report import machine, set_threads, write_outputs
 
 TOPK = 3
@@ -169,8 +172,8 @@ def main() -> None:
             cluster = balanced_clusters(unit, spherical_kmeans(unit, n, a.sample, a.iters, a.seed))
             mean_rows = torch.zeros(n, weight.shape[1]).index_add_(0, cluster, weight) / (vocab // n)
             layouts[n] = (cluster, cluster_ranks(hidden, mean_rows))
-        for R in budgets:
-            capacities += [R - (R // 2) // (vocab // n) * (vocab // n)]  # the union's NanoSpec part
+        for R in budgets:  # the unions' NanoSpec parts
+            capacities += [R - (R // 2) // (vocab // n) * (vocab // n), R // 2]
     capacities = sorted(set(capacities))
 
     with timer("nanospec sets"):
@@ -185,25 +188,25 @@ def main() -> None:
             cap_rest = R - k_half * per
             inter = torch.tensor([float((x < k_all).sum()) for x in inter_ranks[(R, n)]])
             inter_half = torch.tensor([float((x < k_half).sum()) for x in inter_ranks[(cap_rest, n)]])
+            k_fill = ((R - size[R // 2]) // per).long()  # clusters the rest of R holds beside the set, per position
+            inter_fill = torch.tensor([float((x < k).sum()) for x, k in zip(inter_ranks[(R // 2, n)], k_fill)])
             methods = {
                 "centroids": ({k: rank_of[k] < k_all for k in targets}, torch.full((len(positions),), float(k_all * per))),
                 "nanospec": (member[R], size[R]),
                 "union": ({k: (rank_of[k] < k_half) | member[cap_rest][k] for k in targets},
                           k_half * per + size[cap_rest] - inter_half),
+                "union_filled": ({k: (rank_of[k] < k_fill) | member[R // 2][k] for k in targets},
+                                 size[R // 2] + k_fill * per - inter_fill),
                 "nanospec_in_centroids": ({k: (rank_of[k] < k_all) & member[R][k] for k in targets}, inter),
             }
             for method, (hit, used) in methods.items():
                 rows.append({"centroids": n, "tokens_per_cluster": per, "rows": R, "method": method,
-                             "clusters": k_half if method == "union" else k_all,
-                             "nanospec_capacity": cap_rest if method == "union" else R,
+                             "clusters": {"union": k_half, "union_filled": float(k_fill.float().mean())}.get(method, k_all),
+                             "nanospec_capacity": {"union": cap_rest, "union_filled": R // 2}.get(method, R),
                              "coverage_greedy": float(hit["greedy"].float().mean()),
                              "coverage_reference": float(hit["reference"].float().mean()),
                              "mean_rows": float(used.mean()), "positions": len(positions)})
-    print("| C | R | method | greedy next token | reference next token | mean rows |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['centroids']} | {row['rows']} | {row['method']} | {100 * row['coverage_greedy']:.1f}% | "
-              f"{100 * row['coverage_reference']:.1f}% | {row['mean_rows']:,.0f} |")
+    print(centroid_coverage({"rows": rows}))
     meta = {"command": "python benchmarks/centroid_coverage.py " + " ".join(sys.argv[1:]),
             "model": a.model, "corpus": a.corpus, "requests": len(reqs), "positions": len(positions),
             "max_prompt": a.max_prompt, "max_new": a.max_new, "topk": TOPK, "kmeans_sample": a.sample,
