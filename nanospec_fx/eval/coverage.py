@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -167,6 +167,19 @@ def simulate(req: Request, policy: Policy, verify_every: int = 1) -> Trace:
     if not policy.context:
         s = set(policy.static)
         return Trace(sum(t in s for t in cont), [len(s)] * len(cont))
+    trace = Trace(0)
+    for t, active in replay(req, policy, verify_every):
+        trace.hits += req.ids[t] in active
+        trace.sizes.append(len(active))
+    return trace
+
+
+def replay(req: Request, policy: Policy, verify_every: int = 1) -> Iterator[tuple[int, RingModel | LruSet]]:
+    """The context set of ``policy`` along ``req``: ``(t, active)`` for each continuation position t of ``req.ids``,
+    ``active`` as it is when token t has to be drafted (the same object, changed after the next step: read it
+    before advancing). Token t is committed (observed) once the consumer asks for the next one."""
+    if not policy.context:
+        raise ValueError(f"policy {policy.name} has no context set to replay")
     if policy.topk and req.predicted is None:
         raise ValueError(f"policy {policy.name} needs the target's predictions; the request has none")
     pred = req.predicted
@@ -178,16 +191,14 @@ def simulate(req: Request, policy: Policy, verify_every: int = 1) -> Trace:
         if k and j and policy.prompt_topk:
             active.observe(pred[j][:k])
         active.observe((ids[j],))
-    trace, known = Trace(0), n_prompt - 1  # predictions known for tokens <= known
+    known = n_prompt - 1  # predictions known for tokens <= known
     for t in range(n_prompt, len(ids)):
         if k and (t - n_prompt) % verify_every == 0:  # a round was verified: its top-k are known now
             for j in range(known + 1, t):
                 active.observe(pred[j][:k])
             known = t - 1
-        trace.hits += ids[t] in active
-        trace.sizes.append(len(active))
+        yield t, active
         active.observe((ids[t],))  # committed (and fed to the drafter as an input)
-    return trace
 
 
 @dataclass
@@ -238,6 +249,13 @@ def target_predictions(model: torch.nn.Module, ids: list[int], k: int, chunk: in
     The head runs on ``chunk`` positions at a time so a 262k vocabulary never needs [L, V] at once.
     Only the ranking matters, so monotonic post-processing of the logits (soft-capping) is skipped.
     """
+    return teacher_forced(model, ids, k, chunk)[0]
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module, ids: list[int], k: int, chunk: int = 256
+                   ) -> tuple[list[list[int]], torch.Tensor]:
+    """:func:`target_predictions` and the final (normed) hidden states ``[len(ids), H]`` the head read."""
     base = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
     hidden = base(input_ids=torch.tensor([ids])).last_hidden_state[0]
@@ -245,4 +263,4 @@ def target_predictions(model: torch.nn.Module, ids: list[int], k: int, chunk: in
     for i in range(0, len(ids) - 1, chunk):
         logits = head(hidden[i: min(i + chunk, len(ids) - 1)])
         out += logits.topk(k, dim=-1).indices.tolist()
-    return out
+    return out, hidden

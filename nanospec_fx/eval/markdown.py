@@ -28,6 +28,22 @@ def coverage(data: dict) -> str:
     return table(["policy", *cats, "mean \\|A\\|", "p95 \\|A\\|"], out)
 
 
+CENTROID_METHODS = {"centroids": "centroids", "nanospec": "nanospec", "union": "union",
+                    "union_filled": "union, filled", "nanospec_in_centroids": "nanospec within centroids"}
+
+
+def centroid_coverage(data: dict) -> str:
+    """``benchmarks/centroid_coverage.py``: per (C, R), each method's coverage of the greedy / reference next token
+    (mean rows scored)."""
+    by = {(r["centroids"], r["rows"], r["method"]): r for r in data["rows"]}
+    shapes = list(dict.fromkeys((r["centroids"], r["tokens_per_cluster"], r["rows"]) for r in data["rows"]))
+    methods = [m for m in CENTROID_METHODS if any(r["method"] == m for r in data["rows"])]
+    out = [[f"{c} ({per})", f"{rows:,}"] + [
+        f"{pct(r['coverage_greedy'])} / {pct(r['coverage_reference'])} ({r['mean_rows']:,.0f})"
+        for r in (by[(c, rows, m)] for m in methods)] for c, per, rows in shapes]
+    return table(["C (tokens per cluster)", "R", *(CENTROID_METHODS[m] for m in methods)], out)
+
+
 def head(data: dict) -> str:
     rows = [r for r in data["rows"]]
     sweep_start = next((i for i in range(1, len(rows))
@@ -108,9 +124,9 @@ def interval(r: dict) -> str:
 def render(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = data["rows"]
-    kind = ("coverage" if "coverage" in rows[0] else "head" if "of_limit" in rows[0] else
+    kind = ("coverage" if "coverage" in rows[0] else "centroid_coverage" if "coverage_greedy" in rows[0] else "head" if "of_limit" in rows[0] else
             "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
-    body = {"coverage": coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
+    body = {"coverage": coverage, "centroid_coverage": centroid_coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
     meta = data["meta"]
     shards = meta.get("shards")  # `nanospec-fx e2e-merge`: each piece's provenance, not the merge's own
     if shards:

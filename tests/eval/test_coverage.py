@@ -41,6 +41,18 @@ def test_target_topk_is_known_only_after_verification():
     assert tr.hits == 2
 
 
+def test_replay_gives_the_set_each_token_is_drafted_from():
+    # prompt 10 11; the target's top-1 for tokens 1..4: 11, 20, 30, 40; continuation 20 21 (capacity 3: FIFO)
+    prompt, cont = [10, 11], [20, 21]
+    predicted = [[], [11], [30], [40]]
+    sets = [(t, sorted(active)) for t, active in C.replay(req(prompt, cont, predicted), C.context(3, topk=1))]
+    # token 2 (20): the prompt and the guess at prompt position 1 (11); token 3 (21): + 20 committed, + 30 (the
+    # guess for token 2, verified), which evicts the oldest (10)
+    assert sets == [(2, [10, 11]), (3, [11, 20, 30])]
+    with pytest.raises(ValueError, match="no context set"):
+        next(C.replay(req(prompt, cont), C.static([1], 1)))
+
+
 def test_prefill_adds_the_targets_guesses_at_prompt_positions():
     prompt, cont = [10, 11, 12], [30]
     predicted = [[], [30], [12], [40]]  # guess for prompt token 1 was 30

@@ -106,3 +106,14 @@ def test_the_report_script_prints_the_library_tables(tmp_path):
     path.write_text(json.dumps({"rows": rows, "meta": {"command": "nanospec-fx e2e --drafter eagle"}}))
     assert _script().main([str(path)]) == _report().render(path)
     assert _script().main(["--sweep", str(path)]) == _report().eagle_sweep([path])
+
+
+def test_centroid_coverage_report_pivots_methods_per_shape(tmp_path):
+    rows = [{"centroids": 16, "tokens_per_cluster": 4, "rows": 8, "method": m, "coverage_greedy": g,
+             "coverage_reference": r, "mean_rows": n} for m, g, r, n in
+            (("centroids", 0.5, 0.25, 8), ("nanospec", 0.75, 0.5, 3.4), ("union", 0.875, 0.625, 6.6))]
+    path = tmp_path / "centroid-coverage-x.json"
+    path.write_text(json.dumps({"rows": rows, "meta": {"command": "python benchmarks/centroid_coverage.py"}}))
+    lines = _report().render(path).splitlines()
+    assert "| C (tokens per cluster) | R | centroids | nanospec | union |" in lines
+    assert "| 16 (4) | 8 | 50.0% / 25.0% (8) | 75.0% / 50.0% (3) | 87.5% / 62.5% (7) |" in lines
