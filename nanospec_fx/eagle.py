@@ -20,6 +20,8 @@ either kind of target, is :func:`nanospec_fx.speculative.decode`.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -276,11 +278,16 @@ def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torc
 def _keeps_logits(drafter: Callable) -> bool:
     """Whether the drafter's forward takes ``logits_to_keep`` (an :class:`EagleDrafter` does; a user's callable
     in the same convention may not, and then scores every fed position)."""
-    import inspect
+    if isinstance(drafter, nn.Module):
+        return _takes_keep(type(unwrap(drafter)).forward)
+    return _takes_keep(drafter if inspect.isfunction(drafter) else type(drafter).__call__)  # a wrapper: its own
 
-    call = unwrap(drafter).forward if isinstance(drafter, nn.Module) else drafter  # a wrapper: its own signature
+
+@functools.lru_cache(maxsize=None)
+def _takes_keep(function: Callable) -> bool:
+    """Once per function (feed runs every round): does its signature name ``logits_to_keep``?"""
     try:
-        return "logits_to_keep" in inspect.signature(call).parameters
+        return "logits_to_keep" in inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
 

@@ -82,23 +82,23 @@ def e2e_eagle(data: dict) -> str:
     cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
     keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
     by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
-    per_cat = table(["variant", "depth", *cats],
-                    [[v, str(d), *(f"{by[(v, d, c)]['tau']:.2f} / {interval(by[(v, d, c)])}"
-                                   if (v, d, c) in by else "" for c in cats)] for v, d in keys])
+
+    def per_category(cell, variants=keys) -> str:  # one row per (variant, depth), one column per category
+        return table(["variant", "depth", *cats],
+                     [[v, str(d), *(cell(v, d, c) if (v, d, c) in by else "" for c in cats)] for v, d in variants])
+
+    per_cat = per_category(lambda v, d, c: f"{by[(v, d, c)]['tau']:.2f} / {interval(by[(v, d, c)])}")
     full = {(d, c): by[(v, d, c)] for v, d, c in by if v == "full head" and d}
 
     def against_full(r, f):
         return f"{100 * r['tau'] / f['tau']:.1f}% / {r['tokens_per_s'] / f['tokens_per_s']:.2f}x"
 
     text = pooled + "\n\ntau / speedup over the target alone [95% interval], per category:\n\n" + per_cat
-    draft_ms = table(["variant", "depth", *cats],
-                     [[v, str(d), *(f"{by[(v, d, c)]['draft_ms_per_round']:.1f}" if (v, d, c) in by else ""
-                                    for c in cats)] for v, d in keys])
+    draft_ms = per_category(lambda v, d, c: f"{by[(v, d, c)]['draft_ms_per_round']:.1f}")
     text += "\n\ndraft ms per round, per category:\n\n" + draft_ms
     if full:  # a run without the full head (e.g. --variants context) has nothing to share it with
-        ratio = table(["variant", "depth", *cats],
-                      [[v, str(d), *(against_full(by[(v, d, c)], full[(d, c)]) if (v, d, c) in by and (d, c) in full
-                                     else "" for c in cats)] for v, d in keys if v != "full head"])
+        ratio = per_category(lambda v, d, c: against_full(by[(v, d, c)], full[(d, c)]) if (d, c) in full else "",
+                             [k for k in keys if k[0] != "full head"])
         text += ("\n\nAgainst EAGLE with the full head (the paper's baseline; same depth, same requests): "
                  "tau as a share of its tau / tokens/s ratio, per category:\n\n" + ratio)
     if data.get("comparisons"):
