@@ -40,6 +40,7 @@ from . import reference
 from .dispatch import implementation_for
 from .selection import triton_op_choice
 from .schema import arguments, check_num_pinned, mutated, schema_of
+from .state_lock import serialised_op
 
 
 def _want_triton_op() -> bool:
@@ -176,7 +177,8 @@ def _compact_argmax_fake(compact, ids, cursor, rows=None):
     return compact.new_empty(compact.shape[:-1], dtype=torch.int64)
 
 
-observe = _register("observe", _observe, _observe_fake)
+# Serialised on the state it writes: a compiled graph's observers, called from several threads, never interleave.
+observe = _register("observe", serialised_op(_observe, arguments("observe").index("ids")), _observe_fake)
 compact_logits = _register("compact_logits", _compact_logits, _compact_logits_fake)
 scatter_logits = _register("scatter_logits", _scatter_logits, _scatter_logits_fake)
 head_logits = _register("head_logits", _head_logits, _head_logits_fake)

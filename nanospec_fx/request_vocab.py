@@ -24,6 +24,7 @@ import torch
 
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
+from nanospec_fx.kernels.state_lock import holding_state_lock
 from nanospec_fx.policies import resolve, token_to_row
 from nanospec_fx.state import VocabState, as_token_ids, check_token_range
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
@@ -109,6 +110,7 @@ class RequestVocabs(VocabState):
         return cls(weight, bias, max_requests, **state.keywords())
 
     # ----------------------------------------------------------------- request rows (host bookkeeping)
+    @holding_state_lock
     def assign(self, request_id: Hashable) -> int:
         """The row of ``request_id``: its current one, or a free row emptied and seeded. ``RuntimeError`` when
         every row is taken (see :attr:`free_rows`)."""
@@ -123,6 +125,7 @@ class RequestVocabs(VocabState):
         self._reset_row(row)
         return row
 
+    @holding_state_lock
     def release(self, request_id: Hashable) -> None:
         """Empty the row of ``request_id`` and free it (the request finished or was preempted). Unknown: no-op."""
         row = self._row_of.pop(request_id, None)
@@ -132,6 +135,7 @@ class RequestVocabs(VocabState):
         self._free.append(row)
         self._free.sort()
 
+    @holding_state_lock
     def reset(self, request_id: Hashable) -> None:
         """Empty and re-seed the set of ``request_id``, keeping its row."""
         self._reset_row(self.row_of(request_id))
@@ -192,6 +196,7 @@ class RequestVocabs(VocabState):
             self._observe(torch.where(real, rows, torch.zeros_like(rows)),
                           torch.where(real[:, None], tokens, torch.full_like(tokens, -1)))
 
+    @holding_state_lock
     def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
         if not (self.observes or seeding):
             return
@@ -252,15 +257,18 @@ class RequestVocabs(VocabState):
                       DeprecationWarning, stacklevel=2)
         return self.rows
 
+    @holding_state_lock
     def active_count(self, request_id: Hashable) -> int:
         """How many tokens ``request_id`` holds (reads the count on the host)."""
         return int(self.count[self.row_of(request_id)])
 
+    @holding_state_lock
     def token_ids(self, request_id: Hashable) -> torch.Tensor:
         """The active token ids of ``request_id`` in slot order (1-D int64; reads the count on the host)."""
         row = self.row_of(request_id)
         return self._tokens_of(self.ids[row, : int(self.count[row])])
 
+    @holding_state_lock
     def contains(self, request_id: Hashable, token_ids: Any) -> torch.Tensor:
         """Bool tensor: which of ``token_ids`` the set of ``request_id`` holds (out-of-range ids: False)."""
         return self._holds(self.slot_of[self.row_of(request_id)], as_token_ids(token_ids).to(self.device))

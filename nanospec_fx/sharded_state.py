@@ -24,6 +24,7 @@ from nanospec_fx.collectives import (
 from nanospec_fx.consensus import store_exchange
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE
+from nanospec_fx.kernels.state_lock import holding_state_lock
 from nanospec_fx.request_vocab import RequestVocabs
 from nanospec_fx.state import ActiveVocab, registered_state, state_for
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig
@@ -162,6 +163,7 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
         (a host read of two ints). Sticky: the sets differ until ``reset()`` on every rank."""
         raise_if_diverged(self.fetch_check.tolist(), self.shard, "compiled draft step")
 
+    @holding_state_lock
     def reset(self) -> None:
         self.fetch_check.zero_()
         super().reset()
@@ -200,6 +202,7 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
                         num_pinned=self.num_pinned)
             write_observed(x, rows, bias_rows, self.slot_of, self.cache_w, self.cache_b, self.shard.vocab_size)
 
+    @holding_state_lock
     def refresh(self) -> None:
         """Re-copy the rows of every slot from their owner shards (one ``[C, H]`` all-reduce: on every rank)."""
         with torch.no_grad(), torch.inference_mode(False):
@@ -246,6 +249,7 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
     def _head_rows(self, weight: torch.Tensor) -> int:
         return self.sharded_rows
 
+    @holding_state_lock
     def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
         if not (self.observes or seeding):
             return
@@ -266,6 +270,7 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
                             **dict(zip(STATE, self.tensors())), num_pinned=self.num_pinned, rows=rows)
                 write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
 
+    @holding_state_lock
     def refresh(self) -> None:
         """Re-copy every cached row from the owner shards (one ``[C, H]`` all-reduce per request row: on every
         rank)."""

@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nanospec_fx.kernels import ops
 # The state tensors a compiled graph receives, in order (declared once, with the op schemas).
 from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
+from nanospec_fx.kernels.state_lock import holding_state_lock, state_lock
 from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
@@ -95,6 +96,7 @@ class VocabState(FollowsWeightWrites):
         """The token ids of active head rows (a copy)."""
         return (self.row_to_token[head_rows] if self.row_to_token is not None else head_rows).clone()
 
+    @holding_state_lock
     def refresh(self) -> None:
         """Re-copy the head rows of the active tokens from the head's current weight and bias.
 
@@ -258,6 +260,7 @@ class ActiveVocab(VocabState):
         self.generation += 1  # compiled graphs that pass the bias as an input (target observers) take the new one
 
     # ----------------------------------------------------------------- user API
+    @holding_state_lock
     def observe(self, token_ids: Any, validate: bool = True) -> None:
         """Add token ids (any shape, duplicates allowed) to the active vocabulary.
 
@@ -275,6 +278,7 @@ class ActiveVocab(VocabState):
             self.refresh_if_stale()
             self._insert(token_ids)
 
+    @holding_state_lock
     def reset(self) -> None:
         """Empty the set in place (compiled graphs keep using the same tensors), then re-seed it."""
         with torch.no_grad():
@@ -292,10 +296,12 @@ class ActiveVocab(VocabState):
         finally:
             self.reset()
 
+    @holding_state_lock
     def token_ids(self) -> torch.Tensor:
         """The active token ids as a 1-D int64 tensor, in slot order (reads the count on the host)."""
         return self._tokens_of(self.ids[: len(self)])
 
+    @holding_state_lock
     def contains(self, token_ids: Any) -> torch.Tensor:
         """Bool tensor of the ids' shape: which of ``token_ids`` are active (out-of-range ids are not).
         Accepts what :meth:`observe` accepts (nested lists come back flattened)."""
@@ -361,11 +367,12 @@ class ActiveVocab(VocabState):
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
         fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed))
-        kept = self.token_ids() if self.observes else None
-        keep = {"_users": self._users, "generation": self.generation + 1,
-                "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
-        self.__dict__.update(fresh.__dict__)
-        self.__dict__.update(keep)
+        with state_lock(self.ids):  # no observe of the old tensors is lost between reading and replacing them
+            kept = self.token_ids() if self.observes else None
+            keep = {"_users": self._users, "generation": self.generation + 1,
+                    "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
+            self.__dict__.update(fresh.__dict__)
+            self.__dict__.update(keep)
         if kept is not None and kept.numel():
             self.observe(kept, validate=False)  # ids the new head cannot produce are skipped
 
