@@ -43,7 +43,7 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             created = _create_on_demand(module, head)
             if created is not None:
                 return created
-        known = sorted(n for names in found.values() for n in names)
+        known = sorted({n for names in found.values() for n in names})
         candidates = sorted(n for n, t in module_tensors(module) if t.dim() == 2)
         raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}; "
                        f"the 2-D parameters and buffers of {type(module).__name__} it may name: {candidates or 'none'}")

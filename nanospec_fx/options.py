@@ -133,6 +133,23 @@ def mode_config(mode: str | None) -> dict[str, Any]:
     return dict(list_mode_options(mode))
 
 
+def with_mode(options: dict | None, mode: str | None) -> dict | None:
+    """``options`` with the inductor config of the ``torch.compile`` mode ``mode`` merged under them: what
+    ``nanospec_fx.compile(m, capacity=16, mode="max-autotune")`` passes to ``torch.compile``, which refuses ``mode=``
+    beside ``options=``. Keys ``options`` gives win over the mode's. An unknown mode: :class:`OptionError` saying
+    what to write instead."""
+    if mode is None:
+        return options
+    try:
+        patches = mode_config(mode)
+    except (RuntimeError, TypeError) as exc:
+        raise OptionError(
+            f"{exc}; or leave mode out and give its inductor config as options, e.g. "
+            "nanospec_fx.compile(model, capacity=..., max_autotune=True)") from None
+    merged = {**patches, **(options or {})}
+    return merged or None
+
+
 def split_keywords(options: dict | None, keywords: dict) -> tuple[dict | None, dict]:
     """``(options, torch.compile keywords)``: the nanospec options passed as keywords (``capacity=64``, as
     ``attach`` and ``speculative_pair`` take them) joined to ``options``; the other keywords are torch.compile's."""

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from nanospec_fx import diagnosis
 from nanospec_fx.lookup import head_parameters
-from nanospec_fx.options import NanoSpecOptions
+from nanospec_fx.options import NanoSpecOptions, with_mode
 from nanospec_fx.state import ActiveVocab, state_for
 
 
@@ -148,6 +148,8 @@ def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = F
     ``in_place`` the module itself is compiled (``model.compile(...)``, what transformers' assisted
     generation needs) and returned. ``compile_kwargs`` go to ``torch.compile`` (``dynamic``, ``fullgraph``...).
     """
+    # torch.compile refuses mode= beside options=: the mode's inductor config joins the options instead
+    options = with_mode(options, compile_kwargs.pop("mode", None))
     NanoSpecOptions.parse(options)
     _check_not_wrapped(model, "nanospec_fx.compile")
     diagnosis.install()  # say when Dynamo skips a frame it compiles for nanospec
