@@ -167,10 +167,14 @@ def _agree(heads: list[HeadMatch], rewritable: list, said: list[str], opts: Nano
         rewritten = any(r[0] is head for r in rewritable)
         observers = getattr(head, "observers", None)  # each observer runs a collective: the same count too
         shapes = getattr(head, "observer_shapes", None)
+        weight = head.weight.meta.get("example_value", head.weight.meta.get("val"))
+        # a head of another dtype or shape on one rank would fetch rows of other sizes (gloo aborts): agreed here
+        layout = (f", head {str(weight.dtype).removeprefix('torch.')} {list(weight.shape)}"
+                  if isinstance(weight, torch.Tensor) else "")
         if failure is not None:
             decision = f"{head.name} failed to compile ({failure})"
         elif rewritten:
-            decision = (f"{head.name} rewritten with {opts.vocab_config}"
+            decision = (f"{head.name} rewritten with {opts.vocab_config}{layout}"
                         + (f", {observers} input observer(s)" if observers is not None else "")
                         + (f" of ids shaped {', '.join(shapes)}" if shapes else ""))
         else:

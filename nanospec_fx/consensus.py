@@ -5,15 +5,25 @@ another rank's collective of another size (gloo aborts the process) or wait for 
 through the group's store, a side channel with a timeout (:func:`store_exchange`), so a rank left alone ends in a
 clear error on every rank, not a hang; a per-call flag is agreed with one all-reduce of one int
 (:func:`all_ranks`).
+
+Every collective of nanospec's own (an eager observe's fetch, a refresh, a compiled step whose graph fetches rows or
+whose head reads the replicated rows) is preceded by a *check-in* through the same store (:func:`check_in`): each
+rank says which step it is at and what it holds (its head shard's dtype and shape, whether it was written since,
+how many times its set was reset). Ranks at different steps, or holding different heads, all raise
+:class:`~nanospec_fx.collectives.RanksDiverged` before anyone enters a collective; a rank that does not come (it
+raised, ran the drafter eagerly, observed once more) leaves the others waiting at most the store's timeout, then
+they raise naming it and its last step, and the first such message is the one every rank raises.
 """
 from __future__ import annotations
 
 import datetime
+import json
+import time
 
 import torch
 import torch.distributed as dist
 
-from nanospec_fx.collectives import resolve_group
+from nanospec_fx.collectives import RanksDiverged, resolve_group
 
 _exchanges: dict[tuple[str, str], int] = {}  # (group, topic) -> how many exchanges this process made
 
@@ -35,24 +45,108 @@ def store_exchange(group_name: str, topic: str, value: str, what: str) -> list[s
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     store = _get_process_group_store(group)
+    raise_failure(store)
     count = _exchanges[(group_name, topic)] = _exchanges.get((group_name, topic), 0) + 1
     keys = [f"nanospec/{topic}/{count}/{r}" for r in range(world)]
+    store.set(_last_key(rank), f"{what} (exchange {count} of '{topic}')")
     store.set(keys[rank], value)
-    try:
-        store.wait(keys, store.timeout)
-    except RuntimeError:  # DistStoreError: a timeout
+    if not _wait_all(store, keys):
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         message = (f"nanospec: rank {rank} of a tensor-parallel group started {what}, and rank(s) {missing} did not "
-                   f"within {store.timeout.total_seconds():.0f} s (exchange {count} of '{topic}'). The ranks left "
+                   f"within {store.timeout.total_seconds():.0f} s (exchange {count} of '{topic}'; "
+                   f"{_last_steps(store, missing)}). The ranks left "
                    "the same program: every rank must compile together (a torch._dynamo.reset(), another input "
                    "shape or dtype that fails a guard, or a graph only some ranks reach recompile one rank alone) "
                    "and change the head together. The process group is now unusable on every rank.")
-        store.set(FAILURE_KEY, message)
-        raise RuntimeError(message) from None
+        leave_failure(store, message, RuntimeError)
     return [store.get(key).decode() for key in keys]
 
 
 FAILURE_KEY = "nanospec/failure"
+_POLL = datetime.timedelta(seconds=1)  # how often a waiting rank looks for another rank's failure message
+
+
+def _last_key(rank: int) -> str:
+    return f"nanospec/last/{rank}"
+
+
+def _last_steps(store, ranks: list[int]) -> str:
+    """What ``ranks`` last did with the store (their last check-in or exchange), for an error message."""
+    def last(r):
+        return store.get(_last_key(r)).decode() if store.check([_last_key(r)]) else "nothing yet"
+    return "last step of " + "; ".join(f"rank {r}: {last(r)}" for r in ranks)
+
+
+def raise_failure(store) -> None:
+    """Raise the message a rank of the group left when it gave up (the group is unusable): before any exchange, so a
+    rank never enters a collective the others have left."""
+    if store.check([FAILURE_KEY]):
+        raise RanksDiverged(store.get(FAILURE_KEY).decode())
+
+
+def leave_failure(store, message: str, kind: type = RanksDiverged) -> None:
+    """Leave ``message`` for the other ranks unless one left its own first (then raise that one: every rank raises
+    the same message), and raise it."""
+    first = store.compare_set(FAILURE_KEY, "", message).decode()
+    raise (kind if first == message else RanksDiverged)(first)
+
+
+def _wait_all(store, keys: list[str]) -> bool:
+    """Wait until every key is set (True), at most the store's timeout (False), looking every second for a failure
+    another rank left (raised at once: nobody waits out a timeout another rank already gave up on)."""
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while True:
+        try:
+            store.wait(keys, min(_POLL, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+            return True
+        except RuntimeError:  # DistStoreError: not yet
+            raise_failure(store)
+            if time.monotonic() >= deadline:
+                return False
+
+
+_check_ins: dict[str, int] = {}  # group -> how many check-ins this process made
+
+
+def check_in(group_name: str, step: str, facts: dict) -> list[dict]:
+    """Every rank's ``facts`` (JSON values) at its next check-in, in rank order, after checking that every rank is
+    at the same ``step`` (a short name: "observe", "compiled draft step"...).
+
+    Called before each collective of nanospec's own, so the ranks meet in the store (bounded) before they meet in
+    the collective (unbounded, or aborting on sizes). Ranks at different steps raise :class:`RanksDiverged`
+    listing each rank's step, at once; a rank that does not come within the store's timeout is named with its last
+    step, and that message is left for the others (:func:`leave_failure`). Costs one store round trip per rank
+    (a set, a wait, a get each), no device sync."""
+    group = resolve_group(group_name)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "fake":
+        return [{"step": step, **facts}] * world
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    store = _get_process_group_store(group)
+    raise_failure(store)
+    count = _check_ins[group_name] = _check_ins.get(group_name, 0) + 1
+    keys = [f"nanospec/check-in/{count}/{r}" for r in range(world)]
+    store.set(_last_key(rank), f"check-in {count}, {step}")
+    store.set(keys[rank], json.dumps({"step": step, **facts}))
+    if not _wait_all(store, keys):
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        leave_failure(store, (
+            f"nanospec: rank {rank} of a tensor-parallel group reached check-in {count} ({step}) and rank(s) "
+            f"{missing} did not within {store.timeout.total_seconds():.0f} s ({_last_steps(store, missing)}). A rank "
+            "raised, ran the drafter outside nanospec, observed, reset or compiled alone: every rank must make the "
+            "same nanospec calls in the same order (SPMD). The process group is now unusable on every rank."))
+    records = [json.loads(store.get(key)) for key in keys]
+    if count > 1:  # every rank has read check-in count - 1 (it set this one after): keep the store small
+        store.delete_key(f"nanospec/check-in/{count - 1}/{rank}")
+    steps = [r["step"] for r in records]
+    if len(set(steps)) > 1:
+        listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise RanksDiverged(
+            f"nanospec: the ranks of a tensor-parallel group are at different steps at check-in {count} ({listed}): "
+            "a rank observed, reset or ran a draft step the others did not. Every rank must make the same nanospec "
+            "calls in the same order (SPMD); every rank raises this before any collective.")
+    return records
 
 
 def explain_failure(group_name: str, error: BaseException) -> None:

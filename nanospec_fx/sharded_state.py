@@ -19,9 +19,9 @@ import functools
 import torch
 
 from nanospec_fx.collectives import (
-    VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged, state_digest,
+    RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged, state_digest,
 )
-from nanospec_fx.consensus import store_exchange
+from nanospec_fx.consensus import check_in
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE
 from nanospec_fx.kernels.state_lock import holding_state_lock
@@ -86,15 +86,19 @@ class AgreesOnRanks:
     * **Ids out of range** (``observe(..., validate=True)``): not raised before the fetch on the rank that got them
       (the others would then wait in theirs), but flagged in the fetch's check column: every rank raises the same
       ``ValueError`` and no rank changes its set.
-    * **Stale rows** (the head shard written in place): a rank that sees it refreshes only after every rank said
-      so through the group's store (a ``[C, H]`` all-reduce on one rank alone would meet another rank's per-step
-      fetch: a hang, or gloo aborting on the sizes). A rank whose shard alone changed gets a clear error after the
-      store's timeout.
+    * **Stale rows** (the head shard written in place): every rank refreshes together when every rank's shard was
+      written (a ``[C, H]`` all-reduce on one rank alone would meet another rank's per-step fetch: a hang, or gloo
+      aborting on the sizes); when only some were, every rank raises :class:`RanksDiverged` naming them.
+    * **The step and the head** (:meth:`check_in`, before every collective and every compiled step): ranks at another
+      step, whose head shards differ in dtype or shape, or whose sets were reset a different number of times, all
+      raise :class:`RanksDiverged`, before any collective.
     """
 
     shard: VocabShard
     _invalid = False
     observes_meet_the_ranks = True
+    _step: str | None = None  # the eager call under way ("observe"); None: a compiled draft step
+    _since_reset = 0  # check-ins passed since this rank last emptied its set: equal on every rank while the sets are
 
     def _check_range(self, tokens: torch.Tensor) -> None:
         try:
@@ -110,14 +114,53 @@ class AgreesOnRanks:
         return torch.tensor(int(invalid))
 
     def refresh_if_stale(self) -> bool:
+        """Check in with every rank (:meth:`check_in`, at the step under way), then refresh if every rank's head
+        shard was written since. Returns whether it refreshed."""
+        return self.check_in(self._step or "compiled draft step")
+
+    def check_in(self, step: str) -> bool:
+        """Meet every rank of the group in its store before a collective (:func:`~nanospec_fx.consensus.check_in`)
+        and compare what each holds: the step, its head shard's dtype and shape (a fetch of other sizes aborts gloo),
+        how many steps since its set was reset, and whether its shard was written since the rows were cached. The same
+        :class:`RanksDiverged` on every rank where they differ; every rank refreshes together when every shard was
+        written. Returns whether it refreshed."""
         versions = self._weight_versions()
-        if versions is None or versions == self._seen_versions:
-            return False
-        store_exchange(self.shard.group_name, "refresh", "stale", what=(
-            "a refresh of the replicated head rows: the head shard was written in place on this rank (an in-place "
-            "write, load_state_dict, an optimizer step). Change the head on every rank together"))
-        self.refresh()
-        return True
+        stale = versions is not None and versions != self._seen_versions
+        head = [(str(t.dtype), list(t.shape)) if t is not None else None
+                for t in (local_shard(self.weight), local_shard(self.bias))]
+        records = check_in(self.shard.group_name, step, {"head": head, "since_reset": self._since_reset,
+                                                          "stale": stale})
+        if len({json_key(r["head"]) for r in records}) > 1:
+            listed = "; ".join(f"rank {i}: {r['head']}" for i, r in enumerate(records))
+            raise RanksDiverged(
+                f"nanospec: the ranks of a tensor-parallel group hold head shards of different dtypes or shapes "
+                f"(weight, bias) at {step} ({listed}): their row fetches would differ in size (gloo aborts the "
+                "process) and their rows in value. Every rank must hold the same head layout; every rank raises "
+                "this before any collective.")
+        since = [r["since_reset"] for r in records]
+        if len(set(since)) > 1:  # stays so (no rank counts on) until every rank resets between the same steps
+            listed = "; ".join(f"rank {i}: {n}" for i, n in enumerate(since))
+            raise RanksDiverged(
+                f"nanospec: the replicated active sets of a tensor-parallel group differ at {step}: the ranks last "
+                f"reset them at different steps (steps since: {listed}; a reset() or request() on some ranks only). "
+                "Call reset() on every rank (nanospec_fx.active_vocab(model).reset()); every rank raises this "
+                "until then.")
+        self._since_reset += 1
+        written = [i for i, r in enumerate(records) if r["stale"]]
+        if written and len(written) < len(records):
+            raise RanksDiverged(
+                f"nanospec: the head shard was written in place on rank(s) {written} only (an in-place write, "
+                f"load_state_dict, an optimizer step) at {step}: the replicated rows of the other ranks would stay "
+                "stale. Change the head on every rank together; every rank raises this, no rank refreshed.")
+        if written:
+            self._fetch_all_rows()
+        return bool(written)
+
+    def refresh(self) -> None:
+        """Re-copy every cached row from its owner shard (a ``[C, H]`` all-reduce: call it on every rank), after a
+        check-in (:meth:`check_in`)."""
+        if not self.check_in("refresh"):
+            self._fetch_all_rows()
 
 
 class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
@@ -163,10 +206,23 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
         (a host read of two ints). Sticky: the sets differ until ``reset()`` on every rank."""
         raise_if_diverged(self.fetch_check.tolist(), self.shard, "compiled draft step")
 
+    def observe(self, token_ids, validate: bool = True) -> None:
+        self._step = "observe"  # the check-in before its fetch names the step
+        try:
+            super().observe(token_ids, validate)
+        finally:
+            self._step = None
+
     @holding_state_lock
     def reset(self) -> None:
         self.fetch_check.zero_()
+        self._since_reset = 0
         super().reset()
+
+    def _seed(self) -> None:
+        if self.seed_ids is not None and hasattr(self, "fetch_check"):
+            self.check_in("seed the set")  # seeding fetches rows: a collective like any observe
+        super()._seed()
 
     def fits(self, weight: torch.Tensor) -> bool:
         local = local_shard(weight)
@@ -203,7 +259,7 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
             write_observed(x, rows, bias_rows, self.slot_of, self.cache_w, self.cache_b, self.shard.vocab_size)
 
     @holding_state_lock
-    def refresh(self) -> None:
+    def _fetch_all_rows(self) -> None:
         """Re-copy the rows of every slot from their owner shards (one ``[C, H]`` all-reduce: on every rank)."""
         with torch.no_grad(), torch.inference_mode(False):
             rows = torch.clamp(self.ids, min=0)
@@ -253,7 +309,7 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
     def _observe(self, rows: torch.Tensor, tokens: torch.Tensor, seeding: bool = False) -> None:
         if not (self.observes or seeding):
             return
-        self.refresh_if_stale()
+        self.check_in("seed a request row" if seeding else "observe")
         flag = self._take_invalid()
         with torch.no_grad():
             head_rows = self._rows_of_tokens(tokens).reshape(tokens.shape)
@@ -271,7 +327,7 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
                 write_request_rows(rows, head_rows, fetched, self.slot_of, self.cache_w)
 
     @holding_state_lock
-    def refresh(self) -> None:
+    def _fetch_all_rows(self) -> None:
         """Re-copy every cached row from the owner shards (one ``[C, H]`` all-reduce per request row: on every
         rank)."""
         with torch.no_grad(), torch.inference_mode(False):
@@ -282,6 +338,11 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", shard={self.shard.rank}/{self.shard.world_size})"
+
+
+def json_key(value) -> str:
+    """A fact of a check-in as a comparable string."""
+    return repr(value)
 
 
 def write_request_rows(rows: torch.Tensor, head_rows: torch.Tensor, fetched: torch.Tensor, slot_of: torch.Tensor,

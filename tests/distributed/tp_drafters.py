@@ -35,6 +35,21 @@ def gather_movedim(local: torch.Tensor, tp: int) -> torch.Tensor:
     return ranked.reshape(tuple(local.shape[:-1]) + (tp * local.shape[-1],))
 
 
+def gather_c10d_movedim(local: torch.Tensor, tp: int) -> torch.Tensor:
+    """c10d's ``all_gather_into_tensor`` into a fresh buffer, the rank axis then moved next to the vocabulary axis."""
+    out = local.new_empty((tp * local.shape[0],) + tuple(local.shape[1:]))
+    dist.all_gather_into_tensor(out, local)
+    ranked = out.view((tp,) + tuple(local.shape)).movedim(0, -2)
+    return ranked.reshape(tuple(local.shape[:-1]) + (tp * local.shape[-1],))
+
+
+def gather_list_movedim(local: torch.Tensor, tp: int) -> torch.Tensor:
+    """c10d's ``all_gather`` into a list, stacked on a leading rank axis then moved next to the vocabulary axis."""
+    out = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(out, local)
+    return torch.stack(out).movedim(0, -2).flatten(-2)
+
+
 def gather_stack(local: torch.Tensor, tp: int) -> torch.Tensor:
     out = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(out, local)
@@ -50,7 +65,8 @@ def gather_megatron(local: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 GATHERS = {"funcol": gather_funcol, "list": gather_list, "into_tensor": gather_into_tensor, "movedim": gather_movedim,
-           "stack": gather_stack, "megatron": gather_megatron}
+           "stack": gather_stack, "megatron": gather_megatron, "c10d_movedim": gather_c10d_movedim,
+           "list_movedim": gather_list_movedim}
 
 
 class VocabParallelDrafter(nn.Module):

@@ -49,7 +49,8 @@ def exact(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     cases = [("funcol", False, False, None), ("list", True, False, None), ("into_tensor", False, True, None),
-             ("movedim", False, False, 0.5), ("dtensor", True, False, None), ("megatron", True, False, 0.5)]
+             ("movedim", False, False, 0.5), ("dtensor", True, False, None), ("megatron", True, False, 0.5),
+             ("c10d_movedim", True, False, 0.5), ("list_movedim", False, True, None)]
     for gather, bias, inductor, scale in cases:
         torch._dynamo.reset()
         if gather == "dtensor":
@@ -568,11 +569,87 @@ def id_counts(rank: int, world: int) -> dict:
     return report
 
 
+def spmd_breaks(rank: int, world: int) -> dict:
+    """What tensor parallelism leaves to the user's SPMD program, broken on one rank: each case ends in the same
+    error on every rank, at once where the ranks meet in the store, and within the (short) timeout where one rank
+    does not come; the results stay exact where every rank does the same again."""
+    from nanospec_fx.tensor_parallel import RanksDiverged, ShardedRequestVocabs, VocabShard
+
+    report = {}
+    # observe_inputs=False: the draft step has no collective; a head shard written on one rank only was read
+    # stale by the others (silently wrong logits), and a reset on one rank only left the sets apart
+    torch._dynamo.reset()
+    model = VocabParallelDrafter(V, H, world, rank)
+    compiled = torch.compile(model, backend="nanospec", options={
+        "capacity": CAPACITY, "inductor": False, "observe_inputs": False})
+    fed = torch.tensor([[3, 50, 7, 90]])
+    with torch.no_grad():
+        compiled(fed)
+        state = nanospec_fx.active_vocab(model)
+        state.observe(fed)
+        _check_step(model, fed, compiled(fed), fed.flatten().tolist())
+        if rank == 1:
+            model.head_weight.mul_(2)
+        report["written_alone"] = _raised(lambda: compiled(fed), RanksDiverged)
+        if rank == 0:  # now written on every rank: every rank refreshes, exact again
+            model.head_weight.mul_(2)
+        _check_step(model, fed, compiled(fed), fed.flatten().tolist())
+        if rank == 1:
+            state.reset()
+        report["reset_alone"] = _raised(lambda: compiled(fed), RanksDiverged)
+        report["still_apart"] = _raised(lambda: compiled(fed), RanksDiverged)
+        state.reset()  # on every rank: one set again
+        state.observe(fed)
+        _check_step(model, fed, compiled(fed), fed.flatten().tolist())
+        # one rank observes once more: the other's next draft step meets it in the store, not in a collective
+        if rank == 1:
+            report["observed_once_more"] = _raised(lambda: state.observe([5]), RanksDiverged)
+        else:
+            report["observed_once_more"] = _raised(lambda: compiled(fed), RanksDiverged)
+        _check_step(model, fed, compiled(fed), fed.flatten().tolist())
+    # another dtype on one rank: the compile consensus names each rank's head (gloo aborted on the fetch sizes)
+    torch._dynamo.reset()
+    model = VocabParallelDrafter(V, H, world, rank).to(torch.float64 if rank == 1 else torch.float32)
+    compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    with torch.no_grad():
+        report["dtype"] = _raised(lambda: compiled(fed), Exception)
+    # per-request sets of a shard written on one rank only
+    shard_rows = 48
+    full = torch.randn(world * shard_rows, H, generator=torch.Generator().manual_seed(0))
+    shard = VocabShard(dist.group.WORLD.group_name, world, rank, shard_rows)
+    vocabs = ShardedRequestVocabs(full[rank * shard_rows:(rank + 1) * shard_rows].clone(), shard=shard,
+                                  max_requests=2, capacity=12)
+    vocabs.assign("a")
+    vocabs.observe("a", [5, 60])
+    if rank == 1:
+        vocabs.weight.mul_(3)
+    report["requests_written_alone"] = _raised(lambda: vocabs.observe("a", [7]), RanksDiverged)
+    # a rank that raises before its collective (a TypeError): the other waits in the store at most the timeout,
+    # then both raise naming that rank and its last step (the group is unusable from there: last)
+    if rank == 1:
+        _raised_plain(lambda: vocabs.observe("a", "not ids"), TypeError)
+        from nanospec_fx.consensus import FAILURE_KEY
+
+        # this rank's program goes on elsewhere (here: it waits, outside nanospec, until rank 0 gave up)
+        dist.distributed_c10d._get_default_store().wait([FAILURE_KEY], datetime.timedelta(seconds=120))
+    report["raised_before"] = _raised(lambda: vocabs.observe("a", [8]), RanksDiverged)
+    return report
+
+
+def _raised_plain(call, kind) -> None:
+    try:
+        call()
+    except kind:
+        return
+    raise AssertionError("no error on this rank")
+
+
 SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
              "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head, "diverge": diverge,
-             "recompile_alone": recompile_alone, "stale_alone": stale_alone, "id_counts": id_counts}
+             "recompile_alone": recompile_alone, "stale_alone": stale_alone, "id_counts": id_counts,
+             "spmd_breaks": spmd_breaks}
 # Scenarios that must end in an error, never a hang: a short collective and store timeout (seconds)
-SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20, "id_counts": 20}
+SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20, "id_counts": 20, "spmd_breaks": 15}
 
 
 def main() -> None:
