@@ -125,7 +125,7 @@ def test_slot_rows_need_a_padding_row():
 
 def test_v2_hooks_on_a_simulated_step(monkeypatch):
     """The V2 hooks (runner_v2, installed by v0_33 with NANOSPEC_VLLM_V2=1 and by v0_34) driven by stand-ins shaped
-    like 0.33.0's objects (read in its source; no vLLM here; tests/integrations/test_vllm_v0_34.py drives them with
+    like 0.33.0's objects (read in its source; no vLLM here; tests/integrations/test_vllm_v2_classes.py drives them with
     vLLM 0.34.0's real classes): the
     speculator's load puts a CompactLMHead in the drafter's lm_head slot (the target's head object untouched), a new
     request's slot gets a row seeded with its prompt, the rejection sampler's logits give their top-k and

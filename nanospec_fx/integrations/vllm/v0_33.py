@@ -16,7 +16,9 @@ from nanospec_fx.integrations.vllm import config, runner_v2, v0_32
 from nanospec_fx.integrations.vllm.contract import Symbol, attributes, method
 
 RELEASE = "0.33.0"
-WHEEL = "vllm"  # the CUDA build's wheel (~340 MB); only the contract's .py files are read from it
+WHEEL = "vllm"  # the CUDA build's wheel (~340 MB); the contract's .py files are read from it
+#: no 0.33 CPU build exists: the fetch keeps the wheel's Python package, whose V2 classes tests import over a CPU torch
+CLASS_TESTED_FROM_WHEEL = True
 SUPPORTED_METHODS = v0_32.SUPPORTED_METHODS
 ENV_V2 = config.ENV_V2
 

