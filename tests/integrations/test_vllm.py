@@ -50,7 +50,8 @@ def test_unsupported_version_is_an_error(version):
 
 
 @pytest.mark.parametrize("version, adapter", [("0.32.0", "v0_32"), ("0.32.1", "v0_32"), ("0.32.0+cpu", "v0_32"),
-                                              ("0.33.0", "v0_33"), ("0.33.2", "v0_33")])
+                                              ("0.33.0", "v0_33"), ("0.33.2", "v0_33"),
+                                              ("0.34.0", "v0_34"), ("0.34.1+cu130", "v0_34")])
 def test_supported_versions_pick_their_adapter(version, adapter):
     assert plugin.check_version(version).__name__ == f"nanospec_fx.integrations.vllm.{adapter}"
 

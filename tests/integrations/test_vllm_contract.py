@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nanospec_fx.integrations.vllm import ADAPTERS, adapter_module
-from nanospec_fx.integrations.vllm.contract import Symbol, attributes, check, installed_root, method, reader
+from nanospec_fx.integrations.vllm.contract import Symbol, attributes, check, class_, installed_root, method, reader
 
 SOURCE = '''
 import dataclasses
@@ -41,6 +41,7 @@ CONTRACT = (
     *attributes("runner.py", "Runner", "step", "drafter", "batch", "req_ids"),
     Symbol("runner.py", None, "helper", "function"),
     Symbol("runner.py", None, "VLLM_SOME_SWITCH", "env"),
+    class_("runner.py", "Runner", "Base"),
 )
 
 
@@ -62,11 +63,12 @@ def test_checker_accepts_the_source_it_describes():
     (('"VLLM_SOME_SWITCH"', '"VLLM_OTHER"'), "env VLLM_SOME_SWITCH in runner.py: not read by this release"),
     (("class Runner(", "class ModelRunner("), "method Runner._sample(self, logits, metadata, ...) in runner.py: no "
                                              "class Runner"),
+    (("class Runner(Base)", "class Runner(Other)"), "class Runner(Base) in runner.py: bases are (Other)"),
 ])
 def test_checker_names_each_changed_piece(edit, named):
     problems = _check(SOURCE.replace(*edit))
     assert any(named in p for p in problems), problems
-    assert len(problems) == (5 if "class" in edit[0] else 1)  # a missing class fails each of its pieces
+    assert len(problems) == (6 if "class Runner(" == edit[0] else 1)  # a missing class fails each of its pieces
 
 
 def test_checker_names_a_missing_file():

@@ -4,8 +4,8 @@ Opt-in: installing nanospec-fx registers :func:`register` (re-exported by ``nano
 ``vllm.general_plugins`` entry point, which does nothing unless ``NANOSPEC_VLLM=1`` is set in the environment of the
 vLLM processes. Modules: ``config`` (environment -> the core's ``VocabConfig``), ``head`` (the engine-agnostic
 compact head over ``RequestVocabs``), ``metrics`` (counters, record files, active/inactive), ``contract`` (what an
-adapter touches, checked against a release's source), and one adapter per vLLM release (``v0_32``, ``v0_33``): the
-only modules that touch vLLM's private API. A new vLLM release is one new adapter module ``vMAJOR_MINOR.py``
+adapter touches, checked against a release's source), one adapter per vLLM release (``v0_32``, ``v0_33``,
+``v0_34``) and the Model Runner V2 hooks they share (``runner_v2``): the only modules that touch vLLM's private API. A new vLLM release is one new adapter module ``vMAJOR_MINOR.py``
 (:data:`ADAPTERS` lists the modules found). Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
 """
 from __future__ import annotations

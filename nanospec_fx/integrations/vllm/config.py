@@ -26,6 +26,8 @@ ENV_STATIC = "NANOSPEC_VLLM_STATIC"
 ENV_STATIC_SIZE = "NANOSPEC_VLLM_STATIC_SIZE"
 ENV_ACTIVE_AFTER = "NANOSPEC_VLLM_ACTIVE_AFTER"
 ENV_HEAD = "NANOSPEC_VLLM_HEAD"
+#: which of vLLM's model runners the hooks go on, where a release has both (0.33: ``1`` = Model Runner V2)
+ENV_V2 = "NANOSPEC_VLLM_V2"
 #: policy names of earlier releases -> the core's
 DEPRECATED_POLICIES = {"dynamic": "context"}
 DEFAULT_TOPK = 3
@@ -36,6 +38,16 @@ DEFAULT_ACTIVE_AFTER = 8
 def enabled() -> bool:
     """Whether the switch is on (``NANOSPEC_VLLM`` set to 1/true/yes/on)."""
     return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def v2_requested() -> bool:
+    """Whether ``NANOSPEC_VLLM_V2`` asks for the Model Runner V2 hooks (1/true/yes/on)."""
+    return os.environ.get(ENV_V2, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def v2_setting() -> str | None:
+    """``NANOSPEC_VLLM_V2`` as set (None: unset or empty), for the adapters that say when it is ignored."""
+    return os.environ.get(ENV_V2, "").strip() or None
 
 
 def policy() -> str:

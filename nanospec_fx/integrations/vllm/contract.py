@@ -20,7 +20,8 @@ class Symbol:
 
     ``kind``: ``method`` (``def name`` in class ``owner`` whose first parameters are ``params``), ``attribute``
     (``self.name = ...`` in one of ``owner``'s methods, a class-level field, or a property), ``function`` (a
-    module-level ``def name``), ``env`` (the string ``name`` in the file: an environment variable vLLM reads)."""
+    module-level ``def name``), ``class`` (a module-level ``class name`` whose bases include ``params``), ``env``
+    (the string ``name`` in the file: an environment variable vLLM reads)."""
 
     path: str
     owner: str | None
@@ -30,12 +31,17 @@ class Symbol:
 
     def __str__(self) -> str:
         where = f"{self.owner}.{self.name}" if self.owner else self.name
-        params = f"({', '.join(self.params)}, ...)" if self.kind == "method" else ""
+        params = f"({', '.join(self.params)}, ...)" if self.kind == "method" else \
+            f"({', '.join(self.params)})" if self.kind == "class" and self.params else ""
         return f"{self.kind} {where}{params} in {self.path}"
 
 
 def method(path: str, owner: str, name: str, *params: str) -> Symbol:
     return Symbol(path, owner, name, "method", ("self",) + params)
+
+
+def class_(path: str, name: str, *bases: str) -> Symbol:
+    return Symbol(path, None, name, "class", bases)
 
 
 def attributes(path: str, owner: str, *names: str) -> tuple[Symbol, ...]:
@@ -63,6 +69,14 @@ def check(contract, read) -> list[str]:
 def _problem(symbol: Symbol, text: str, tree: ast.Module) -> str | None:
     if symbol.kind == "env":
         return None if repr(symbol.name)[1:-1] in text else "not read by this release"
+    if symbol.kind == "class":
+        found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == symbol.name]
+        if not found:
+            return "no such module-level class"
+        bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None
+                 for b in found[0].bases]
+        missing = [b for b in symbol.params if b not in bases]
+        return f"bases are ({', '.join(str(b) for b in bases)})" if missing else None
     if symbol.owner is None:
         found = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == symbol.name]
         return None if found else "no such module-level function"
@@ -126,10 +140,15 @@ def reader(root: Path):
     return read
 
 
+#: the file that says a release's whole Python package was kept (its classes are tested by importing it)
+PACKAGE_MARK = ".nanospec-package"
+
+
 def fetch(root: Path) -> None:
     """For every adapter whose release is not the installed vLLM: ``pip download`` its wheel (no dependencies) into
     a temporary folder and keep only the files its contract reads, under ``root/<version>/`` (skipped when they are
-    all there already: the folder is a cache)."""
+    all there already: the folder is a cache). An adapter with ``CLASS_TESTED_FROM_WHEEL`` keeps the wheel's whole
+    Python package there instead (no compiled extension), which its class tests import over the venv's torch."""
     import subprocess
     import tempfile
     import time
@@ -140,10 +159,11 @@ def fetch(root: Path) -> None:
     for key in ADAPTERS:
         adapter = adapter_module(key)
         dest, needed = root / adapter.RELEASE, files(adapter.CONTRACT)
+        package = getattr(adapter, "CLASS_TESTED_FROM_WHEEL", False)  # keep the whole Python package (importable)
         if installed_root(adapter) is not None:
             print(f"vLLM {adapter.RELEASE}: installed ({adapter.WHEEL}), read in place")
             continue
-        if all((dest / p).is_file() for p in needed):
+        if all((dest / p).is_file() for p in needed) and (not package or (dest / PACKAGE_MARK).is_file()):
             print(f"vLLM {adapter.RELEASE}: cached in {dest}")
             continue
         start = time.monotonic()
@@ -154,10 +174,14 @@ def fetch(root: Path) -> None:
             size = wheel.stat().st_size
             with zipfile.ZipFile(wheel) as z:
                 names = set(z.namelist())
+                if package:  # its Python files and metadata (no compiled extension: imported over a CPU torch)
+                    needed = sorted(n for n in names if n.endswith((".py", ".json")) or ".dist-info/" in n)
                 for p in needed:
                     if p in names:  # a missing file is the contract test's finding, not a fetch error
                         (dest / p).parent.mkdir(parents=True, exist_ok=True)
                         (dest / p).write_bytes(z.read(p))
+            if package:
+                (dest / PACKAGE_MARK).write_text(wheel.name)
         print(f"vLLM {adapter.RELEASE}: {len(needed)} files of {wheel.name} ({size / 1e6:.0f} MB, "
               f"{time.monotonic() - start:.0f} s) into {dest}")
 

@@ -2,7 +2,7 @@
 
 :class:`NanoSpecHead` takes plain values (the head's weight, the logits post-ops, the dense ``compute_logits`` to
 fall back on) and a :class:`~nanospec_fx.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
-version adapters (``v0_32``, ``v0_33``) read them off vLLM's objects. For Model Runner V2, whose draft loop runs in a
+version adapters (``v0_32``, ``v0_33``, ``v0_34``) read them off vLLM's objects. For Model Runner V2, whose draft loop runs in a
 captured CUDA graph, :class:`CompactLMHead` takes the drafter's ``lm_head`` slot instead and finds each batch row's
 request on the device (:class:`SlotRows`). No vLLM here.
 """
@@ -202,7 +202,7 @@ def same_where_active(compact, dense) -> bool:
     return bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * max(1.0, scale)))
 
 
-# --------------------------------------------------------------------------- Model Runner V2 (vLLM 0.33)
+# --------------------------------------------------------------------------- Model Runner V2 (vLLM 0.33, 0.34)
 #: the request id of the empty row that padded batch rows of a V2 step read (never a vLLM request id)
 PAD_ROW = ("nanospec", "padding")
 

@@ -65,12 +65,23 @@ class Activity:
             return
         self.reason = (f"NANOSPEC_VLLM=1 but the plugin is inactive: {self.steps} model steps ran on "
                        f"{runner_name} and no drafter step went through a NanoSpec head (vLLM runs unchanged). "
-                       f"{remedy()}")
+                       f"{safe_remedy(remedy)}")
         warn(self.reason)
 
     def as_dict(self) -> dict:
         return {"status": self.status(), "steps": self.steps, "hook_calls": self.hook_calls, "runner": self.runner,
                 "reason": self.reason}
+
+
+def safe_remedy(remedy) -> str:
+    """``remedy()``, or a sentence saying it could not be worked out: the warning runs inside vLLM's model step,
+    where an exception of the plugin's own (a module a release removed, an attribute it renamed) would stop the
+    engine instead of informing."""
+    try:
+        return remedy()
+    except Exception as e:  # noqa: BLE001 - the step must go on; the warning names what failed
+        return (f"(The plugin could not work out the remedy here: {type(e).__name__}: {e}.) Unset NANOSPEC_VLLM to "
+                "run vLLM without NanoSpec")
 
 
 _ACTIVITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

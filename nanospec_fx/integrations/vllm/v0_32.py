@@ -95,8 +95,29 @@ CONTRACT: tuple[Symbol, ...] = (
 )
 
 
+#: the private methods the V1 hooks wrap (each is in CONTRACT, with its parameters)
+PATCHED: tuple[Symbol, ...] = (
+    method(PROPOSER, "SpecDecodeBaseProposer", "load_model", "target_model"),
+    method(RUNNER, "GPUModelRunner", "_update_states", "scheduler_output"),
+    method(RUNNER, "GPUModelRunner", "_sample", "logits", "spec_decode_metadata"),
+    method(RUNNER, "GPUModelRunner", "propose_draft_token_ids", "scheduler_output", "sampled_token_ids"),
+    method(WORKER, "Worker", "execute_model", "scheduler_output"),
+)
+
+
 def install() -> None:
-    """Patch the proposer, the runner and the worker (once per process)."""
+    """0.32's hooks: the V1 runner's. ``NANOSPEC_VLLM_V2`` has no meaning on 0.32 (the plugin has no head for
+    its Model Runner V2): said once when set, never silently ignored."""
+    v2 = config.v2_setting()
+    if v2 is not None:
+        warn(f"{config.ENV_V2}={v2} is ignored on vLLM 0.32: the plugin's Model Runner V2 head needs vLLM 0.33 or "
+             f"0.34; the V1 model runner's hooks are installed. Unset {config.ENV_V2} on 0.32")
+    install_v1(remedy)
+
+
+def install_v1(remedy_of) -> None:
+    """Patch the V1 proposer, runner and worker (once per process); ``remedy_of(worker, runner)``: the inactivity
+    warning's remedy (the adapter's: it knows which switches its release has)."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
@@ -109,7 +130,7 @@ def install() -> None:
         wrap(GPUModelRunner, "_update_states", around_update_states)
         wrap(GPUModelRunner, "_sample", before_sample)
         wrap(GPUModelRunner, "propose_draft_token_ids", around_propose)
-        wrap(Worker, "execute_model", count_step)
+        wrap(Worker, "execute_model", step_counter(remedy_of))
         GPUModelRunner._nanospec_installed = True
 
 
@@ -232,12 +253,35 @@ def unsupported(proposer, model) -> str | None:
         reason = shard_layout_problem(lm_head, processor)
         if reason:
             return reason
-    quant = getattr(getattr(lm_head, "quant_method", None), "__class__", type(None)).__name__
-    if quant not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"):
-        return f"a quantized head ({quant}) is not supported"
+    quantization = quantization_of(lm_head, getattr(proposer.vllm_config, "speculative_config", None))
+    if quantization:
+        return quantization
     if processor.logits_as_input:
         return "logits_as_input is not supported"
     return None
+
+
+UNQUANTIZED = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+
+
+def quantization_of(lm_head, speculative_config=None) -> str | None:
+    """Why a quantized drafter head keeps vLLM's full head, naming the quantisation (None: the head is not
+    quantized). vLLM's ``draft_lm_head_quantization`` (``fp8``: fp8 rows with per-row scales and per-token
+    activation scales; ``nvfp4``: 4-bit rows with per-16-value scales) and a checkpoint's quantized head put a
+    ``quant_method`` other than the unquantized ones on the head: its weight is not the rows the compact head would
+    gather, and the kernel's own activation quantisation and accumulation are not reproduced by a row gather, so
+    no compact head over it is exact."""
+    quant = getattr(lm_head, "quant_method", None)
+    name = type(quant).__name__
+    if quant is None or name in UNQUANTIZED or name == "_CompactApply":
+        return None
+    asked = getattr(speculative_config, "draft_lm_head_quantization", None)
+    weight = getattr(lm_head, "weight", None)
+    dtype = "" if weight is None else f", weight {str(weight.dtype).replace('torch.', '')}"
+    what = (f"draft_lm_head_quantization={asked!r} ({name}{dtype})" if asked else
+            f"the checkpoint's quantization ({name}{dtype})")
+    return (f"a quantized draft head, {what}, is not supported: its rows are not plain weights a compact head can "
+            "gather exactly")
 
 
 def not_worth_it(model) -> str | None:
@@ -351,27 +395,44 @@ def around_propose(original, runner, scheduler_output, sampled_token_ids, *args,
         head.rows = None
 
 
-def count_step(original, worker, scheduler_output, *args, **kwargs):
-    """Every model step of any runner: after ``NANOSPEC_VLLM_ACTIVE_AFTER`` steps with tokens scheduled and no
-    drafter step through a NanoSpec head, the plugin says it is inactive, naming the runner and the remedy."""
-    runner = getattr(worker, "model_runner", None)
-    if runner is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
-        activity = metrics.activity_of(runner)
-        if not activity.hook_calls and activity.reason is None:
-            activity.step(type(runner).__name__, config.active_after(), lambda: remedy(worker, runner))
-    return original(worker, scheduler_output, *args, **kwargs)
+def step_counter(remedy_of):
+    """The ``Worker.execute_model`` hook: every model step of any runner counts; after
+    ``NANOSPEC_VLLM_ACTIVE_AFTER`` steps with tokens scheduled and no drafter step through a NanoSpec head, the
+    plugin says it is inactive, naming the runner and ``remedy_of(worker, runner)`` (which never raises into the
+    step: :func:`~nanospec_fx.integrations.vllm.metrics.safe_remedy`)."""
+    def count_step(original, worker, scheduler_output, *args, **kwargs):
+        runner = getattr(worker, "model_runner", None)
+        if runner is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            activity = metrics.activity_of(runner)
+            if not activity.hook_calls and activity.reason is None:
+                activity.step(type(runner).__name__, config.active_after(), lambda: remedy_of(worker, runner))
+        return original(worker, scheduler_output, *args, **kwargs)
+    return count_step
+
+
+def no_speculative_config(worker) -> str | None:
+    """The remedy when vLLM runs without a drafter (None: one is configured)."""
+    if getattr(getattr(worker, "vllm_config", None), "speculative_config", None) is None:
+        return ("No speculative decoding is configured: start vLLM with --speculative-config naming a drafter "
+                f"({', '.join(SUPPORTED_METHODS)}), or unset NANOSPEC_VLLM")
+    return None
+
+
+def v1_runner_class():
+    """vLLM's V1 ``GPUModelRunner`` (None where the release has removed it: 0.34)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    return GPUModelRunner
 
 
 def remedy(worker, runner) -> str:
-    """What a user whose drafter hooks are not reached can do, from the runner this worker uses."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not isinstance(runner, GPUModelRunner):
+    """What a user whose V1 drafter hooks are not reached can do, from the runner this worker uses (0.32)."""
+    GPUModelRunner = v1_runner_class()
+    if GPUModelRunner is None or not isinstance(runner, GPUModelRunner):
         return (f"The plugin hooks vLLM's V1 model runner (GPUModelRunner and its CPU subclass); this is "
                 f"{type(runner).__module__}.{type(runner).__name__}. Set {ENV_RUNNER}=0 (a feature that requires "
                 f"Model Runner V2, e.g. HiSparse or watermarking, rules NanoSpec out)")
-    if getattr(worker.vllm_config, "speculative_config", None) is None:
-        return ("No speculative decoding is configured: start vLLM with --speculative-config naming a drafter "
-                f"({', '.join(SUPPORTED_METHODS)}), or unset NANOSPEC_VLLM")
-    return ("The runner's propose_draft_token_ids was never called with a NanoSpec head (another code path drafts "
+    return no_speculative_config(worker) or ("The runner's propose_draft_token_ids was never called with a NanoSpec head (another code path drafts "
             "in this vLLM); run a supported vLLM release or unset NANOSPEC_VLLM")
