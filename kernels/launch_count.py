@@ -8,7 +8,8 @@ would run): Triton launches by wrapping the launcher (``JITFunction.run`` and, i
 code dispatches outside those launches (the interpreter's own copies inside a launch are not the code's, so the
 mode is off during a launch). Views (``is_view``: metadata only) and allocations (``empty``: no kernel) are not
 compute ops. The tests of the op budgets (``tests/kernels/test_launch_budget.py``) and ``benchmarks/gpu_bench.py``
-use it; the op implementations must be called directly (an op call under a dispatch mode is one opaque call).
+use it. A ``torch.ops.nanospec`` call is not counted itself: its body runs under the mode (the kernels the
+selection picks for a traced call: Triton on CUDA or under ``use_kernels("triton")``, else the reference).
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class _ComputeOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
+        if func.namespace == "nanospec":  # an op call: count what its body dispatches, not the call itself
+            from . import ops
+            from .triton_util import direct_launch
+
+            with self, direct_launch():
+                return getattr(ops, f"_{func._opname}")(*args, **(kwargs or {}))
         if not func.is_view and name not in ALLOCATIONS:
             self.seen.append(str(func))
         return func(*args, **(kwargs or {}))

@@ -224,3 +224,18 @@ def test_the_count_sees_torch_ops_and_launches():
     with direct_launch(), counting() as seen:
         _T().compact_logits(torch.randn(1, w.shape[1]), state[3], None, state[2])
     assert seen.triton == ["_head_kernel"]
+
+
+def test_an_eager_draft_step_through_the_ops_is_at_most_four_launches(use_kernels):
+    """The same step through ``torch.ops.nanospec`` (what a drafter's graph calls): the count looks through the op
+    calls into their bodies."""
+    use_kernels("triton")
+    w, state = _filled()
+    ids, slot_of, cursor, cache_w, cache_b = state
+    ops = torch.ops.nanospec
+    x, fed = torch.randn(1, w.shape[1]), torch.tensor([5, 250, 99, 251])
+    with counting() as seen:
+        ops.observe(fed, w, None, *state, 2)
+        ops.compact_topk(ops.compact_logits(x, cache_w, None, cursor), ids, cursor, 10)
+    assert seen.triton == ["_observe_alloc_kernel", "_observe_copy_kernel", "_head_kernel", "_topk_kernel"], seen
+    assert seen.launches <= 4, seen
