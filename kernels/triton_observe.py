@@ -220,7 +220,7 @@ def _observe_alloc_rows_kernel(
         ro = tl.where((ro >= 0) & (ro < R), ro, 0)
         earlier += tl.sum(((offs < b) & (ro == r)).to(tl.int64), axis=0)
     lead = earlier == 0
-    n = B * n_row
+    n = B.to(tl.int64) * n_row  # int64: the check of compile_check (B x n ids can pass 2^31 in principle)
     new_cursor = _allocate(tok_ptr, n, tl.where(lead, n, 0), ids_ptr + r * C, slot_of_ptr + r * V, cursor_ptr + r,
                            dest_ptr, r * C, V, C, P, rows_ptr, n_row, R, r, True, RENEW_IDS, BLOCK)
     tl.store(cursor_ptr + r, new_cursor, mask=lead)
