@@ -38,6 +38,7 @@ from nanospec_fx.eval.bench.graphs import graphed
 from nanospec_fx.eval.bench.kernel_config import (head_config, head_configs, kernels, op_state, state_names,
                                                   triton_op_registration)
 from nanospec_fx.eval.bench.timing import Stopwatch, device_timings
+from nanospec_fx.testing import count_launches
 
 OPS = torch.ops.nanospec
 TOPK = 10
@@ -340,10 +341,8 @@ def eagle_step(args, W, W32, static_idx, state, tok_buf, step_prep, timer, gen) 
     """One EAGLE draft step at the benchmark's shape (Llama-3-8B: H = 4096, 32 / 8 heads, MLP 14,336; --small:
     tiny) for 1 row: the body, then dense head + top-k, the static 32k head + top-k, or nanospec's observe of the
     step's ids + compact head + compact top-k. Median us eager and replayed from a CUDA graph (CUDA only), and the
-    launches each step dispatches eagerly (:mod:`nanospec_fx.kernels.launch_count`: Triton launches + torch compute
-    ops), body and head part apart."""
-    from nanospec_fx.kernels.launch_count import counting
-
+    launches each step dispatches eagerly (:func:`nanospec_fx.testing.count_launches`: Triton launches + torch
+    compute ops), body and head part apart."""
     dev, dtype = W.device.type, W.dtype
     V, H = W.shape
     small = args.small
@@ -379,7 +378,7 @@ def eagle_step(args, W, W32, static_idx, state, tok_buf, step_prep, timer, gen) 
             out["eager_us"][name] = timer(fn, before=step_prep if name == "nanospec" else None)
         for name, fn in {**variants, "nanospec_head_part": nanospec_head_part}.items():
             fn()  # compiled and warm: count the steady state
-            with counting() as seen:
+            with count_launches() as seen:
                 fn()
             out["launches"][name] = {"triton": len(seen.triton), "torch_ops": len(seen.torch_ops),
                                      "total": seen.launches}
