@@ -39,11 +39,10 @@ def test_the_graph_mutates_only_the_static_state_inputs_so_cudagraph_trees_would
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(output_code.CompiledFxGraph, "__init__", recording)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cached graph is not built here
     torch.manual_seed(0)
     model = TinyDrafter(200, 16).eval()
     compiled = torch.compile(model, backend="nanospec", mode="reduce-overhead")
-    with torch.no_grad():
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):  # a cached graph is not built here
         compiled(torch.tensor([[3, 5, 7]]))
         state = nanospec_fx.active_vocab(model)
         before = state.token_ids().tolist()
