@@ -44,7 +44,8 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a token table -> weakref 
 _TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an ActiveVocab -> observe_topk of each target observer
 _FEEDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a target's parameter/buffer -> (ActiveVocab ref, topk) it feeds
 _SETTLED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # models (or states) diagnosed at the threshold already
-_SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec
+_SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec (warned once per function)
+_SKIPPED_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the module instance whose frame was skipped -> why
 _LOCAL = threading.local()
 
 
@@ -154,8 +155,24 @@ def install() -> None:
     except ImportError:
         return
     if _on_end not in callback_handler.end_callbacks:
+        forget_skipped()  # a reset: what Dynamo skipped before it is compiled afresh
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
+
+
+def forget_skipped() -> None:
+    """Forget the frames Dynamo skipped (``torch._dynamo.reset()`` forgets its compiled frames too)."""
+    _SKIPPED.clear()
+    _SKIPPED_MODELS.clear()
+
+
+def _raised_to_caller(error: BaseException) -> bool:
+    """An error of the backend's own (a bad option, a head that cannot be chosen, a compiler crash): it reaches the
+    caller as an exception, so it is no skipped frame to diagnose later."""
+    from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback
+
+    return isinstance(error, (BackendCompilerFailed, ShortenTraceback)) or \
+        type(error).__module__.split(".")[0] in ("nanospec_fx", "passes")
 
 
 def _on_start(_args) -> None:
@@ -169,7 +186,7 @@ def _on_end(_args) -> None:
         if getattr(_LOCAL, "graphs", 0) != getattr(_LOCAL, "start", -1):
             return
         error = sys.exc_info()[1]
-        if error is None or "No ops traced" in str(error):
+        if error is None or "No ops traced" in str(error) or _raised_to_caller(error):
             return
         frame = sys._getframe()
         while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
@@ -177,9 +194,14 @@ def _on_end(_args) -> None:
         if frame is None or not _is_nanospec(frame.f_locals["compiler_fn"]):
             return
         code = frame.f_locals.get("code")
-        if code is None or code.co_name.startswith("torch_dynamo_resume_in") or code in _SKIPPED:
+        if code is None or code.co_name.startswith("torch_dynamo_resume_in"):
             return
         reason = _first_line(error)
+        for value in (frame.f_locals.get("locals") or {}).values():  # the instance whose forward was skipped
+            if isinstance(value, nn.Module) and getattr(type(value).forward, "__code__", None) is code:
+                _SKIPPED_MODELS[value] = reason
+        if code in _SKIPPED:
+            return
         _SKIPPED[code] = reason
         where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
         warn_once(f"nanospec: Dynamo skipped {where} ({reason}) and handed nanospec no graph of it: it runs eager, "
@@ -293,8 +315,8 @@ def diagnose(model: Any) -> Diagnosis:
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
     if code is not None:
         found.handed = _handed(code)
-        if code in _SKIPPED:
-            found.skipped = _SKIPPED[code]
+        if module in _SKIPPED_MODELS:  # this instance's frame, not another of its class
+            found.skipped = _SKIPPED_MODELS[module]
         elif found.handed and found.compiled and not _cache_entries(code) and not found.rewritten:
             found.skipped = "a frame Dynamo skips"
     return found

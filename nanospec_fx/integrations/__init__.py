@@ -143,8 +143,8 @@ def detach(model: nn.Module) -> None:
 def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = False, **compile_kwargs):
     """``torch.compile(model, backend="nanospec", options=options)`` with the options checked now.
 
-    ``torch.compile`` defers the backend to the first call, where a bad option surfaces as torch's
-    ``BackendCompilerFailed``; here unknown keys and bad values raise ``ValueError`` at once. With
+    ``torch.compile`` defers the backend to the first call, where a bad option raises :class:`OptionError`;
+    here unknown keys and bad values raise the same error at once. With
     ``in_place`` the module itself is compiled (``model.compile(...)``, what transformers' assisted
     generation needs) and returned. ``compile_kwargs`` go to ``torch.compile`` (``dynamic``, ``fullgraph``...).
     """

@@ -289,3 +289,28 @@ def test_active_vocab_lists_the_candidate_heads_of_a_name_it_does_not_know():
         nanospec_fx.active_vocab(model, head="nope")
     assert "body.weight" in str(error.value) and "lm_head.weight" in str(error.value)
     assert "embed.weight" in str(error.value)
+
+
+def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forgets_skips():
+    """A bad option raises to its caller: it is not said later as another never-compiled instance's cause; a frame
+    Dynamo skipped is that instance's (not its class's), and torch._dynamo.reset() forgets it."""
+    torch._dynamo.reset()
+    failed, other = Prefill().eval(), Prefill().eval()
+    with pytest.raises(nanospec_fx.OptionError), torch.no_grad():
+        torch.compile(failed, backend="nanospec", options={"capacty": 8})(torch.tensor([[1, 2]]))
+    for model in (failed, other):
+        assert "capacty" not in str(nanospec_fx.explain(model))
+    assert "not compiled with backend='nanospec'" in str(nanospec_fx.explain(other))
+
+    torch._dynamo.reset()
+    nanospec_fx.explain(other, quiet=True)  # installs the skip watcher (a reset drops it) before any backend call
+    looping, sibling = DraftLoop().eval(), DraftLoop().eval()
+    said = "(graph break in a for/while loop"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        looping = torch.compile(looping, backend="nanospec", options={"inductor": False})
+        looping(torch.tensor([[1, 2]]))
+    assert said in str(nanospec_fx.explain(looping))
+    assert said not in str(nanospec_fx.explain(torch.compile(sibling, backend="nanospec")))
+    torch._dynamo.reset()
+    assert said not in str(nanospec_fx.explain(looping))
