@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 import torch
 import torch.nn as nn
 
 from nanospec_fx import pass_reports
-from nanospec_fx.calibration import MachineConstants
+from nanospec_fx.calibration import CalibrationError, MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
 from nanospec_fx.diagnosis import Diagnosis, diagnose, target_observers
 from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
+from nanospec_fx.warning import warn_once
 
 
 @dataclass
@@ -184,7 +185,12 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
 
 def _constants(path: str, hidden_size: int, dtype: torch.dtype, calibrate: bool) -> MachineConstants:
     if calibrate and path in ("host", "reference"):
-        return measure_constants(hidden_size, dtype)
+        try:
+            return measure_constants(hidden_size, dtype)
+        except CalibrationError as error:  # a busy machine: say so, predict with the fitted constants
+            warn_once(f"nanospec: {error}; the report uses the constants fitted on the project's test machine")
+            fitted = MachineConstants.fitted(path)
+            return replace(fitted, source=f"{fitted.source} (this machine's calibration was implausible)")
     return MachineConstants.fitted(path)
 
 

@@ -103,6 +103,28 @@ def test_explain_calibrated_says_where_its_constants_come_from():
     assert "cost model: constants measured on this machine" in text and "GB/s" in text
 
 
+def test_implausible_calibration_is_refused_and_explain_keeps_the_fitted_constants(monkeypatch):
+    """Timings on a busy machine (two blocks timed alike: a zero slope) gave 786432 GB/s and a dense head at 0.00,
+    said as measured: calibrate now measures again, then refuses, and explain warns and uses the fitted constants."""
+    from nanospec_fx import calibration
+
+    busy = calibration.MachineConstants(10, 1e-6, 0.5, 7.9e14, "measured on this machine")
+    attempts = []
+    monkeypatch.setattr(calibration, "measure", lambda *a: attempts.append(a) or busy)
+    calibration.calibrate.cache_clear()
+    with pytest.raises(calibration.CalibrationError, match=r"bandwidth = 7.9e\+14, outside"):
+        calibration.calibrate(24)
+    assert len(attempts) == calibration.ATTEMPTS
+    model = TinyDrafter(500, 24, head="linear", returns="logits").eval()
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="implausible constants"):
+        text = str(nanospec_fx.explain(compiled, calibrate=True, quiet=True))
+    assert "calibration was implausible" in text and "GB/s" not in text
+    calibration.calibrate.cache_clear()
+
+
 def test_explain_names_the_kernels_and_predicts_for_them(use_kernels):
     model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
     compiled = compile_nanospec(model, capacity=64)
