@@ -115,10 +115,14 @@ class HeadlessCalls:
 def note_headless_call(table: torch.Tensor) -> None:
     count = _HEADLESS.get(table, 0) + 1
     _HEADLESS[table] = count
-    if count < HEADLESS_CALLS:
-        return
     owner = _OWNER.get(table)
     model = owner() if owner is not None else None
+    if count == 1 and model is not None and model not in _SETTLED and (missing := no_head(model)) is not None:
+        _SETTLED[model] = True  # known at the first call: nothing in the model could be the head
+        warn_once(f"nanospec: {type(unwrap(model)).__name__} has no LM head: {missing}", stacklevel=4)
+        return
+    if count < HEADLESS_CALLS:
+        return
     if model is None or model in _SETTLED:
         return
     _SETTLED[model] = True  # diagnosed once: rewritten (a prefill), dense (said already), or said now
@@ -126,6 +130,35 @@ def note_headless_call(table: torch.Tensor) -> None:
     if found.rewritten or found.dense:
         return
     warn_once(f"nanospec: {found.model}'s head is not rewritten: {found.text()}", stacklevel=4)
+
+
+def no_head(model: Any) -> str | None:
+    """Why ``model`` holds no LM head at all (None: it may have one): no parameter or buffer besides its token
+    embedding has a vocabulary-wide axis, and nothing says the head is tied to the embedding (a transformers model
+    whose ``get_output_embeddings()`` is None, or any module without a ``tie_word_embeddings`` config). Then a
+    compiled call that looks ids up and scores no head is no prefill of a head that comes later."""
+    module = unwrap(model)
+    if not isinstance(module, nn.Module):
+        return None
+    tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not tables:
+        return None
+    widths = {t.shape[0] for t in tables}
+    known = {id(t) for t in tables}
+    if any(id(t) not in known and t.dim() >= 2 and widths & set(t.shape) for _, t in module_tensors(module)):
+        return None
+    output = getattr(module, "get_output_embeddings", None)
+    if callable(output):
+        try:
+            if output() is not None:
+                return None
+        except Exception:  # noqa: BLE001 - a model whose accessor raises: nothing known
+            return None
+    elif getattr(getattr(module, "config", None), "tie_word_embeddings", False):
+        return None
+    return (f"no parameter or buffer besides its token embedding has the vocabulary's {max(widths)} rows, and its "
+            "compiled call scored none, so nothing is made compact. Compile the model that computes the logits "
+            "(a transformers ...ForCausalLM, not its base model), or pass the head's weight to the compiled call.")
 
 
 def note_target_call(state, vocab: Any, calls: int) -> None:
@@ -247,6 +280,7 @@ class Diagnosis:
     handed: bool = False  # Dynamo was handed its forward
     wrapper: bool = False  # a torch.compile wrapper was diagnosed
     feeds: list = field(default_factory=list)  # (ActiveVocab, observe_topk) it feeds as a target observer
+    no_head: str | None = None  # why it holds no LM head at all (:func:`no_head`), when its calls scored none
 
     def feeds_text(self) -> str:
         """What it feeds as a target observer (its own head stays dense, by design)."""
@@ -260,7 +294,9 @@ class Diagnosis:
             found.append(f"Dynamo was handed its forward and compiled no graph of it ({self.skipped}), so it ran "
                          f"eager with a dense head and nanospec saw nothing. {_SKIP_REMEDY} A first call that "
                          "runs no tensor op (an early return) makes Dynamo skip the function too.")
-        if self.headless and not self.rewritten:
+        if self.headless and not self.rewritten and self.no_head is not None:
+            found.append(f"it has no LM head: {self.no_head}")
+        elif self.headless and not self.rewritten:
             found.append(
                 f"{self.headless} compiled call(s) of it looked up token ids and scored no head, and no head of it "
                 "was ever rewritten: a prefill, or its head runs outside the compiled call (dense). If forward "
@@ -311,6 +347,8 @@ def diagnose(model: Any) -> Diagnosis:
             state = ref()
             if state is not None and not any(s is state and j == k for s, j in found.feeds):
                 found.feeds.append((state, k))
+    if found.headless and not found.rewritten:
+        found.no_head = no_head(module)
     found.compiled = _compiled_with_nanospec(model) or _compiled_with_nanospec(module)
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
     if code is not None:

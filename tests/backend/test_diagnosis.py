@@ -314,3 +314,35 @@ def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forget
     assert said not in str(nanospec_fx.explain(torch.compile(sibling, backend="nanospec")))
     torch._dynamo.reset()
     assert said not in str(nanospec_fx.explain(looping))
+
+
+class NoHead(nn.Module):
+    """Token embedding and a body, no LM head anywhere: its hidden states are all it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.body = nn.Linear(H, H)
+
+    def forward(self, ids):
+        return torch.tanh(self.body(self.embed(ids)))
+
+
+def test_a_model_without_any_head_is_said_at_its_first_call_naming_the_missing_head():
+    compiled = compile_nanospec(NoHead().eval())
+    said = _calls(compiled, 1)
+    assert len(said) == 1 and "NoHead has no LM head" in said[0] and f"vocabulary's {V} rows" in said[0], said
+    assert "prefill" not in said[0]
+    assert _calls(compiled, 2 * HEADLESS_CALLS) == []  # said once
+    assert "it has no LM head" in str(nanospec_fx.explain(compiled, quiet=True))
+
+
+def test_a_transformers_base_model_has_no_head_and_a_causal_lm_may_prefill():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    from nanospec_fx.diagnosis import no_head
+
+    assert no_head(transformers.LlamaModel(config)) is not None
+    assert no_head(transformers.LlamaForCausalLM(config)) is None  # tied: the embedding is its head
+    assert no_head(Engine()) is None and no_head(Prefill()) is None

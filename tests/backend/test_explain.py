@@ -170,3 +170,22 @@ def test_head_benchmark_pairs_measurement_and_prediction():
     for t in res:
         cost = HeadCost.for_path(512, 8, 4, t.variant == "compact", "host", 32)
         assert t.predicted == pytest.approx(cost.predict(1, t.active)) and t.speedup > 0 and t.ms > 0
+
+
+def test_explain_speaks_to_users_formulas_named_speedups_readable_names_public():
+    from nanospec_fx.explain import public_names, speedup
+
+    assert [speedup(v) for v in (0.01234, 0.75, 3.24, 41.3)] == ["0.012x", "0.75x", "3.2x", "41x"]
+    assert public_names(["_nanospec_mtp.shared_head.weight", "lm_head.weight", "lm_head"]) == ["lm_head.weight",
+                                                                                               "lm_head"]
+    assert public_names(["_private.weight"]) == ["_private.weight"]
+    model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
+    model._held = model.lm_head  # a second, private path to the head (as an integration holds it)
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    text = str(nanospec_fx.explain(compiled, quiet=True))
+    assert "_held" not in text and "lm_head.weight" in text
+    assert "0.0x" not in text and "below 1x" in text  # V=500: the dense head is faster, said as such
+    assert "rounded up to one of 4 sizes per power of two" in text  # bucket(active) defined where it is used
+    assert "heads_rewritten is a count of graphs" in text
