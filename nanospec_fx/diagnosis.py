@@ -19,6 +19,7 @@ compiling it for nanospec because of a graph break (:func:`install`).
 """
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import weakref
@@ -44,6 +45,7 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a token table -> weakref 
 _TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an ActiveVocab -> observe_topk of each target observer
 _FEEDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a target's parameter/buffer -> (ActiveVocab ref, topk) it feeds
 _SETTLED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # models (or states) diagnosed at the threshold already
+_RUN_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a model -> weakrefs of the states its compiled graphs rewrote
 _SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec (warned once per function)
 _SKIPPED_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the module instance whose frame was skipped -> why
 _LOCAL = threading.local()
@@ -81,6 +83,36 @@ def target_observers(state) -> list[int]:
     return list(_TARGETS.get(state, ()))
 
 
+def record_rewritten(states, tensors) -> None:
+    """The heads of ``states`` are rewritten in a graph of the model compiling now (the one holding some of
+    ``tensors``): kept under that model, so that a head whose weight is a call argument (``F.linear(h,
+    head_weight)``, vLLM style: the model does not hold it) is found through the state its weight keys."""
+    if not states:
+        return
+    model = model_of_frame([t for t in tensors if isinstance(t, torch.Tensor)])
+    if model is None:
+        return
+    for state in states:
+        _note(_RUN_BY, model, weakref.ref(state))
+
+
+_ARGUMENT = re.compile(r"^[LG]_(.+?)_$")
+
+
+def argument_heads(module: nn.Module) -> dict:
+    """``{state: [names]}`` of the heads rewritten in graphs of ``module`` whose weight ``module`` does not hold (a
+    call argument), named as the pass reported them (the argument's name)."""
+    held = state_names(module)
+    found = {}
+    for ref in _RUN_BY.get(module, ()):
+        state = ref()
+        if state is not None and state not in held and state not in found:
+            names = [_ARGUMENT.sub(r"\1", r.head) + " (a call argument)"
+                     for r in pass_reports.reports(state)]  # Dynamo's placeholder L_head_weight_: head_weight
+            found[state] = list(dict.fromkeys(names)) or ["(a call argument)"]
+    return found
+
+
 def model_of_frame(tensors) -> nn.Module | None:
     """The module whose frame Dynamo is compiling now and that holds one of ``tensors`` (None: not found)."""
     try:
@@ -108,16 +140,16 @@ class HeadlessCalls:
 
     def __call__(self, *args: Any) -> Any:
         for p in self.positions:
-            note_headless_call(args[p])
+            note_headless_call(args[p], args)
         return self.compiled(*args)
 
 
-def note_headless_call(table: torch.Tensor) -> None:
+def note_headless_call(table: torch.Tensor, args: tuple = ()) -> None:
     count = _HEADLESS.get(table, 0) + 1
     _HEADLESS[table] = count
     owner = _OWNER.get(table)
     model = owner() if owner is not None else None
-    if count == 1 and model is not None and model not in _SETTLED and (missing := no_head(model)) is not None:
+    if count == 1 and model is not None and model not in _SETTLED and (missing := no_head(model, args)) is not None:
         _SETTLED[model] = True  # known at the first call: nothing in the model could be the head
         warn_once(f"nanospec: {type(unwrap(model)).__name__} has no LM head: {missing}", stacklevel=4)
         return
@@ -132,11 +164,13 @@ def note_headless_call(table: torch.Tensor) -> None:
     warn_once(f"nanospec: {found.model}'s head is not rewritten: {found.text()}", stacklevel=4)
 
 
-def no_head(model: Any) -> str | None:
+def no_head(model: Any, args: tuple = ()) -> str | None:
     """Why ``model`` holds no LM head at all (None: it may have one): no parameter or buffer besides its token
-    embedding has a vocabulary-wide axis, and nothing says the head is tied to the embedding (a transformers model
-    whose ``get_output_embeddings()`` is None, or any module without a ``tie_word_embeddings`` config). Then a
-    compiled call that looks ids up and scores no head is no prefill of a head that comes later."""
+    embedding, and no 2-D tensor among the call's ``args``, has a vocabulary-wide axis; and a transformers model's
+    ``get_output_embeddings()`` is None, or another module holds nothing wider than its embedding's width (a wider
+    weight could be a head over a draft or padded vocabulary). Then a compiled call that looks ids up and scores no
+    head is no prefill of a head that comes later. Not seen: a plain module whose only head is its embedding table
+    read transposed in another call (a tied head without a config saying so): it is said to have none."""
     module = unwrap(model)
     if not isinstance(module, nn.Module):
         return None
@@ -145,17 +179,20 @@ def no_head(model: Any) -> str | None:
         return None
     widths = {t.shape[0] for t in tables}
     known = {id(t) for t in tables}
-    if any(id(t) not in known and t.dim() >= 2 and widths & set(t.shape) for _, t in module_tensors(module)):
-        return None
+    held = [t for _, t in module_tensors(module)] + [a for a in args if isinstance(a, torch.Tensor)]
+    if any(id(t) not in known and t.dim() >= 2 and widths & set(t.shape) for t in held):
+        return None  # a weight it holds, or one the call is given (a vLLM-style head_weight argument)
     output = getattr(module, "get_output_embeddings", None)
-    if callable(output):
+    if callable(output):  # a transformers model says whether it has a head
         try:
             if output() is not None:
                 return None
         except Exception:  # noqa: BLE001 - a model whose accessor raises: nothing known
             return None
-    elif getattr(getattr(module, "config", None), "tie_word_embeddings", False):
-        return None
+    else:  # any tensor wider than the embedding's width could be a head over a draft or padded vocabulary
+        width = min(t.shape[1] for t in tables)
+        if any(id(t) not in known and t.dim() >= 2 and max(t.shape) > width for t in held):
+            return None
     return (f"no parameter or buffer besides its token embedding has the vocabulary's {max(widths)} rows, and its "
             "compiled call scored none, so nothing is made compact. Compile the model that computes the logits "
             "(a transformers ...ForCausalLM, not its base model), or pass the head's weight to the compiled call.")
@@ -336,7 +373,8 @@ def diagnose(model: Any) -> Diagnosis:
     found = Diagnosis(type(module).__name__, wrapper=wrapper)
     if not isinstance(module, nn.Module):
         return found
-    found.rewritten = [names[0] for state, names in state_names(module).items() if pass_reports.reports(state)]
+    heads = {**state_names(module), **argument_heads(module)}
+    found.rewritten = [names[0] for state, names in heads.items() if pass_reports.reports(state)]
     tensors = list(_tensors(module))
     for t in tensors:
         for message in _DENSE.get(t, ()):

@@ -11,7 +11,7 @@ import torch.nn as nn
 from nanospec_fx import pass_reports
 from nanospec_fx.calibration import CalibrationError, MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
-from nanospec_fx.diagnosis import Diagnosis, diagnose, target_observers
+from nanospec_fx.diagnosis import Diagnosis, argument_heads, diagnose, target_observers
 from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
@@ -156,7 +156,7 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
     diagnosis = diagnose(module)
     module = unwrap(module)
     heads = []
-    for state, names in state_names(module).items():
+    for state, names in {**state_names(module), **argument_heads(module)}.items():
         name = names[0]
         reports = pass_reports.reports(state)
         compact_only = bool(reports) and all(not r.exits for r in reports)

@@ -189,3 +189,31 @@ def test_explain_speaks_to_users_formulas_named_speedups_readable_names_public()
     assert "0.0x" not in text and "below 1x" in text  # V=500: the dense head is faster, said as such
     assert "rounded up to one of 4 sizes per power of two" in text  # bucket(active) defined where it is used
     assert "heads_rewritten is a count of graphs" in text
+
+
+class ArgumentHead(torch.nn.Module):
+    """vLLM style: the head's weight is a forward argument (``F.linear(h, head_weight)``), not held by the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.body = torch.nn.Linear(8, 8)
+
+    def forward(self, ids, head_weight):
+        return torch.nn.functional.linear(torch.tanh(self.body(self.embed(ids))), head_weight)
+
+
+def test_explain_finds_a_head_whose_weight_is_a_call_argument():
+    model = ArgumentHead().eval()
+    weight = torch.nn.Parameter(torch.randn(50, 8), requires_grad=False)
+    compiled = compile_nanospec(model)
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 2]]), weight)
+    state = nanospec_fx.active_vocab(weight)
+    assert sorted(state.token_ids().tolist()) == [1, 2]
+    for which in (model, compiled):  # neither "not compiled" nor "a wrapper generate() bypasses"
+        report = nanospec_fx.explain(which, quiet=True)
+        assert [h.state for h in report.heads] == [state] and report.heads[0].rewritten
+        text = str(report)
+        assert "head head_weight (a call argument)" in text
+        assert "not compiled" not in text and "bypasses" not in text
