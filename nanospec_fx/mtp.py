@@ -61,23 +61,32 @@ def mtp_pair(target: nn.Module, state, mtp: nn.Module | None = None, *, observe_
 
     The head is found from the model, not by a name: the module of the MTP layers whose weight is the target's
     output embedding (transformers' ``shared_head``, tied to the token embedding or not), see :func:`mtp_head`."""
-    from transformers.modeling_layers import MtpModel
-
-    depth = mtp_depth(target)
-    if mtp is None:
-        mtp = load_mtp_layers(target, depth)
-    elif not isinstance(mtp, MtpModel):
-        raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
-                        f"got {type(mtp).__name__}")
-    elif len(mtp.layers) > depth:
-        raise ValueError(f"mtp= has {len(mtp.layers)} MTP layers but {type(target).__name__}'s config holds "
-                         f"{depth} (num_mtp_layers={depth}): generate(use_mtp=True) drafts num_mtp_layers tokens per "
-                         f"round, so build MtpModel(target, {depth}) or set target.config.num_mtp_layers to "
-                         f"{len(mtp.layers)} first")
+    mtp = mtp_layers(target, mtp)
     mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": mtp_head(mtp, target)})
     _drafters(target)["mtp"] = (mtp, state, observe_topk)
     target._nanospec_mtp = mtp
     return state
+
+
+def mtp_layers(target: nn.Module, mtp: nn.Module | None = None) -> nn.Module:
+    """The MTP layers to draft with, checked: ``mtp`` (an ``MtpModel`` built on ``target``, no deeper than its
+    config), or loaded from the target's checkpoint (:func:`load_mtp_layers`). Called before anything is set up, so
+    a wrong route leaves the target as it was."""
+    from transformers.modeling_layers import MtpModel
+
+    depth = mtp_depth(target)
+    if mtp is None:
+        return load_mtp_layers(target, depth)
+    if not isinstance(mtp, MtpModel):
+        raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
+                        f"got {type(mtp).__name__}")
+    if len(mtp.layers) > depth:
+        raise ValueError(f"mtp= has {len(mtp.layers)} MTP layers but {type(target).__name__}'s config holds "
+                         f"{depth} (num_mtp_layers={depth}): generate(use_mtp=True) drafts num_mtp_layers tokens per "
+                         f"round, so build MtpModel(target, {depth}) or set target.config.num_mtp_layers to "
+                         f"{len(mtp.layers)} first")
+    mtp_head(mtp, target)  # built on this target
+    return mtp
 
 
 def mtp_depth(target: nn.Module) -> int:

@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import MTPCandidateGenerator  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from tests.integrations import mtp_architectures as arch  # noqa: E402
+from nanospec_fx.state import registered_state  # noqa: E402
+import mtp_architectures as arch  # noqa: E402 - beside this file
 
 V, CAPACITY = 96, 32
 
@@ -89,6 +90,7 @@ def test_mtp_true_on_a_model_built_in_memory_names_the_mtp_model_route():
     with pytest.raises(ValueError, match=r"built in memory.*mtp=MtpModel\(target, 1\)"):
         nanospec_fx.speculative_pair(target, mtp=True)
     assert "_nanospec_drafters" not in vars(target)
+    assert registered_state(target.get_output_embeddings().weight) is None, "nothing set up before the error"
 
 
 def test_mtp_layers_deeper_than_the_config_are_named_as_such():
