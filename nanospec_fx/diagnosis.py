@@ -122,7 +122,9 @@ def model_of_frame(tensors) -> nn.Module | None:
     except Exception:  # noqa: BLE001 - not called by Dynamo
         return None
     wanted = {id(t) for t in tensors}
-    for value in local.values():
+    values = list(local.values())
+    values += [v for value in values if isinstance(value, (tuple, list)) for v in value]  # a wrapper's *args
+    for value in values:
         if isinstance(value, nn.Module) and any(id(t) in wanted for t in _tensors(value)):
             return value
     return None
@@ -149,8 +151,9 @@ def note_headless_call(table: torch.Tensor, args: tuple = ()) -> None:
     _HEADLESS[table] = count
     owner = _OWNER.get(table)
     model = owner() if owner is not None else None
-    if count == 1 and model is not None and model not in _SETTLED and (missing := no_head(model, args)) is not None:
-        _SETTLED[model] = True  # known at the first call: nothing in the model could be the head
+    if count == 1 and model is not None and model not in _SETTLED and _says_its_head(model) \
+            and (missing := no_head(model, args)) is not None:
+        _SETTLED[model] = True  # known at the first call: the model says it has no head, and none is given to it
         warn_once(f"nanospec: {type(unwrap(model)).__name__} has no LM head: {missing}", stacklevel=4)
         return
     if count < HEADLESS_CALLS:
@@ -164,13 +167,20 @@ def note_headless_call(table: torch.Tensor, args: tuple = ()) -> None:
     warn_once(f"nanospec: {found.model}'s head is not rewritten: {found.text()}", stacklevel=4)
 
 
+def _says_its_head(model: Any) -> bool:
+    """The model says what its head is (transformers' ``get_output_embeddings()``): a head-less answer is known at
+    the first call. Another module's embedding table may still be read as a tied head by a later call."""
+    return callable(getattr(unwrap(model), "get_output_embeddings", None))
+
+
 def no_head(model: Any, args: tuple = ()) -> str | None:
     """Why ``model`` holds no LM head at all (None: it may have one): no parameter or buffer besides its token
     embedding, and no 2-D tensor among the call's ``args``, has a vocabulary-wide axis; and a transformers model's
     ``get_output_embeddings()`` is None, or another module holds nothing wider than its embedding's width (a wider
     weight could be a head over a draft or padded vocabulary). Then a compiled call that looks ids up and scores no
-    head is no prefill of a head that comes later. Not seen: a plain module whose only head is its embedding table
-    read transposed in another call (a tied head without a config saying so): it is said to have none."""
+    head is no prefill of a head that comes later. For a module that does not say (no ``get_output_embeddings``)
+    this is said only after :data:`HEADLESS_CALLS` such calls: its embedding table could be read as a tied head by
+    another call, or by a selection the pass does not take for a head (Gemma-4's centroid head)."""
     module = unwrap(model)
     if not isinstance(module, nn.Module):
         return None

@@ -329,16 +329,27 @@ class NoHead(nn.Module):
         return torch.tanh(self.body(self.embed(ids)))
 
 
-def test_a_model_without_any_head_is_said_at_its_first_call_naming_the_missing_head():
+def test_a_model_without_any_head_is_said_naming_the_missing_head():
+    """A plain module with no head: said by name at the threshold (its table could be a tied head of another call);
+    a transformers base model says it has no head (get_output_embeddings() is None): said at its first call."""
     compiled = compile_nanospec(NoHead().eval())
-    said = _calls(compiled, 1)
-    assert len(said) == 1 and "NoHead has no LM head" in said[0] and f"vocabulary's {V} rows" in said[0], said
-    assert "prefill" not in said[0]
-    assert _calls(compiled, 2 * HEADLESS_CALLS) == []  # said once
+    assert _calls(compiled, HEADLESS_CALLS - 1) == []
+    said = _calls(compiled, 2 * HEADLESS_CALLS)
+    assert len(said) == 1 and "it has no LM head" in said[0] and f"vocabulary's {V} rows" in said[0], said
     assert "it has no LM head" in str(nanospec_fx.explain(compiled, quiet=True))
 
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    base = compile_nanospec(transformers.LlamaModel(config).eval())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        base(input_ids=torch.tensor([[1, 2, 3]]))
+    said = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+    assert len(said) == 1 and "LlamaModel has no LM head" in said[0] and "prefill" not in said[0], said
 
-def test_a_transformers_base_model_has_no_head_and_a_causal_lm_may_prefill():
+
+def test_which_models_have_no_head():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
@@ -347,3 +358,4 @@ def test_a_transformers_base_model_has_no_head_and_a_causal_lm_may_prefill():
     assert no_head(transformers.LlamaModel(config)) is not None
     assert no_head(transformers.LlamaForCausalLM(config)) is None  # tied: the embedding is its head
     assert no_head(Engine()) is None and no_head(Prefill()) is None
+    assert no_head(NoHead()) is not None and no_head(NoHead(), (torch.randn(V, H),)) is None  # a head_weight argument
