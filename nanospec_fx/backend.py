@@ -392,6 +392,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
                                         builder.user_input_position(into.bias), into.state.ids, tables,
                                         _weight_positions(gm, example_inputs), kind))
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
+    diagnosis.record_rewritten([state for state, _ in reports], example_inputs)  # heads a call argument weights too
     for state, report in reports:
         pass_reports.record(state, report)
         counters["nanospec"]["heads_rewritten"] += 1

@@ -13,6 +13,11 @@ three constants here, with caches flushed before every timed call as in a draft 
   prediction at one active token is close to it by construction; the other sizes and row counts are predictions.
 
 CPU only (the host and reference paths). On a GPU the Triton constants stay assumed (no GPU timing yet).
+
+Timings on a loaded machine can be noise: a slope of zero turns into a bandwidth of petabytes per second. Each
+measurement is checked against :data:`PLAUSIBLE` and taken again up to :data:`ATTEMPTS` times; if none is
+plausible, :class:`CalibrationError` says which constant was off (``explain`` then warns and keeps the fitted
+constants).
 """
 from __future__ import annotations
 
@@ -26,6 +31,14 @@ import torch.nn.functional as F
 
 FLUSH_BYTES = 128 << 20  # more than the last-level cache of the machines this was checked on (32 MiB)
 _DENSE_BYTES = 256 << 20  # the dense probe's matrix: streams from memory, as a vocabulary-sized head does
+ATTEMPTS = 3
+# Bounds no CPU's measurement falls outside: a bandwidth between a slow laptop's memory and far above any cache
+# (bytes/s), a dense head between 1% and twice the compact head's bandwidth, a positive compute bound.
+PLAUSIBLE = {"bandwidth": (1e8, 5e12), "dense_efficiency": (0.01, 2.0), "dense_flops_per_byte": (1e-3, 1e4)}
+
+
+class CalibrationError(RuntimeError):
+    """The measured constants are implausible (a loaded machine): the message names the constant and its bounds."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +91,38 @@ def _cold_median(fn, flush: torch.Tensor, repeats: int) -> float:
     return statistics.median(cold_timings(fn, repeats, flush))
 
 
+def implausible(constants: MachineConstants) -> str | None:
+    """Which measured constant lies outside :data:`PLAUSIBLE`, and its value (None: all plausible)."""
+    for name, (low, high) in PLAUSIBLE.items():
+        value = getattr(constants, name)
+        if value is None or not low <= value <= high:
+            return f"{name} = {value:.3g}, outside [{low:g}, {high:g}]" if value is not None else f"{name} unmeasured"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def calibrate(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int = 9) -> MachineConstants:
     """Measure this CPU's cost-model constants for heads of width ``hidden_size`` in ``dtype`` (about a second;
-    cached per process). Uses torch's current thread count, as the head calls do."""
+    cached per process). Uses torch's current thread count, as the head calls do. Raises
+    :class:`CalibrationError` when no attempt gave plausible constants (nothing is cached then)."""
+    if hidden_size < 1:
+        raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+    reasons = []
+    for _ in range(ATTEMPTS):
+        constants = measure(hidden_size, dtype, repeats)
+        reason = implausible(constants)
+        if reason is None:
+            return constants
+        reasons.append(reason)
+    raise CalibrationError(f"calibration gave implausible constants in {ATTEMPTS} attempts ({'; '.join(reasons)}): "
+                           "timings this noisy mean the machine is busy; measure again on an idle one")
+
+
+def measure(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int = 9) -> MachineConstants:
+    """One measurement of the constants, unchecked (:func:`calibrate` checks it)."""
     from nanospec_fx.kernels import ops
     from nanospec_fx.state import ActiveVocab
 
-    if hidden_size < 1:
-        raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
     b = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator().manual_seed(0)
     flush = torch.zeros(FLUSH_BYTES // 4)

@@ -19,6 +19,7 @@ compiling it for nanospec because of a graph break (:func:`install`).
 """
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import weakref
@@ -44,7 +45,9 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a token table -> weakref 
 _TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an ActiveVocab -> observe_topk of each target observer
 _FEEDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a target's parameter/buffer -> (ActiveVocab ref, topk) it feeds
 _SETTLED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # models (or states) diagnosed at the threshold already
-_SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec
+_RUN_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a model -> weakrefs of the states its compiled graphs rewrote
+_SKIPPED: dict = {}  # code object -> why Dynamo skipped it while compiling it for nanospec (warned once per function)
+_SKIPPED_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the module instance whose frame was skipped -> why
 _LOCAL = threading.local()
 
 
@@ -80,6 +83,36 @@ def target_observers(state) -> list[int]:
     return list(_TARGETS.get(state, ()))
 
 
+def record_rewritten(states, tensors) -> None:
+    """The heads of ``states`` are rewritten in a graph of the model compiling now (the one holding some of
+    ``tensors``): kept under that model, so that a head whose weight is a call argument (``F.linear(h,
+    head_weight)``, vLLM style: the model does not hold it) is found through the state its weight keys."""
+    if not states:
+        return
+    model = model_of_frame([t for t in tensors if isinstance(t, torch.Tensor)])
+    if model is None:
+        return
+    for state in states:
+        _note(_RUN_BY, model, weakref.ref(state))
+
+
+_ARGUMENT = re.compile(r"^[LG]_(.+?)_$")
+
+
+def argument_heads(module: nn.Module) -> dict:
+    """``{state: [names]}`` of the heads rewritten in graphs of ``module`` whose weight ``module`` does not hold (a
+    call argument), named as the pass reported them (the argument's name)."""
+    held = state_names(module)
+    found = {}
+    for ref in _RUN_BY.get(module, ()):
+        state = ref()
+        if state is not None and state not in held and state not in found:
+            names = [_ARGUMENT.sub(r"\1", r.head) + " (a call argument)"
+                     for r in pass_reports.reports(state)]  # Dynamo's placeholder L_head_weight_: head_weight
+            found[state] = list(dict.fromkeys(names)) or ["(a call argument)"]
+    return found
+
+
 def model_of_frame(tensors) -> nn.Module | None:
     """The module whose frame Dynamo is compiling now and that holds one of ``tensors`` (None: not found)."""
     try:
@@ -89,7 +122,9 @@ def model_of_frame(tensors) -> nn.Module | None:
     except Exception:  # noqa: BLE001 - not called by Dynamo
         return None
     wanted = {id(t) for t in tensors}
-    for value in local.values():
+    values = list(local.values())
+    values += [v for value in values if isinstance(value, (tuple, list)) for v in value]  # a wrapper's *args
+    for value in values:
         if isinstance(value, nn.Module) and any(id(t) in wanted for t in _tensors(value)):
             return value
     return None
@@ -107,17 +142,22 @@ class HeadlessCalls:
 
     def __call__(self, *args: Any) -> Any:
         for p in self.positions:
-            note_headless_call(args[p])
+            note_headless_call(args[p], args)
         return self.compiled(*args)
 
 
-def note_headless_call(table: torch.Tensor) -> None:
+def note_headless_call(table: torch.Tensor, args: tuple = ()) -> None:
     count = _HEADLESS.get(table, 0) + 1
     _HEADLESS[table] = count
-    if count < HEADLESS_CALLS:
-        return
     owner = _OWNER.get(table)
     model = owner() if owner is not None else None
+    if count == 1 and model is not None and model not in _SETTLED and _says_its_head(model) \
+            and (missing := no_head(model, args)) is not None:
+        _SETTLED[model] = True  # known at the first call: the model says it has no head, and none is given to it
+        warn_once(f"nanospec: {type(unwrap(model)).__name__} has no LM head: {missing}", stacklevel=4)
+        return
+    if count < HEADLESS_CALLS:
+        return
     if model is None or model in _SETTLED:
         return
     _SETTLED[model] = True  # diagnosed once: rewritten (a prefill), dense (said already), or said now
@@ -125,6 +165,47 @@ def note_headless_call(table: torch.Tensor) -> None:
     if found.rewritten or found.dense:
         return
     warn_once(f"nanospec: {found.model}'s head is not rewritten: {found.text()}", stacklevel=4)
+
+
+def _says_its_head(model: Any) -> bool:
+    """The model says what its head is (transformers' ``get_output_embeddings()``): a head-less answer is known at
+    the first call. Another module's embedding table may still be read as a tied head by a later call."""
+    return callable(getattr(unwrap(model), "get_output_embeddings", None))
+
+
+def no_head(model: Any, args: tuple = ()) -> str | None:
+    """Why ``model`` holds no LM head at all (None: it may have one): no parameter or buffer besides its token
+    embedding, and no 2-D tensor among the call's ``args``, has a vocabulary-wide axis; and a transformers model's
+    ``get_output_embeddings()`` is None, or another module holds nothing wider than its embedding's width (a wider
+    weight could be a head over a draft or padded vocabulary). Then a compiled call that looks ids up and scores no
+    head is no prefill of a head that comes later. For a module that does not say (no ``get_output_embeddings``)
+    this is said only after :data:`HEADLESS_CALLS` such calls: its embedding table could be read as a tied head by
+    another call, or by a selection the pass does not take for a head (Gemma-4's centroid head)."""
+    module = unwrap(model)
+    if not isinstance(module, nn.Module):
+        return None
+    tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not tables:
+        return None
+    widths = {t.shape[0] for t in tables}
+    known = {id(t) for t in tables}
+    held = [t for _, t in module_tensors(module)] + [a for a in args if isinstance(a, torch.Tensor)]
+    if any(id(t) not in known and t.dim() >= 2 and widths & set(t.shape) for t in held):
+        return None  # a weight it holds, or one the call is given (a vLLM-style head_weight argument)
+    output = getattr(module, "get_output_embeddings", None)
+    if callable(output):  # a transformers model says whether it has a head
+        try:
+            if output() is not None:
+                return None
+        except Exception:  # noqa: BLE001 - a model whose accessor raises: nothing known
+            return None
+    else:  # any tensor wider than the embedding's width could be a head over a draft or padded vocabulary
+        width = min(t.shape[1] for t in tables)
+        if any(id(t) not in known and t.dim() >= 2 and max(t.shape) > width for t in held):
+            return None
+    return (f"no parameter or buffer besides its token embedding has the vocabulary's {max(widths)} rows, and its "
+            "compiled call scored none, so nothing is made compact. Compile the model that computes the logits "
+            "(a transformers ...ForCausalLM, not its base model), or pass the head's weight to the compiled call.")
 
 
 def note_target_call(state, vocab: Any, calls: int) -> None:
@@ -154,8 +235,24 @@ def install() -> None:
     except ImportError:
         return
     if _on_end not in callback_handler.end_callbacks:
+        forget_skipped()  # a reset: what Dynamo skipped before it is compiled afresh
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
+
+
+def forget_skipped() -> None:
+    """Forget the frames Dynamo skipped (``torch._dynamo.reset()`` forgets its compiled frames too)."""
+    _SKIPPED.clear()
+    _SKIPPED_MODELS.clear()
+
+
+def _raised_to_caller(error: BaseException) -> bool:
+    """An error of the backend's own (a bad option, a head that cannot be chosen, a compiler crash): it reaches the
+    caller as an exception, so it is no skipped frame to diagnose later."""
+    from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback
+
+    return isinstance(error, (BackendCompilerFailed, ShortenTraceback)) or \
+        type(error).__module__.split(".")[0] in ("nanospec_fx", "passes")
 
 
 def _on_start(_args) -> None:
@@ -169,7 +266,7 @@ def _on_end(_args) -> None:
         if getattr(_LOCAL, "graphs", 0) != getattr(_LOCAL, "start", -1):
             return
         error = sys.exc_info()[1]
-        if error is None or "No ops traced" in str(error):
+        if error is None or "No ops traced" in str(error) or _raised_to_caller(error):
             return
         frame = sys._getframe()
         while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
@@ -177,9 +274,14 @@ def _on_end(_args) -> None:
         if frame is None or not _is_nanospec(frame.f_locals["compiler_fn"]):
             return
         code = frame.f_locals.get("code")
-        if code is None or code.co_name.startswith("torch_dynamo_resume_in") or code in _SKIPPED:
+        if code is None or code.co_name.startswith("torch_dynamo_resume_in"):
             return
         reason = _first_line(error)
+        for value in (frame.f_locals.get("locals") or {}).values():  # the instance whose forward was skipped
+            if isinstance(value, nn.Module) and getattr(type(value).forward, "__code__", None) is code:
+                _SKIPPED_MODELS[value] = reason
+        if code in _SKIPPED:
+            return
         _SKIPPED[code] = reason
         where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
         warn_once(f"nanospec: Dynamo skipped {where} ({reason}) and handed nanospec no graph of it: it runs eager, "
@@ -225,6 +327,7 @@ class Diagnosis:
     handed: bool = False  # Dynamo was handed its forward
     wrapper: bool = False  # a torch.compile wrapper was diagnosed
     feeds: list = field(default_factory=list)  # (ActiveVocab, observe_topk) it feeds as a target observer
+    no_head: str | None = None  # why it holds no LM head at all (:func:`no_head`), when its calls scored none
 
     def feeds_text(self) -> str:
         """What it feeds as a target observer (its own head stays dense, by design)."""
@@ -238,7 +341,9 @@ class Diagnosis:
             found.append(f"Dynamo was handed its forward and compiled no graph of it ({self.skipped}), so it ran "
                          f"eager with a dense head and nanospec saw nothing. {_SKIP_REMEDY} A first call that "
                          "runs no tensor op (an early return) makes Dynamo skip the function too.")
-        if self.headless and not self.rewritten:
+        if self.headless and not self.rewritten and self.no_head is not None:
+            found.append(f"it has no LM head: {self.no_head}")
+        elif self.headless and not self.rewritten:
             found.append(
                 f"{self.headless} compiled call(s) of it looked up token ids and scored no head, and no head of it "
                 "was ever rewritten: a prefill, or its head runs outside the compiled call (dense). If forward "
@@ -278,7 +383,8 @@ def diagnose(model: Any) -> Diagnosis:
     found = Diagnosis(type(module).__name__, wrapper=wrapper)
     if not isinstance(module, nn.Module):
         return found
-    found.rewritten = [names[0] for state, names in state_names(module).items() if pass_reports.reports(state)]
+    heads = {**state_names(module), **argument_heads(module)}
+    found.rewritten = [names[0] for state, names in heads.items() if pass_reports.reports(state)]
     tensors = list(_tensors(module))
     for t in tensors:
         for message in _DENSE.get(t, ()):
@@ -289,12 +395,14 @@ def diagnose(model: Any) -> Diagnosis:
             state = ref()
             if state is not None and not any(s is state and j == k for s, j in found.feeds):
                 found.feeds.append((state, k))
+    if found.headless and not found.rewritten:
+        found.no_head = no_head(module)
     found.compiled = _compiled_with_nanospec(model) or _compiled_with_nanospec(module)
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
     if code is not None:
         found.handed = _handed(code)
-        if code in _SKIPPED:
-            found.skipped = _SKIPPED[code]
+        if module in _SKIPPED_MODELS:  # this instance's frame, not another of its class
+            found.skipped = _SKIPPED_MODELS[module]
         elif found.handed and found.compiled and not _cache_entries(code) and not found.rewritten:
             found.skipped = "a frame Dynamo skips"
     return found

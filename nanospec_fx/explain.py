@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 import torch
 import torch.nn as nn
 
 from nanospec_fx import pass_reports
-from nanospec_fx.calibration import MachineConstants
+from nanospec_fx.calibration import CalibrationError, MachineConstants
 from nanospec_fx.calibration import calibrate as measure_constants
-from nanospec_fx.diagnosis import Diagnosis, diagnose, target_observers
+from nanospec_fx.diagnosis import Diagnosis, argument_heads, diagnose, target_observers
 from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
 from nanospec_fx.lookup import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
+from nanospec_fx.warning import warn_once
 
 
 @dataclass
@@ -64,7 +65,8 @@ class HeadExplanation:
 
 
 _PATHS = {
-    "host": "CPU host path: computes the active rows only (bucket(active) of them)",
+    "host": "CPU host path: computes the active rows only, bucket(active) of them (the active count rounded up "
+            "to one of 4 sizes per power of two, at least 16, at most the capacity: fewer recompiled shapes)",
     "triton": "Triton kernels: skip the tiles past the active count",
     "reference": "torch reference: computes all capacity rows whatever the active count",
 }
@@ -98,12 +100,13 @@ class Explanation:
         for h in self.heads:
             s = h.state
             lines += [
-                f"  head {h.name}" + (f" (module {h.module_path})" if h.module_path else "")
+                f"  head {public_names([h.name, *h.names])[0]}" + (f" (module {h.module_path})" if h.module_path else "")
                 + f": V={h.vocab_size}, H={h.hidden_size}",
-                f"    names: {', '.join(h.names)}",
+                f"    names: {', '.join(public_names(h.names))}",
                 f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, "
                 f"device={s.ids.device}",
-                f"    graphs compiled: {h.graphs}; input observers: {h.observers}",
+                f"    graphs compiled: {h.graphs} (torch._dynamo.utils.counters['nanospec'] counts this head once "
+                f"per graph: heads_rewritten is a count of graphs); input observers: {h.observers}",
             ]
             if h.target_observers:
                 lines.append(f"    fed by {len(h.target_observers)} target observer graph(s) (observe_topk="
@@ -123,7 +126,9 @@ class Explanation:
                 f"    FLOPs dense / nanospec: {h.cost.dense_flops} / {h.cost.nanospec_flops}",
                 f"    cost model: {h.constants}",
                 "    predicted head speedup at the current active size: "
-                + ", ".join(f"{v:.1f}x for {r} row(s)" for r, v in h.predictions().items()),
+                + ", ".join(f"{speedup(v)} for {r} row(s)" for r, v in h.predictions().items())
+                + (" (below 1x: at this vocabulary the dense head is faster; the rewrite pays on vocabularies far "
+                   "wider than the active set)" if min(h.predictions().values()) < 1 else ""),
             ]
             if h.collective is not None:
                 lines += h.collective_lines()
@@ -143,10 +148,15 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
     ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason.
     ``calibrate=True`` measures the cost model's constants on this CPU first (:mod:`nanospec_fx.calibration`,
     about a second per head width); by default they are those fitted on the project's test machine."""
+    if not isinstance(unwrap(module), nn.Module):
+        raise TypeError(f"explain() takes a model (the torch.compile wrapper or the module compiled in place), got "
+                        f"{type(module).__name__}: print() it to see its active sets"
+                        + (", active_count(request_id) gives one request's size"
+                           if hasattr(module, "active_count") else ""))
     diagnosis = diagnose(module)
     module = unwrap(module)
     heads = []
-    for state, names in state_names(module).items():
+    for state, names in {**state_names(module), **argument_heads(module)}.items():
         name = names[0]
         reports = pass_reports.reports(state)
         compact_only = bool(reports) and all(not r.exits for r in reports)
@@ -184,8 +194,26 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
 
 def _constants(path: str, hidden_size: int, dtype: torch.dtype, calibrate: bool) -> MachineConstants:
     if calibrate and path in ("host", "reference"):
-        return measure_constants(hidden_size, dtype)
+        try:
+            return measure_constants(hidden_size, dtype)
+        except CalibrationError as error:  # a busy machine: say so, predict with the fitted constants
+            warn_once(f"nanospec: {error}; the report uses the constants fitted on the project's test machine")
+            fitted = MachineConstants.fitted(path)
+            return replace(fitted, source=f"{fitted.source} (this machine's calibration was implausible)")
     return MachineConstants.fitted(path)
+
+
+def speedup(value: float) -> str:
+    """A predicted speedup with the precision it has: two significant digits (``0.012x``, ``0.75x``, ``3.2x``,
+    ``41x``), never ``0.0x``."""
+    return f"{value:.0f}x" if value >= 10 else f"{value:.2g}x"
+
+
+def public_names(names: list[str]) -> list[str]:
+    """The names a user can use: none through a private attribute (``_nanospec_mtp.shared_head.weight``, held by
+    nanospec's own integration), unless there is no other."""
+    public = [n for n in names if not any(part.startswith("_") for part in n.split("."))]
+    return public or names[:1]
 
 
 def _unique(items) -> list[str]:

@@ -9,8 +9,9 @@ The target is not compiled: its forward is the verification and stays dense; its
 verified is observed from the outputs transformers hands the candidate generator, once per verification. What
 is compiled with the nanospec backend is the module whose call reads the shared head while drafting:
 
-* MTP: the MTP layers (``MtpModel``, built once), with ``head="shared_head.weight"``; the tokens fed to them
-  join the set through the input observer the pass inserts.
+* MTP: the MTP layers (``MtpModel``, built once), with ``head`` set to the module holding the target's output
+  embedding (found from the model: :func:`mtp_head`); the tokens fed to them join the set through the input
+  observer the pass inserts.
 * DFlash: transformers' ``DFlashTokenCandidateGenerator`` calls the target's output embedding itself on the
   drafter's ``[B, K, H]`` output (the drafter, e.g. ``MuseGlimmerAssistantModel``, has no head). That call is
   given a :class:`SharedHead` of its own, compiled in place: one compact head call of ``B*K`` rows per step,
@@ -56,19 +57,88 @@ def mtp_pair(target: nn.Module, state, mtp: nn.Module | None = None, *, observe_
              **vocab_options):
     """Compile ``target``'s MTP layers (``MtpModel.from_pretrained(target)``, or ``mtp``) with nanospec in place
     and make ``target.generate(..., use_mtp=True)`` draft with them; ``state``: the ActiveVocab of the target's head
-    (``nanospec_fx.attach(target)``), returned. Called by ``nanospec_fx.speculative_pair(target, mtp=True)``."""
-    from transformers.modeling_layers import MtpModel
+    (``nanospec_fx.attach(target)``), returned. Called by ``nanospec_fx.speculative_pair(target, mtp=True)``.
 
-    if mtp is None:
-        device = next(target.get_decoder().layers[-1].parameters()).device
-        mtp = MtpModel.from_pretrained(target, device_map={"": device}).eval()
-    elif not isinstance(mtp, MtpModel):
-        raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
-                        f"got {type(mtp).__name__}")
-    mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": "shared_head.weight"})
+    The head is found from the model, not by a name: the module of the MTP layers whose weight is the target's
+    output embedding (transformers' ``shared_head``, tied to the token embedding or not), see :func:`mtp_head`."""
+    mtp = mtp_layers(target, mtp)
+    mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": mtp_head(mtp, target)})
     _drafters(target)["mtp"] = (mtp, state, observe_topk)
     target._nanospec_mtp = mtp
     return state
+
+
+def mtp_layers(target: nn.Module, mtp: nn.Module | None = None) -> nn.Module:
+    """The MTP layers to draft with, checked: ``mtp`` (an ``MtpModel`` built on ``target``, no deeper than its
+    config), or loaded from the target's checkpoint (:func:`load_mtp_layers`). Called before anything is set up, so
+    a wrong route leaves the target as it was."""
+    from transformers.modeling_layers import MtpModel
+
+    depth = mtp_depth(target)
+    if mtp is None:
+        return load_mtp_layers(target, depth)
+    if not isinstance(mtp, MtpModel):
+        raise TypeError(f"mtp= takes True or a transformers.modeling_layers.MtpModel built on the target, "
+                        f"got {type(mtp).__name__}")
+    if len(mtp.layers) > depth:
+        raise ValueError(f"mtp= has {len(mtp.layers)} MTP layers but {type(target).__name__}'s config holds "
+                         f"{depth} (num_mtp_layers={depth}): generate(use_mtp=True) drafts num_mtp_layers tokens per "
+                         f"round, so build MtpModel(target, {depth}) or set target.config.num_mtp_layers to "
+                         f"{len(mtp.layers)} first")
+    mtp_head(mtp, target)  # built on this target
+    return mtp
+
+
+def mtp_depth(target: nn.Module) -> int:
+    """How many MTP layers ``target``'s config holds (``num_mtp_layers`` of its text config); none is an error
+    naming the config (``generate(use_mtp=True)`` needs them too)."""
+    config = getattr(target, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = getattr(text, "num_mtp_layers", None)
+    if not depth:
+        raise ValueError(f"{type(target).__name__}'s config holds no MTP layers (num_mtp_layers={depth!r}): "
+                         "generate(use_mtp=True) has nothing to draft with; pair a drafter instead "
+                         "(speculative_pair(target, drafter))")
+    return depth
+
+
+def load_mtp_layers(target: nn.Module, depth: int) -> nn.Module:
+    """``MtpModel.from_pretrained(target)``, as transformers' MTP candidate generator builds it: the MTP layers'
+    weights are read from the checkpoint the target was loaded from (``config.name_or_path``). A target built in
+    memory has none: the error says to pass ``mtp=MtpModel(target, depth)`` instead."""
+    from transformers.modeling_layers import MtpModel
+
+    source = getattr(target.config, "name_or_path", "") or ""
+    route = (f"for a model built in memory pass the layers yourself, with trained weights loaded: "
+             f"speculative_pair(target, mtp=MtpModel(target, {depth})) "
+             f"(from transformers.modeling_layers import MtpModel)")
+    if not source:
+        raise ValueError("speculative_pair(target, mtp=True) loads the MTP layers' weights from the checkpoint the "
+                         f"target was loaded from, and this {type(target).__name__} has none (config.name_or_path "
+                         f"is empty: built in memory, not with from_pretrained); {route}")
+    device = next(target.get_decoder().layers[-1].parameters()).device
+    try:
+        return MtpModel.from_pretrained(target, device_map={"": device}).eval()
+    except (OSError, ValueError, RuntimeError, AttributeError) as error:
+        raise ValueError(f"speculative_pair(target, mtp=True) could not load the MTP layers from {source!r} "
+                         f"({type(error).__name__}: {error}); {route}") from error
+
+
+def mtp_head(mtp: nn.Module, target: nn.Module) -> str:
+    """The module path, in ``mtp``, of the head its logits read: the module holding the target's output embedding
+    (``lm_head``, shared with the MTP layers as ``shared_head``; tied to the token embedding or not). Named by its
+    module path, as the projection's call is: a tied weight's parameter name is the embedding's in the graph."""
+    head = target.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    modules = [name for name, module in mtp.named_modules(remove_duplicate=False) if module is head and name]
+    if not modules:  # a head module of the MTP layers' own that holds the target's weight
+        modules = [name for name, module in mtp.named_modules(remove_duplicate=False)
+                   if name and weight is not None and getattr(module, "weight", None) is weight
+                   and not isinstance(module, nn.Embedding)]
+    if not modules:
+        raise ValueError(f"{type(mtp).__name__} holds no module whose weight is the target's output embedding "
+                         f"({type(head).__name__}): build it on this target, MtpModel(target, depth)")
+    return modules[0]
 
 
 def dflash_pair(target: nn.Module, drafter: nn.Module, state, *, observe_topk: int = 3, inductor: bool = True,

@@ -36,8 +36,28 @@ def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
 
 
+SIGNATURE = f"RequestVocabs(weight, bias=None, max_requests=8, capacity={DEFAULT_CAPACITY})"
+
+
+def check_arguments(weight: Any, bias: Any, max_requests: Any, capacity: Any) -> None:
+    """A clear ``TypeError`` for arguments in the wrong places (``RequestVocabs(weight, 8, 3072)`` leaves out the bias:
+    8 would be taken as the bias), before anything reads their attributes."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be the head's [V, H] weight tensor, got {type(weight).__name__}: {SIGNATURE}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be the head's [V] bias tensor or None, got {type(bias).__name__} {bias!r}: the "
+                        f"second argument is the bias ({SIGNATURE}); pass the others by name, "
+                        f"RequestVocabs(weight, max_requests=8, capacity={DEFAULT_CAPACITY})")
+    for name, value in (("max_requests", max_requests), ("capacity", capacity)):
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a positive int, got a tensor: {SIGNATURE}")
+
+
 class RequestVocabs(VocabState):
     """Per-request active vocabularies of one head: ``max_requests`` rows of ``capacity`` slots each.
+
+    ``RequestVocabs(weight, bias=None, max_requests=8, capacity=3072)``; give the arguments after the weight by
+    name (``RequestVocabs(lm_head.weight, max_requests=8, capacity=3072)``): the second positional one is the bias.
 
     Args:
         weight, bias: the head's [R_head, H] weight and optional [R_head] bias (held; rows are copied into the cache).
@@ -70,6 +90,7 @@ class RequestVocabs(VocabState):
         policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
     ):
+        check_arguments(weight, bias, max_requests, capacity)
         if weight.dim() != 2:
             raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
         head_rows, hidden = self._head_rows(weight), weight.shape[1]

@@ -89,6 +89,12 @@ def assert_equivalent(
     The check runs on a copy of the drafter (``copy.deepcopy``), compiled with its own backend for
     these options, so your drafter, its active vocabulary and your compiled wrappers are untouched.
     Returns the copy's :class:`ActiveVocab` after the checked call.
+
+    A drafter with several heads over the vocabulary (Medusa heads, MTP depths with heads of their own; without
+    ``options['head']`` nanospec rewrites each, with its own set) is checked whole: each head's set is given a
+    token no other holds, and every logits row is checked against the set of the head that computed it (inactive
+    tokens -inf, active ones equal to eager); the fed ids must be in every set. It then returns
+    ``{head name: ActiveVocab}``, and ``reference`` receives ``{head name: mask}``.
     """
     options = {"inductor": False, **(options or {})}
     args, kwargs = _split_inputs(example_inputs)
@@ -103,19 +109,28 @@ def assert_equivalent(
             from nanospec_fx.diagnosis import diagnose
 
             found = diagnose(checked.compiled)
-            why = found.text() if found.skipped else "it ran eager: a recompile limit, or a frame Dynamo skips"
+            if found.skipped:  # a frame Dynamo skips: that cause alone, with its remedy (a reset would not help)
+                raise AssertionError(f"Dynamo did not hand {type(module).__name__} to the nanospec backend, so "
+                                     f"nothing was checked: {found.text()}")
             raise AssertionError(
-                f"Dynamo did not hand {type(module).__name__} to the nanospec backend ({why}), so nothing was "
-                "checked; pass reset_dynamo=True or call torch._dynamo.reset() before the check"
+                f"Dynamo did not hand {type(module).__name__} to the nanospec backend (it ran eager: a recompile "
+                "limit, or a frame Dynamo skips), so nothing was checked; pass reset_dynamo=True or call "
+                "torch._dynamo.reset() before the check"
             )
-        state = _state_of(checked.module, options)
+        states = _states_of(checked.module, options)
         if active_ids is not None:
-            state.reset()
-            state.observe(torch.as_tensor(active_ids, dtype=torch.int64))
+            for state in states.values():
+                state.reset()
+                state.observe(torch.as_tensor(active_ids, dtype=torch.int64))
+        elif len(states) > 1:
+            _tell_apart(states)
         actual = checked.compiled(*args, **kwargs)
-        mask = state.contains(torch.arange(state.vocab_size, device=state.ids.device))
+        masks = {name: state.contains(torch.arange(state.vocab_size, device=state.ids.device))
+                 for name, state in states.items()}
         eager = _eager(module)(*args, **kwargs)
-        expected = reference(mask) if reference is not None else None
+        expected = None
+        if reference is not None:
+            expected = reference(next(iter(masks.values())) if len(masks) == 1 else masks)
 
     _check_structure(actual, eager, "eager drafter")
     if expected is not None:
@@ -124,13 +139,17 @@ def assert_equivalent(
             _check_close(name, a, e, rtol, atol, "reference(mask)")
     else:
         for name, a, e in _leaves(actual, eager):
-            if _is_logits(e, state.vocab_size):
-                _check_logits(name, a, e, mask, rtol, atol)
+            heads = {n: m for n, m in masks.items() if _is_logits(e, states[n].vocab_size)}
+            if len(heads) == 1:
+                _check_logits(name, a, e, next(iter(heads.values())), rtol, atol)
+            elif heads:
+                _check_rows_of_several_heads(name, a, e, heads, rtol, atol)
             else:
                 _check_close(name, a, e, rtol, atol, "the eager drafter")
     if options.get("observe_inputs", True):
-        _check_inputs_active(state, args, kwargs, token_inputs)
-    return state
+        for state in states.values():
+            _check_inputs_active(state, args, kwargs, token_inputs)
+    return next(iter(states.values())) if len(states) == 1 else states
 
 
 # --------------------------------------------------------------------------- running
@@ -265,25 +284,51 @@ def _eager(module: nn.Module) -> Callable:
     return module.forward if getattr(module, "_compiled_call_impl", None) is not None else module
 
 
-def _state_of(module: nn.Module, options: dict) -> ActiveVocab:
-    head = options.get("head")
-    try:
-        return active_vocab(module)
-    except LookupError as exc:
-        for name in (head, f"{head}.weight") if head else ():
-            try:
-                return active_vocab(module, head=name)
-            except KeyError:
-                pass
-        several = sorted(registered_states(module))
-        if len(several) > 1:  # every head over the vocabulary is rewritten, each with its own set
-            raise AssertionError(
-                f"nanospec rewrote several heads of {type(module).__name__} ({', '.join(several)}), each with its own "
-                "active vocabulary; assert_equivalent checks one: pass options={'head': '<name>'}") from None
-        from nanospec_fx.diagnosis import diagnose
+def _states_of(module: nn.Module, options: dict) -> dict[str, ActiveVocab]:
+    """``{name: state}`` of every head the check compiled with a state: one with ``options['head']``, else each head
+    over the vocabulary that nanospec rewrote (Medusa heads, MTP depths with heads of their own), held by the module
+    or given to its call (a ``head_weight`` argument)."""
+    from nanospec_fx.diagnosis import argument_heads, diagnose
 
-        raise AssertionError(
-            f"nanospec did not rewrite a head of {type(module).__name__}: {diagnose(module).text()}") from exc
+    head = options.get("head")
+    for name in (head, f"{head}.weight") if head else ():
+        try:
+            return {name: active_vocab(module, head=name)}
+        except (KeyError, LookupError):
+            pass
+    states = dict(registered_states(module))
+    states.update({names[0]: state for state, names in argument_heads(module).items()})
+    if states:
+        return states
+    raise AssertionError(f"nanospec did not rewrite a head of {type(module).__name__}: {diagnose(module).text()}")
+
+
+def _tell_apart(states: dict[str, ActiveVocab]) -> None:
+    """Give each head's set a token no other set holds (where capacity allows), so that every logits row can be told
+    apart by the set it was computed over: the one whose inactive tokens are all -inf in it."""
+    taken = torch.zeros(max(s.vocab_size for s in states.values()), dtype=torch.bool)
+    for state in states.values():
+        taken[: state.vocab_size] |= state.contains(torch.arange(state.vocab_size)).cpu()
+    free = (~taken).nonzero().flatten().tolist()
+    for state, token in zip(states.values(), free):
+        if len(state) < state.capacity - state.num_pinned and token < state.vocab_size:
+            state.observe(torch.tensor([token]))
+
+
+def _check_rows_of_several_heads(name: str, actual: torch.Tensor, eager: torch.Tensor,
+                                 masks: dict[str, torch.Tensor], rtol, atol) -> None:
+    """Logits of several heads over one vocabulary (stacked Medusa heads, MTP depths): each row is checked against
+    the set of the head it was computed with, the one set whose every inactive token is -inf in that row."""
+    rows_a, rows_e = actual.reshape(-1, actual.shape[-1]), eager.reshape(-1, eager.shape[-1])
+    for i, (a, e) in enumerate(zip(rows_a, rows_e)):
+        fits = [n for n, m in masks.items() if torch.isneginf(a[~m]).all()]
+        if not fits:
+            raise AssertionError(
+                f"{name} row {i}: finite logits outside the set of every head ({', '.join(masks)}): "
+                f"{int((~torch.isneginf(a)).sum())} finite, at most {max(int(m.sum()) for m in masks.values())} active")
+        own = min(fits, key=lambda n: int(masks[n].sum()))  # the smallest set it fits: its own
+        _check_close(f"{name} row {i} (active tokens of {own})", a[masks[own]], e[masks[own]], rtol, atol,
+                     "the eager drafter")
 
 
 # --------------------------------------------------------------------------- checks

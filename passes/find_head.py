@@ -18,11 +18,14 @@ import torch.fx as fx
 
 from . import patterns
 from .lookups import embedding_lookups
+from nanospec_fx.options import OptionError
+
 from .row_weight import row_weight
 
 
-class HeadSelectionError(ValueError):
-    """``options['head']`` names no projection of the graph (or several weights)."""
+class HeadSelectionError(OptionError):
+    """``options['head']`` names no projection of the graph (or several weights): an option error, raised to the
+    caller as it is (not wrapped in Dynamo's ``BackendCompilerFailed``)."""
 
 
 @dataclass

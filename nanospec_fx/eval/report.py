@@ -21,9 +21,10 @@ _START_LOAD: list[float] | None = None  # the load average when the measuring ve
 _OVERSUBSCRIBED: str | None = None  # what set_threads found: torch's threads exceed the free cores
 
 
-def set_threads(n: int | None) -> None:
+def set_threads(n: int | None, timed: bool = True) -> None:
     """Torch's CPU threads for this verb; also the verb's start, whose load average the JSON records, and where
-    threads that exceed the cores the machine leaves free are said (cores.oversubscription)."""
+    threads that exceed the cores the machine leaves free are said (cores.oversubscription), for a verb that
+    prints timings (``timed``; ``coverage`` times nothing: its JSON still records the load)."""
     import torch
 
     from nanospec_fx.eval import cores
@@ -31,7 +32,7 @@ def set_threads(n: int | None) -> None:
     global _START_LOAD, _OVERSUBSCRIBED
     torch.set_num_threads(n or min(2, cores.usable_cores()))
     _START_LOAD, _OVERSUBSCRIBED = cores.check(torch.get_num_threads())
-    if _OVERSUBSCRIBED:
+    if _OVERSUBSCRIBED and timed:
         warn(_OVERSUBSCRIBED)
 
 

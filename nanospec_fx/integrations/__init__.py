@@ -65,12 +65,12 @@ def speculative_pair(target: nn.Module, drafter: nn.Module | None = None, *, mtp
     if mtp is not False:
         if drafter is not None:
             raise ValueError("speculative_pair(target, mtp=...) drafts with the target's MTP layers: pass no drafter")
-        from nanospec_fx.mtp import mtp_pair
+        from nanospec_fx.mtp import mtp_layers, mtp_pair
 
         _check_not_wrapped(target, "speculative_pair")
+        layers = mtp_layers(target, None if mtp is True else mtp)  # checked (and loaded) before any setup
         state = attach(target, **vocab_options)
-        return mtp_pair(target, state, None if mtp is True else mtp, observe_topk=observe_topk, inductor=inductor,
-                        **vocab_options)
+        return mtp_pair(target, state, layers, observe_topk=observe_topk, inductor=inductor, **vocab_options)
     if drafter is None:
         raise TypeError("speculative_pair(target, drafter) needs a drafter, or mtp=True to draft with the target's "
                         "MTP layers (generate(use_mtp=True))")
@@ -143,8 +143,8 @@ def detach(model: nn.Module) -> None:
 def compile(model: nn.Module, options: dict | None = None, *, in_place: bool = False, **compile_kwargs):
     """``torch.compile(model, backend="nanospec", options=options)`` with the options checked now.
 
-    ``torch.compile`` defers the backend to the first call, where a bad option surfaces as torch's
-    ``BackendCompilerFailed``; here unknown keys and bad values raise ``ValueError`` at once. With
+    ``torch.compile`` defers the backend to the first call, where a bad option raises :class:`OptionError`;
+    here unknown keys and bad values raise the same error at once. With
     ``in_place`` the module itself is compiled (``model.compile(...)``, what transformers' assisted
     generation needs) and returned. ``compile_kwargs`` go to ``torch.compile`` (``dynamic``, ``fullgraph``...).
     """

@@ -196,8 +196,9 @@ def test_a_frame_dynamo_skips_is_named_by_every_message(in_place):
     assert "graph break inside a for/while loop" in text and "move the break out of the loop" in text
     report = str(nanospec_fx.explain(compiled, quiet=True))
     assert "compiled no graph of it" in report and "call the module once" not in report
-    with pytest.raises(AssertionError, match="move the break out of the loop"):
+    with pytest.raises(AssertionError, match="move the break out of the loop") as failed:
         assert_equivalent(model, (torch.tensor([[1, 2]]),))
+    assert "reset_dynamo" not in str(failed.value), "the known cause alone, no second, unrelated remedy"
 
 
 def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
@@ -289,3 +290,72 @@ def test_active_vocab_lists_the_candidate_heads_of_a_name_it_does_not_know():
         nanospec_fx.active_vocab(model, head="nope")
     assert "body.weight" in str(error.value) and "lm_head.weight" in str(error.value)
     assert "embed.weight" in str(error.value)
+
+
+def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forgets_skips():
+    """A bad option raises to its caller: it is not said later as another never-compiled instance's cause; a frame
+    Dynamo skipped is that instance's (not its class's), and torch._dynamo.reset() forgets it."""
+    torch._dynamo.reset()
+    failed, other = Prefill().eval(), Prefill().eval()
+    with pytest.raises(nanospec_fx.OptionError), torch.no_grad():
+        torch.compile(failed, backend="nanospec", options={"capacty": 8})(torch.tensor([[1, 2]]))
+    for model in (failed, other):
+        assert "capacty" not in str(nanospec_fx.explain(model))
+    assert "not compiled with backend='nanospec'" in str(nanospec_fx.explain(other))
+
+    torch._dynamo.reset()
+    nanospec_fx.explain(other, quiet=True)  # installs the skip watcher (a reset drops it) before any backend call
+    looping, sibling = DraftLoop().eval(), DraftLoop().eval()
+    said = "(graph break in a for/while loop"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        looping = torch.compile(looping, backend="nanospec", options={"inductor": False})
+        looping(torch.tensor([[1, 2]]))
+    assert said in str(nanospec_fx.explain(looping))
+    assert said not in str(nanospec_fx.explain(torch.compile(sibling, backend="nanospec")))
+    torch._dynamo.reset()
+    assert said not in str(nanospec_fx.explain(looping))
+
+
+class NoHead(nn.Module):
+    """Token embedding and a body, no LM head anywhere: its hidden states are all it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.body = nn.Linear(H, H)
+
+    def forward(self, ids):
+        return torch.tanh(self.body(self.embed(ids)))
+
+
+def test_a_model_without_any_head_is_said_naming_the_missing_head():
+    """A plain module with no head: said by name at the threshold (its table could be a tied head of another call);
+    a transformers base model says it has no head (get_output_embeddings() is None): said at its first call."""
+    compiled = compile_nanospec(NoHead().eval())
+    assert _calls(compiled, HEADLESS_CALLS - 1) == []
+    said = _calls(compiled, 2 * HEADLESS_CALLS)
+    assert len(said) == 1 and "it has no LM head" in said[0] and f"vocabulary's {V} rows" in said[0], said
+    assert "it has no LM head" in str(nanospec_fx.explain(compiled, quiet=True))
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    base = compile_nanospec(transformers.LlamaModel(config).eval())
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        base(input_ids=torch.tensor([[1, 2, 3]]))
+    said = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+    assert len(said) == 1 and "LlamaModel has no LM head" in said[0] and "prefill" not in said[0], said
+
+
+def test_which_models_have_no_head():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    from nanospec_fx.diagnosis import no_head
+
+    assert no_head(transformers.LlamaModel(config)) is not None
+    assert no_head(transformers.LlamaForCausalLM(config)) is None  # tied: the embedding is its head
+    assert no_head(Engine()) is None and no_head(Prefill()) is None
+    assert no_head(NoHead()) is not None and no_head(NoHead(), (torch.randn(V, H),)) is None  # a head_weight argument

@@ -103,6 +103,28 @@ def test_explain_calibrated_says_where_its_constants_come_from():
     assert "cost model: constants measured on this machine" in text and "GB/s" in text
 
 
+def test_implausible_calibration_is_refused_and_explain_keeps_the_fitted_constants(monkeypatch):
+    """Timings on a busy machine (two blocks timed alike: a zero slope) gave 786432 GB/s and a dense head at 0.00,
+    said as measured: calibrate now measures again, then refuses, and explain warns and uses the fitted constants."""
+    from nanospec_fx import calibration
+
+    busy = calibration.MachineConstants(10, 1e-6, 0.5, 7.9e14, "measured on this machine")
+    attempts = []
+    monkeypatch.setattr(calibration, "measure", lambda *a: attempts.append(a) or busy)
+    calibration.calibrate.cache_clear()
+    with pytest.raises(calibration.CalibrationError, match=r"bandwidth = 7.9e\+14, outside"):
+        calibration.calibrate(24)
+    assert len(attempts) == calibration.ATTEMPTS
+    model = TinyDrafter(500, 24, head="linear", returns="logits").eval()
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="implausible constants"):
+        text = str(nanospec_fx.explain(compiled, calibrate=True, quiet=True))
+    assert "calibration was implausible" in text and "GB/s" not in text
+    calibration.calibrate.cache_clear()
+
+
 def test_explain_names_the_kernels_and_predicts_for_them(use_kernels):
     model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
     compiled = compile_nanospec(model, capacity=64)
@@ -148,3 +170,50 @@ def test_head_benchmark_pairs_measurement_and_prediction():
     for t in res:
         cost = HeadCost.for_path(512, 8, 4, t.variant == "compact", "host", 32)
         assert t.predicted == pytest.approx(cost.predict(1, t.active)) and t.speedup > 0 and t.ms > 0
+
+
+def test_explain_speaks_to_users_formulas_named_speedups_readable_names_public():
+    from nanospec_fx.explain import public_names, speedup
+
+    assert [speedup(v) for v in (0.01234, 0.75, 3.24, 41.3)] == ["0.012x", "0.75x", "3.2x", "41x"]
+    assert public_names(["_nanospec_mtp.shared_head.weight", "lm_head.weight", "lm_head"]) == ["lm_head.weight",
+                                                                                               "lm_head"]
+    assert public_names(["_private.weight"]) == ["_private.weight"]
+    model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
+    model._held = model.lm_head  # a second, private path to the head (as an integration holds it)
+    compiled = compile_nanospec(model, capacity=64)
+    with torch.no_grad():
+        compiled(torch.tensor([[4, 5, 6]]))
+    text = str(nanospec_fx.explain(compiled, quiet=True))
+    assert "_held" not in text and "lm_head.weight" in text
+    assert "0.0x" not in text and "below 1x" in text  # V=500: the dense head is faster, said as such
+    assert "rounded up to one of 4 sizes per power of two" in text  # bucket(active) defined where it is used
+    assert "heads_rewritten is a count of graphs" in text
+
+
+class ArgumentHead(torch.nn.Module):
+    """vLLM style: the head's weight is a forward argument (``F.linear(h, head_weight)``), not held by the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.body = torch.nn.Linear(8, 8)
+
+    def forward(self, ids, head_weight):
+        return torch.nn.functional.linear(torch.tanh(self.body(self.embed(ids))), head_weight)
+
+
+def test_explain_finds_a_head_whose_weight_is_a_call_argument():
+    model = ArgumentHead().eval()
+    weight = torch.nn.Parameter(torch.randn(50, 8), requires_grad=False)
+    compiled = compile_nanospec(model)
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 2]]), weight)
+    state = nanospec_fx.active_vocab(weight)
+    assert sorted(state.token_ids().tolist()) == [1, 2]
+    for which in (model, compiled):  # neither "not compiled" nor "a wrapper generate() bypasses"
+        report = nanospec_fx.explain(which, quiet=True)
+        assert [h.state for h in report.heads] == [state] and report.heads[0].rewritten
+        text = str(report)
+        assert "head head_weight (a call argument)" in text
+        assert "not compiled" not in text and "bypasses" not in text

@@ -1,6 +1,8 @@
 """Mistakes at setup are caught where the user can catch them, with a message that says what to do."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -58,13 +60,16 @@ def test_active_vocab_before_the_first_call_points_at_attach():
     ({"capacity": -1}, "capacity must be a positive int, got -1"),
     ({"capacty": 8}, "unknown nanospec option(s) ['capacty']"),
     ({"policy": "hybrid"}, "the 'hybrid' policy needs token frequencies"),
+    ({"head": "no_such_layer"}, "nanospec: options['head']='no_such_layer' matches no projection in this graph"),
 ])
 def test_a_bad_option_reaches_torch_compile_callers_as_our_error(options, said):
     """torch.compile checks nothing: the backend's first call raises OptionError, a ValueError that Dynamo passes
-    through unwrapped (no BackendCompilerFailed), whose text is ours alone (no 'report a bug to PyTorch')."""
+    through unwrapped (no BackendCompilerFailed), whose text is ours alone (no 'report a bug to PyTorch'), and no
+    warning beside it (the error is no skipped frame: no graph-break remedies)."""
     torch._dynamo.reset()
     compiled = torch.compile(TinyDrafter(40, 8).eval(), backend="nanospec", options={**options, "inductor": False})
-    with pytest.raises(nanospec_fx.OptionError) as caught, torch.no_grad():
+    with pytest.raises(nanospec_fx.OptionError) as caught, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)
         compiled(torch.tensor([[1, 2, 3]]))
     assert isinstance(caught.value, ValueError) and not isinstance(caught.value, torch._dynamo.exc.BackendCompilerFailed)
     assert str(caught.value).startswith(said)

@@ -39,3 +39,15 @@ def test_patterns_catch_what_they_name():
     for what, text in samples.items():
         assert INTERNAL[what].search(text), what
     assert not any(p.search("torch.library.custom_op over long sessions") for p in INTERNAL.values())
+
+
+SUITE_COUNT = re.compile(r"\b\d[\d,]* passed, \d[\d,]* (skipped|failed|xfailed|deselected)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", USER_TEXT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_count_of_the_suite_that_goes_stale(path):
+    """A count of the suite's tests ("937 passed, 42 skipped") is wrong after the next test is added: the docs say
+    that the suite passes, and pytest says how many."""
+    found = [f"{path.name}:{lineno}: {m.group(0)!r}" for lineno, line in enumerate(path.read_text().splitlines(), 1)
+             if (m := SUITE_COUNT.search(line))]
+    assert not found, "\n".join(found)

@@ -89,3 +89,22 @@ def test_bench_head_caps_sizes_at_the_vocabulary(tmp_path):
 def test_tiny_llama_needs_no_tokenizer_option():
     tok = loaders.load_tokenizer("tiny-llama")  # train-eagle --model tiny-llama uses the model's name
     assert tok.vocab_size <= loaders.tiny_llama().config.vocab_size and tok.encode("ab") == [97, 98]
+
+
+def test_the_oversubscription_warning_is_said_only_by_verbs_that_print_timings(monkeypatch, capsys):
+    """coverage times nothing: a busy machine does not make its numbers untrustworthy, so it does not say so (its
+    JSON still records the load); a timed verb does."""
+    import torch
+
+    from nanospec_fx.eval import cores, report
+
+    monkeypatch.setattr(cores, "check", lambda threads, processes=1: ([9.0], "oversubscribed: 2 threads on 2 cores"))
+    for name in ("_OVERSUBSCRIBED", "_START_LOAD"):  # restored after the test (set_threads sets them)
+        monkeypatch.setattr(report, name, getattr(report, name))
+    threads = torch.get_num_threads()
+    report.set_threads(1, timed=False)
+    assert "oversubscribed" not in capsys.readouterr().out
+    assert report.provenance()["oversubscribed"] == "oversubscribed: 2 threads on 2 cores"
+    report.set_threads(1)
+    assert "warning: oversubscribed" in capsys.readouterr().out
+    torch.set_num_threads(threads)

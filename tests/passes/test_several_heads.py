@@ -234,13 +234,30 @@ def test_a_projection_as_wide_as_a_small_id_table_is_not_a_second_head():
     torch.testing.assert_close(z, _masked(model.lm_head(h), _active(ids)))
 
 
-def test_assert_equivalent_asks_which_of_several_heads_to_check():
+def test_assert_equivalent_checks_every_head_each_against_its_own_set():
     from nanospec_fx.testing import assert_equivalent
 
     model = Medusa().eval()
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.raises(AssertionError, match=r"several heads.*heads\.0\.weight.*options=\{'head'"):
-        assert_equivalent(model, (ids,), reset_dynamo=True)
+    states = assert_equivalent(model, (ids,), options={"capacity": 16}, reset_dynamo=True)
+    assert sorted(states) == ["heads.0.weight", "heads.1.weight", "heads.2.weight"]
+    sets = [frozenset(s.token_ids().tolist()) for s in states.values()]
+    assert len(set(sets)) == 3 and all({1, 2, 3} <= s for s in sets), "three sets told apart, each holds the fed ids"
+    mtp, hidden = MTP().eval(), torch.randn(1, 3, H, generator=torch.Generator().manual_seed(0))
+    # depth 2 embeds depth 1's argmax, taken among active tokens: the reference masks each depth with its head's set
+    states = assert_equivalent(mtp, (ids, hidden), options={"capacity": 16}, reset_dynamo=True,
+                               reference=lambda masks: mtp(ids, hidden, [masks["heads.0.weight"],
+                                                                         masks["heads.1.weight"]]))
+    assert sorted(states) == ["heads.0.weight", "heads.1.weight"]
+
+    import nanospec_fx.testing as testing
+
+    real = testing._check_close
+    with pytest.raises(AssertionError, match=r"finite logits outside the set of every head"):
+        testing._check_rows_of_several_heads(
+            "out", torch.zeros(2, V), torch.zeros(2, V),
+            {"a": torch.arange(V) < 3, "b": (torch.arange(V) >= 3) & (torch.arange(V) < 6)}, None, None)
+    assert testing._check_close is real
 
     def reference(mask):  # only heads.1 rewritten: its logits masked, the others dense
         stacked, routed = model(ids)

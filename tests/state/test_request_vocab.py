@@ -285,3 +285,22 @@ def test_property_observe_rows_takes_only_matching_shapes():
                 assert sorted(vocabs.token_ids(n).tolist()) == sorted(set(tokens[i].tolist()))
 
     check()
+
+
+def test_arguments_in_the_wrong_places_get_a_clear_error():
+    weight = torch.randn(V, H)
+    with pytest.raises(TypeError, match=r"bias must be the head's \[V\] bias tensor or None, got int 8: the second "
+                                        r"argument is the bias"):
+        RequestVocabs(weight, 8, 3072)  # the bias left out
+    with pytest.raises(TypeError, match=r"weight must be the head's \[V, H\] weight tensor, got Linear"):
+        RequestVocabs(torch.nn.Linear(H, V))
+    vocabs = RequestVocabs(weight, max_requests=2, capacity=8)  # the documented form
+    assert vocabs.max_requests == 2 and vocabs.capacity == 8
+
+
+def test_explain_of_a_state_says_what_it_takes():
+    import nanospec_fx
+
+    vocabs = RequestVocabs(torch.randn(V, H), max_requests=2, capacity=8)
+    with pytest.raises(TypeError, match=r"explain\(\) takes a model .* got RequestVocabs: print\(\) it .*active_count"):
+        nanospec_fx.explain(vocabs)

@@ -57,7 +57,7 @@ def coverage(corpora, tokenizer, model, topk, continuation, static_corpus, stati
     from nanospec_fx.eval import loaders
     from nanospec_fx.eval.report import command_line, console, fail, ints, machine, set_threads, write_outputs
 
-    set_threads(threads)
+    set_threads(threads, timed=False)  # it prints no timings: no warning that they are untrustworthy
     corpora = list(corpora or loaders.DEFAULT_CORPORA)
     static_corpus = static_corpus or default_static_corpus()
     if tokenizer is None:
