@@ -33,8 +33,8 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
-    insert_input_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
+    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, grad_modes, graph_position,
+    insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
@@ -345,6 +345,7 @@ def _inside_transform(transform: str) -> str:
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
+    grad_at = grad_modes(builder.graph, torch.is_grad_enabled())  # where eager runs each op (kept after the rewrite)
     for head, weight, bias in rewritable:
         kind = kind_of_head(head)
         state = kind.build_state(head, weight, bias, config)
@@ -387,6 +388,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight),
                                         builder.user_input_position(into.bias), into.state.ids, tables,
                                         _weight_positions(gm, example_inputs), kind))
+    keep_grad_modes(builder.graph, grad_at, torch.is_grad_enabled())
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     for state, report in reports:
         pass_reports.record(state, report)

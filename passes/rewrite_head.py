@@ -40,6 +40,7 @@ from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 from . import effects, patterns, transforms
 from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
+from .grad_mode import stands_for
 from .graph import describe, where
 from .patterns import set_example_value
 from .row_weight import gathered_rows, row_weight
@@ -111,6 +112,7 @@ class _Region:
         with self.graph.inserting_before(before):
             node = self.tag(op_call(self.graph, "scatter_logits", compact=value, ids=self.state.ids,
                                     cursor=self.state.cursor, vocab_size=self.vocab))
+        stands_for(node, value)  # the value where it was computed: in its grad mode, not its reader's
         set_example_value(node)
         return node
 
@@ -130,7 +132,7 @@ class _Region:
             args, kwargs = self.original_args.get(member, (member.args, member.kwargs))
             args, kwargs = fx.map_arg((args, kwargs), lambda a: parent if a is info.parent else a)
             with self.graph.inserting_before(before):
-                node = self.graph.create_node(member.op, member.target, args, kwargs)
+                node = stands_for(self.graph.create_node(member.op, member.target, args, kwargs), member)
             set_example_value(node)
         self.dense_masks[node] = Mask(self.inactive(before)) if info.parent is None \
             else self.dense_masks[self.dense(info.parent, before)]
@@ -168,6 +170,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
+    stands_for(compact, proj)
     compact.meta.update(
         {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
@@ -483,7 +486,7 @@ def _mask_unfilled(region: _Region, user: fx.Node, logits: fx.Node) -> None:
     graph = region.graph
     with graph.inserting_before(user):
         filled = region.tag(graph.call_function(operator.ge, (region.state.ids, 0)))
-        masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
+        masked = stands_for(graph.call_function(torch.where, (filled, logits, float("-inf"))), user)
     set_example_value(filled)
     set_example_value(masked)
     user.replace_input_with(logits, masked)
@@ -516,13 +519,15 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
         with graph.inserting_before(user):
             new = region.tag(op_call(graph, "compact_topk", compact=logits, ids=state.ids, cursor=state.cursor, k=k,
                                      largest=largest))
+        stands_for(new, user)
         set_example_value(new)
     else:
         keepdim = patterns.match_argmax(user, logits)
         if keepdim is None:
             return []
         with graph.inserting_before(user):
-            new = region.tag(op_call(graph, "compact_argmax", compact=logits, ids=state.ids, cursor=state.cursor))
+            new = stands_for(region.tag(op_call(graph, "compact_argmax", compact=logits, ids=state.ids,
+                                                cursor=state.cursor)), user)
             set_example_value(new)
             if keepdim:
                 new = graph.call_function(torch.unsqueeze, (new, -1))
@@ -543,6 +548,7 @@ def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab:
     with graph.inserting_before(scatter):
         fused = op_call(graph, "head_logits", **{n: op_arg(compact, n) for n in ("x", "cache_w", "cache_b", "cursor")},
                         ids=op_arg(scatter, "ids"), vocab_size=vocab)
+    stands_for(fused, compact)  # computed where the head ran (the scatter's place may be in another grad mode)
     set_example_value(fused)
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)
