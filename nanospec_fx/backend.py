@@ -34,6 +34,7 @@ from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoS
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
     DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, grad_modes, graph_position,
+    find_meetings,
     insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
@@ -115,8 +116,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # a piece of a call that looks up ids and has no head: counted, as a whole head-less call is (diagnosis)
         return _counted(_dense(gm, example_inputs, opts, config_patches, said), gm, example_inputs)
     real = _real_tensors(gm, example_inputs)
+    met = _heads_that_meet(gm, heads, said)
     rewritable = []
     for head in heads:
+        if head in met:
+            continue
         reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
             _runs_dense(said, head, reason)
@@ -149,6 +153,32 @@ def _runs_dense(said: list[str], head: HeadMatch, reason: str) -> None:
     counters["nanospec"]["heads_dense"] += 1
     counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
     log.debug("head %s runs dense: %s", head.name, reason)
+
+
+def _heads_that_meet(gm: fx.GraphModule, heads: list[HeadMatch], said: list[str]) -> set[HeadMatch]:
+    """Heads whose logits one op combines (``passes/heads_meet.py``): each group runs dense, said once, naming
+    every head of it."""
+    met: set[HeadMatch] = set()
+    for meeting in find_meetings(gm.graph, [h.nodes for h in heads]):
+        group = [heads[i] for i in meeting.heads]
+        names = ", ".join(h.name for h in group[:-1]) + f" and {group[-1].name}"
+        low_rank = [h for h in group if h.hidden_size < max(g.hidden_size for g in group)]
+        reason = (
+            f"the logits of two heads are combined ({meeting.describe()}): each head weight has its own active set, "
+            "so no one set makes the combined logits exact (one head's chain going on through the op would mask "
+            "the result with that head's set alone). Combine them after the drafter's call, or rewrite one of them "
+            "with options={'head': ...}"
+            + (f"; {', '.join(h.name for h in low_rank)} reads a low-rank input (a LoRA delta B(A(h)) on the head): "
+               "merge it into the head weight (W + s * B @ A; peft's merge_and_unload()) to have the head rewritten"
+               if low_rank else ""))
+        said.append(f"nanospec: the heads {names} run dense: {reason}")
+        for head in group:
+            if head not in met:
+                counters["nanospec"]["heads_dense"] += 1
+                counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
+                log.debug("head %s runs dense: %s", head.name, reason)
+        met.update(group)
+    return met
 
 
 def reason_key(reason: str) -> str:

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns, transforms
+from . import effects, heads_meet, patterns, transforms
 from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
 from .grad_mode import stands_for
@@ -71,6 +71,7 @@ class _Region:
         self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
         self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
         self.side: set[fx.Node] = set()  # computed column by column from chain values, outside the chain (z > 0)
+        self.foreign: set[fx.Node] = set()  # computed from another head's logits (``heads_meet``): never a chain operand
         self.transforms: dict[fx.Node, str] = {}  # nodes inside torch.vmap & co (``transforms.transform_regions``)
         self.capacity = 0
         self._inactive: fx.Node | None = None
@@ -153,13 +154,14 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report)
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, head.nodes)
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> None:
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list) -> None:
     x, w, _ = patterns.match_projection(proj)
     derived = _value_downstream(proj)
+    foreign = _other_heads_logits(graph, own, state, vocab)
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
     rows = row_weight(w, vocab) if w.op not in ("placeholder", "get_attr") else None
     if rows is not None:  # a weight computed row by row (quantised, parametrised): only the active rows
@@ -181,6 +183,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     region.capacity = capacity
     region.transforms = transforms.transform_regions(graph)
     region.derived = derived | {compact}
+    region.foreign = foreign
     region.members[compact] = _Member(compact)
     nodes = list(graph.nodes)
     erased: set[fx.Node] = set()
@@ -257,7 +260,21 @@ def _chain_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, va
             "from the logits column by column but is no step nanospec runs compact (a comparison such as z > 0, or an "
             "op it does not know): it cannot prove what inactive tokens hold after it. Use masked_fill/clamp/where "
             "with a mask that does not depend on the logits")
-    return not any(a in region.derived for a in others)
+    # another head's logits (its own active set, or dense): the chain ends here, whatever the op (heads_meet.py)
+    return not any(a in region.derived or a in region.foreign for a in others)
+
+
+def _other_heads_logits(graph: fx.Graph, own: list, state: StateNodes, vocab: int) -> set[fx.Node]:
+    """Nodes computed from the logits of a projection onto the vocabulary other than ``own`` (this head's, which
+    read its state): another head, rewritten (its nanospec ops read another state) or not."""
+    others = [n for n in graph.nodes if n not in own and (
+        (is_op(n, "compact_logits") or is_op(n, "head_logits")) and op_arg(n, "cursor") is not state.cursor
+        or patterns.match_projection(n) is not None and patterns.tensor_shape(n)
+        and patterns.tensor_shape(n)[-1] == vocab)]
+    if not others:
+        return set()
+    sources = heads_meet.logits_sources(graph, [list(own), others])
+    return {n for n, heads in sources.items() if 1 in heads}
 
 
 def _check_aliases(region: _Region, n: fx.Node) -> None:
