@@ -33,7 +33,7 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, grad_modes, graph_position,
+    DenseFallback, DenseHead, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, grad_modes, graph_position,
     find_meetings,
     insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads, unobserved_lookup,
 )
@@ -100,7 +100,13 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
         # call that embeds tokens and computes nothing vocabulary-wide is a prefill, not a head nanospec missed.
-        if notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
+        for note in (n for n in notes if isinstance(n, DenseHead)):  # a head the finder cannot take: its reason
+            said.append(f"nanospec: the head {note.head} runs dense: {note}")
+            counters["nanospec"]["heads_dense"] += 1
+            counters["nanospec"][f"dense: {reason_key(note)}"] += 1
+        if any(isinstance(n, DenseHead) for n in notes):
+            said.extend(f"nanospec: {n}" for n in notes if not isinstance(n, DenseHead))
+        elif notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
             said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
                 "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"

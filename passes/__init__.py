@@ -39,7 +39,7 @@ The contract these passes implement (README, "The contract"):
   all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call
   that raises on a bad id observes nothing).
 """
-from .contract import DenseFallback, ObserveInto, RewriteReport, StateNodes
+from .contract import DenseFallback, DenseHead, ObserveInto, RewriteReport, StateNodes
 from .find_head import HeadMatch, HeadSelectionError, find_heads
 from .grad_mode import grad_enabled_at, grad_modes, keep_grad_modes
 from .graph_position import GraphPosition, graph_position
@@ -50,7 +50,7 @@ from .rewrite_head import rewrite_head
 
 __all__ = [
     "HeadMatch", "HeadSelectionError", "find_heads", "ObserveInto", "insert_input_observers", "insert_observe",
-    "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback",
+    "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback", "DenseHead",
     "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "grad_modes", "keep_grad_modes", "GraphPosition", "graph_position",
     "unobserved_lookup", "find_meetings",
 ]
