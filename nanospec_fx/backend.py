@@ -33,9 +33,9 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, DenseHead, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, grad_modes, graph_position,
-    find_meetings,
-    insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads, unobserved_lookup,
+    DenseFallback, DenseHead, HeadMatch, ObserveInto, StateNodes, find_heads, find_meetings, grad_enabled_at,
+    grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads,
+    unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
