@@ -10,6 +10,9 @@ with one warning naming them all (``nanospec_fx/backend.py``), and the rewrite s
 other operand comes from another vocabulary projection (``rewrite_head._chain_operands_ok``).
 
 Projections of one head weight read one state: their meeting is no meeting here (the chain is exact on that set).
+Numbers per row computed from one head (a logsumexp, the values of a top-k) hold no token's logit any more: combining
+them with another head's (Medusa's tree scores) is plain arithmetic on values each exact on its own set. The rewrite
+still ends a chain at any operand computed from another head, per row or not (``za - zb.logsumexp(-1)``).
 
 Values computed from several heads that stay apart are not a meeting: ``torch.stack``/``torch.cat`` of them (a
 Medusa drafter's ``[K, ..., V]`` logits), the graph output, and on such a stacked tensor elementwise steps, views
@@ -58,15 +61,22 @@ def find_meetings(graph: fx.Graph, projections: list[list[fx.Node]]) -> list[Mee
             meetings.append(Meeting(sorted(heads), node))
             grouped.update(heads)
 
-    logits_sources(graph, projections, combined)
+    logits_sources(graph, projections, combined, token_aligned=True)
     return meetings
 
 
-def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=None) -> dict[fx.Node, frozenset]:
+def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=None,
+                   token_aligned: bool = False) -> dict[fx.Node, frozenset]:
     """For each node computed from the logits of the heads (``projections[i]``: head ``i``'s projection nodes),
     which heads. A projection carries its own head only (ids from one head's output looked up in a table carry
     no logits on: a draft loop's next hidden state is no logits). ``combined(node, heads)`` is called at each op
-    that combines values of several heads element by element."""
+    that combines values of several heads element by element.
+
+    With ``token_aligned``, only values that still hold a value per token carry (a floating tensor with an axis as
+    wide as a head's vocabulary) and token ids: a reduction or a selection of one head's logits (a logsumexp, the
+    values of a top-k) is a number per row, which combined with another head's is plain arithmetic on values each
+    exact on its own set (Medusa's tree scores: the top-k log-probabilities of two heads summed)."""
+    widths = {patterns.tensor_shape(p)[-1] for nodes in projections for p in nodes if patterns.tensor_shape(p)}
     carries: dict[fx.Node, frozenset[int]] = {}  # the heads a value is computed from
     stacked: set[fx.Node] = set()  # values holding several heads' logits side by side
     for i, nodes in enumerate(projections):
@@ -83,6 +93,9 @@ def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=N
         heads = frozenset().union(*(carries[a] for a in inputs))
         if len(heads) > 1 and combined is not None and not _keeps_apart(n, inputs, carries, stacked):
             combined(n, heads)
+        if (token_aligned and _floating(n) and not set(patterns.tensor_shape(n) or ()) & widths
+                and not patterns.is_call(n, _KEEP_APART_FUNCTIONS, {"cat"})):
+            continue  # a number per row (a reduction, the values of a selection): no logits of a head any more
         carries[n] = heads
         if len(heads) > 1:
             stacked.add(n)

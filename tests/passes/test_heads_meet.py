@@ -90,6 +90,9 @@ KEPT_APART = {
     "returned": lambda za, zb: (za, zb),
     "stacked then log_softmax(-1)": lambda za, zb: torch.stack([za, zb]).log_softmax(-1),
     "stacked then top-k": lambda za, zb: torch.stack([za, zb]).topk(2).indices,
+    # Medusa's tree scores: each head's top-k log-probabilities (exact on its own set), summed pairwise
+    "top-k log-probabilities summed": lambda za, zb: (za.log_softmax(-1).topk(2).values[..., :, None]
+                                                     + zb.log_softmax(-1).topk(2).values[..., None, :]),
 }
 
 
