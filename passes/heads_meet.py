@@ -76,7 +76,8 @@ def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=N
     wide as a head's vocabulary) and token ids: a reduction or a selection of one head's logits (a logsumexp, the
     values of a top-k) is a number per row, which combined with another head's is plain arithmetic on values each
     exact on its own set (Medusa's tree scores: the top-k log-probabilities of two heads summed)."""
-    widths = {patterns.tensor_shape(p)[-1] for nodes in projections for p in nodes if patterns.tensor_shape(p)}
+    widths = {shape[-1] for nodes in projections for p in nodes
+              if (shape := patterns.tensor_shape(p)) and isinstance(shape[-1], int)}
     carries: dict[fx.Node, frozenset[int]] = {}  # the heads a value is computed from
     stacked: set[fx.Node] = set()  # values holding several heads' logits side by side
     for i, nodes in enumerate(projections):
@@ -93,7 +94,7 @@ def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=N
         heads = frozenset().union(*(carries[a] for a in inputs))
         if len(heads) > 1 and combined is not None and not _keeps_apart(n, inputs, carries, stacked):
             combined(n, heads)
-        if (token_aligned and _floating(n) and not set(patterns.tensor_shape(n) or ()) & widths
+        if (token_aligned and _floating(n) and not set(_static_dims(n)) & widths
                 and not patterns.is_call(n, _KEEP_APART_FUNCTIONS, {"cat"})):
             continue  # a number per row (a reduction, the values of a selection): no logits of a head any more
         carries[n] = heads
@@ -104,6 +105,11 @@ def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=N
             if len(carries[written]) > 1:
                 stacked.add(written)
     return carries
+
+
+def _static_dims(node: fx.Node) -> list[int]:
+    """The static sizes of ``node``'s value (symbolic ones, rows with dynamic shapes, left out: unhashable)."""
+    return [d for d in patterns.tensor_shape(node) or () if isinstance(d, int)]
 
 
 def _floating(node: fx.Node) -> bool:

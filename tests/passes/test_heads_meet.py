@@ -214,3 +214,19 @@ def test_a_lora_delta_on_the_head_runs_dense_saying_why_and_how_to_merge(make):
     assert "the logits of two heads are combined" in warned[0]
     assert "LoRA delta" in warned[0] and "merge" in warned[0] and "lora_B" in warned[0]
     torch.testing.assert_close(out, expected)
+
+
+def test_meeting_heads_under_dynamic_shapes():
+    """A second call of another length recompiles with symbolic row sizes (the fuzzer's crash: a shape of SymInts
+    put in a set); the heads that meet and the ones kept apart decide as before."""
+    for combine, meets in ((torch.maximum, True), (KEPT_APART["top-k log-probabilities summed"], False)):
+        model = TwoHeads(combine).eval()
+        compiled = compile_nanospec(model, capacity=16)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for ids in (IDS, torch.tensor([[4, 5, 6, 7, 8]]), torch.tensor([[9, 10]])):
+                out = compiled(ids)
+                if meets:
+                    torch.testing.assert_close(out, model(ids))
+        warned = {str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)}
+        assert len(warned) == (1 if meets else 0), warned
