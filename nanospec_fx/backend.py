@@ -88,7 +88,8 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so; a
         # vocabulary-parallel head's note says why its gather is not followed (its shard is no padded/draft head)
         if heads:
-            said.extend(f"nanospec: {n}" for n in found)
+            said.extend(f"nanospec: the head {n.head} runs dense: {n}" if isinstance(n, DenseHead) else f"nanospec: {n}"
+                        for n in found)
         elif not notes:
             notes.extend(found)
             if hint := draft_vocab_hint(gm, example_inputs):  # an EAGLE-3 head compiled without the option
