@@ -33,8 +33,9 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, HeadMatch, ObserveInto, StateNodes, find_heads, grad_enabled_at, graph_position,
-    insert_input_observers, rewrite_head, snapshot_state_reads, unobserved_lookup,
+    DenseFallback, DenseHead, HeadMatch, ObserveInto, StateNodes, find_heads, find_meetings, grad_enabled_at,
+    grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads,
+    unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
@@ -87,7 +88,8 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so; a
         # vocabulary-parallel head's note says why its gather is not followed (its shard is no padded/draft head)
         if heads:
-            said.extend(f"nanospec: {n}" for n in found)
+            said.extend(f"nanospec: the head {n.head} runs dense: {n}" if isinstance(n, DenseHead) else f"nanospec: {n}"
+                        for n in found)
         elif not notes:
             notes.extend(found)
             if hint := draft_vocab_hint(gm, example_inputs):  # an EAGLE-3 head compiled without the option
@@ -99,7 +101,13 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # In a piece of a split call, only a projection nanospec cannot take as the head is worth a warning
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
         # call that embeds tokens and computes nothing vocabulary-wide is a prefill, not a head nanospec missed.
-        if notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
+        for note in (n for n in notes if isinstance(n, DenseHead)):  # a head the finder cannot take: its reason
+            said.append(f"nanospec: the head {note.head} runs dense: {note}")
+            counters["nanospec"]["heads_dense"] += 1
+            counters["nanospec"][f"dense: {reason_key(note)}"] += 1
+        if any(isinstance(n, DenseHead) for n in notes):
+            said.extend(f"nanospec: {n}" for n in notes if not isinstance(n, DenseHead))
+        elif notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
             said.append(
                 "nanospec: no LM head found in this graph (a linear/matmul/einsum with a parameter or buffer weight "
                 "whose vocabulary-sized output reaches the output, with the vocabulary of the token embedding"
@@ -115,8 +123,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # a piece of a call that looks up ids and has no head: counted, as a whole head-less call is (diagnosis)
         return _counted(_dense(gm, example_inputs, opts, config_patches, said), gm, example_inputs)
     real = _real_tensors(gm, example_inputs)
+    met = _heads_that_meet(gm, heads, said)
     rewritable = []
     for head in heads:
+        if head in met:
+            continue
         reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
             _runs_dense(said, head, reason)
@@ -149,6 +160,32 @@ def _runs_dense(said: list[str], head: HeadMatch, reason: str) -> None:
     counters["nanospec"]["heads_dense"] += 1
     counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
     log.debug("head %s runs dense: %s", head.name, reason)
+
+
+def _heads_that_meet(gm: fx.GraphModule, heads: list[HeadMatch], said: list[str]) -> set[HeadMatch]:
+    """Heads whose logits one op combines (``passes/heads_meet.py``): each group runs dense, said once, naming
+    every head of it."""
+    met: set[HeadMatch] = set()
+    for meeting in find_meetings(gm.graph, [h.nodes for h in heads]):
+        group = [heads[i] for i in meeting.heads]
+        names = ", ".join(h.name for h in group[:-1]) + f" and {group[-1].name}"
+        low_rank = [h for h in group if h.hidden_size < max(g.hidden_size for g in group)]
+        reason = (
+            f"the logits of two heads are combined ({meeting.describe()}): each head weight has its own active set, "
+            "so no one set makes the combined logits exact (one head's chain going on through the op would mask "
+            "the result with that head's set alone). Combine them after the drafter's call, or rewrite one of them "
+            "with options={'head': ...}"
+            + (f"; {', '.join(h.name for h in low_rank)} reads a low-rank input (a LoRA delta B(A(h)) on the head): "
+               "merge it into the head weight (W + s * B @ A; peft's merge_and_unload()) to have the head rewritten"
+               if low_rank else ""))
+        said.append(f"nanospec: the heads {names} run dense: {reason}")
+        for head in group:
+            if head not in met:
+                counters["nanospec"]["heads_dense"] += 1
+                counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
+                log.debug("head %s runs dense: %s", head.name, reason)
+        met.update(group)
+    return met
 
 
 def reason_key(reason: str) -> str:
@@ -349,6 +386,7 @@ def _inside_transform(transform: str) -> str:
 def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position) -> Callable:
     builder = _GraphBuilder(gm)
     bindings, reports = [], []
+    grad_at = grad_modes(builder.graph, torch.is_grad_enabled())  # where eager runs each op (kept after the rewrite)
     for head, weight, bias in rewritable:
         kind = kind_of_head(head)
         state = kind.build_state(head, weight, bias, config)
@@ -391,6 +429,7 @@ def _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patche
         bindings.append(_DrafterBinding(state, builder.user_input_position(mapped.weight),
                                         builder.user_input_position(into.bias), into.state.ids, tables,
                                         _weight_positions(gm, example_inputs), kind))
+    keep_grad_modes(builder.graph, grad_at, torch.is_grad_enabled())
     compiled = builder.compile(example_inputs, bindings, opts, config_patches)
     diagnosis.record_rewritten([state for state, _ in reports], example_inputs)  # heads a call argument weights too
     for state, report in reports:

@@ -12,7 +12,8 @@ In stage order (each imports only the ones above it):
 * ``rewrite_head``   - head -> compact logits -> post-ops -> scatter
 * ``observe_inputs`` - token ids fed to the drafter, and the target's top-k, join the active vocabulary
 * ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
-* ``grad_mode``      - whether autograd records where the head runs
+* ``heads_meet``     - where the logits of two heads meet in one op (no one active set is exact there)
+* ``grad_mode``      - whether autograd records where the head runs; inserted ops kept in the mode eager ran them
 * ``effects``        - what a node writes and may alias (op schemas); which nodes are known pure
 * ``transforms``     - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
 * ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
@@ -38,17 +39,18 @@ The contract these passes implement (README, "The contract"):
   all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call
   that raises on a bad id observes nothing).
 """
-from .contract import DenseFallback, ObserveInto, RewriteReport, StateNodes
+from .contract import DenseFallback, DenseHead, ObserveInto, RewriteReport, StateNodes
 from .find_head import HeadMatch, HeadSelectionError, find_heads
-from .grad_mode import grad_enabled_at
+from .grad_mode import grad_enabled_at, grad_modes, keep_grad_modes
 from .graph_position import GraphPosition, graph_position
+from .heads_meet import find_meetings
 from .lookups import token_id_lookups, unobserved_lookup
 from .observe_inputs import insert_input_observers, insert_observe, insert_topk_observers, snapshot_state_reads
 from .rewrite_head import rewrite_head
 
 __all__ = [
     "HeadMatch", "HeadSelectionError", "find_heads", "ObserveInto", "insert_input_observers", "insert_observe",
-    "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback",
-    "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "GraphPosition", "graph_position",
-    "unobserved_lookup",
+    "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback", "DenseHead",
+    "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "grad_modes", "keep_grad_modes", "GraphPosition", "graph_position",
+    "unobserved_lookup", "find_meetings",
 ]

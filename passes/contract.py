@@ -12,6 +12,18 @@ class DenseFallback(Exception):
     """The head cannot be rewritten soundly here; the message names the op and its place."""
 
 
+class DenseHead(str):
+    """A note of the head finder that is one head's dense reason (a projection onto the vocabulary whose weight is
+    computed in the graph, not row-wise): the backend says it as that head's reason, not as a graph without a head."""
+
+    head: str
+
+    def __new__(cls, head: str, reason: str) -> "DenseHead":
+        note = super().__new__(cls, reason)
+        note.head = head
+        return note
+
+
 @dataclass
 class StateNodes:
     """Placeholders through which the compiled graph receives one ActiveVocab's tensors."""

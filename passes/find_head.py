@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import patterns
+from .contract import DenseHead
 from .lookups import embedding_lookups
 from nanospec_fx.options import OptionError
 
@@ -164,9 +165,11 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
                 and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
     if computed and notes is not None:
-        notes.append(f"the weight of {computed[0].name} is computed in the graph ({_weight_op(computed[0])}) and "
-                     "nanospec cannot prove that each of its rows depends only on the same row of stored tensors "
-                     "(elementwise ops, per-row scales, reductions over the last axis): it is not rewritten")
+        notes.append(DenseHead(module_path(computed[0]) or computed[0].name,
+                               f"the weight is not row-wise: it is computed in the graph ({_weight_op(computed[0])}) and "
+                               "nanospec cannot prove that each of its rows depends only on the same row of stored "
+                               "tensors (elementwise ops, per-row scales, reductions over the last axis): it is not "
+                               "rewritten"))
     if heads:
         return heads
     if vocabularies:

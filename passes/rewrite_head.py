@@ -37,9 +37,10 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns, transforms
+from . import effects, heads_meet, patterns, transforms
 from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
+from .grad_mode import stands_for
 from .graph import describe, where
 from .patterns import set_example_value
 from .row_weight import gathered_rows, row_weight
@@ -70,6 +71,7 @@ class _Region:
         self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
         self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
         self.side: set[fx.Node] = set()  # computed column by column from chain values, outside the chain (z > 0)
+        self.foreign: set[fx.Node] = set()  # computed from another head's logits (``heads_meet``): never a chain operand
         self.transforms: dict[fx.Node, str] = {}  # nodes inside torch.vmap & co (``transforms.transform_regions``)
         self.capacity = 0
         self._inactive: fx.Node | None = None
@@ -111,6 +113,7 @@ class _Region:
         with self.graph.inserting_before(before):
             node = self.tag(op_call(self.graph, "scatter_logits", compact=value, ids=self.state.ids,
                                     cursor=self.state.cursor, vocab_size=self.vocab))
+        stands_for(node, value)  # the value where it was computed: in its grad mode, not its reader's
         set_example_value(node)
         return node
 
@@ -130,7 +133,7 @@ class _Region:
             args, kwargs = self.original_args.get(member, (member.args, member.kwargs))
             args, kwargs = fx.map_arg((args, kwargs), lambda a: parent if a is info.parent else a)
             with self.graph.inserting_before(before):
-                node = self.graph.create_node(member.op, member.target, args, kwargs)
+                node = stands_for(self.graph.create_node(member.op, member.target, args, kwargs), member)
             set_example_value(node)
         self.dense_masks[node] = Mask(self.inactive(before)) if info.parent is None \
             else self.dense_masks[self.dense(info.parent, before)]
@@ -151,13 +154,14 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report)
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, head.nodes)
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> None:
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list) -> None:
     x, w, _ = patterns.match_projection(proj)
     derived = _value_downstream(proj)
+    foreign = _other_heads_logits(graph, own, state, vocab)
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
     rows = row_weight(w, vocab) if w.op not in ("placeholder", "get_attr") else None
     if rows is not None:  # a weight computed row by row (quantised, parametrised): only the active rows
@@ -168,6 +172,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
+    stands_for(compact, proj)
     compact.meta.update(
         {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
@@ -178,6 +183,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report) -> No
     region.capacity = capacity
     region.transforms = transforms.transform_regions(graph)
     region.derived = derived | {compact}
+    region.foreign = foreign
     region.members[compact] = _Member(compact)
     nodes = list(graph.nodes)
     erased: set[fx.Node] = set()
@@ -254,7 +260,21 @@ def _chain_operands_ok(region: _Region, n: fx.Node, inputs: list, width: int, va
             "from the logits column by column but is no step nanospec runs compact (a comparison such as z > 0, or an "
             "op it does not know): it cannot prove what inactive tokens hold after it. Use masked_fill/clamp/where "
             "with a mask that does not depend on the logits")
-    return not any(a in region.derived for a in others)
+    # another head's logits (its own active set, or dense): the chain ends here, whatever the op (heads_meet.py)
+    return not any(a in region.derived or a in region.foreign for a in others)
+
+
+def _other_heads_logits(graph: fx.Graph, own: list, state: StateNodes, vocab: int) -> set[fx.Node]:
+    """Nodes computed from the logits of a projection onto the vocabulary other than ``own`` (this head's, which
+    read its state): another head, rewritten (its nanospec ops read another state) or not."""
+    others = [n for n in graph.nodes if n not in own and (
+        (is_op(n, "compact_logits") or is_op(n, "head_logits")) and op_arg(n, "cursor") is not state.cursor
+        or patterns.match_projection(n) is not None and patterns.tensor_shape(n)
+        and patterns.tensor_shape(n)[-1] == vocab)]
+    if not others:
+        return set()
+    sources = heads_meet.logits_sources(graph, [list(own), others])
+    return {n for n, heads in sources.items() if 1 in heads}
 
 
 def _check_aliases(region: _Region, n: fx.Node) -> None:
@@ -483,7 +503,7 @@ def _mask_unfilled(region: _Region, user: fx.Node, logits: fx.Node) -> None:
     graph = region.graph
     with graph.inserting_before(user):
         filled = region.tag(graph.call_function(operator.ge, (region.state.ids, 0)))
-        masked = graph.call_function(torch.where, (filled, logits, float("-inf")))
+        masked = stands_for(graph.call_function(torch.where, (filled, logits, float("-inf"))), user)
     set_example_value(filled)
     set_example_value(masked)
     user.replace_input_with(logits, masked)
@@ -516,13 +536,15 @@ def _compact_consumer(region: _Region, user: fx.Node, logits: fx.Node, erased: s
         with graph.inserting_before(user):
             new = region.tag(op_call(graph, "compact_topk", compact=logits, ids=state.ids, cursor=state.cursor, k=k,
                                      largest=largest))
+        stands_for(new, user)
         set_example_value(new)
     else:
         keepdim = patterns.match_argmax(user, logits)
         if keepdim is None:
             return []
         with graph.inserting_before(user):
-            new = region.tag(op_call(graph, "compact_argmax", compact=logits, ids=state.ids, cursor=state.cursor))
+            new = stands_for(region.tag(op_call(graph, "compact_argmax", compact=logits, ids=state.ids,
+                                                cursor=state.cursor)), user)
             set_example_value(new)
             if keepdim:
                 new = graph.call_function(torch.unsqueeze, (new, -1))
@@ -543,6 +565,7 @@ def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab:
     with graph.inserting_before(scatter):
         fused = op_call(graph, "head_logits", **{n: op_arg(compact, n) for n in ("x", "cache_w", "cache_b", "cursor")},
                         ids=op_arg(scatter, "ids"), vocab_size=vocab)
+    stands_for(fused, compact)  # computed where the head ran (the scatter's place may be in another grad mode)
     set_example_value(fused)
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)

@@ -101,6 +101,30 @@ EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
 # of its own (its own ActiveVocab); the oracle masks head i's output with ``extra_masks[i]`` (bool over the rows, or
 # None where that head runs dense), which the fuzzer sets from head i's state before each eager call.
 EXTRA_HEADS = (0, 1, 2)
+# -- issues 40 item 2 / 45 item 2, heads that meet: with two extra heads, ``combine`` names an op that combines their
+# logits into one output (``COMBINE``: every elementwise binary op kind, ``where``, a gather of one at the other's
+# top-k ids, a stack then a reduction across the heads). The oracle reads each head's logits masked by its own set
+# (each chain ends at the op), then plain IEEE arithmetic; where the two sets differ only dense (with a warning) or
+# one shared set can equal it.
+COMBINE = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "mean": lambda a, b: (a + b) / 2,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "fmax": torch.fmax,
+    "fmin": torch.fmin,
+    "logaddexp": torch.logaddexp,
+    "hypot": torch.hypot,
+    "atan2": torch.atan2,
+    "copysign": torch.copysign,
+    "where_greater": lambda a, b: torch.where(a > b, a, b),
+    "where_sign": lambda a, b: torch.where(a > 0, b, a),
+    "gather_at_topk": lambda a, b: b.gather(-1, a.topk(2).indices),
+    "stack_amax": lambda a, b: torch.stack([a, b]).amax(0),
+    "stack_mean": lambda a, b: torch.stack([a, b]).mean(0),
+}
 # -- issue 32, items 1, 2, 8: a second token lookup in one call (the same table with other ids, or another table with
 # as many rows), fed ``ids2``; a call that raises after valid ids (``bad_inputs``: one invalid id, last, in ``ids`` or
 # ``ids2``: the fuzzer checks that every state is exactly as before it); a pruned head over a draft vocabulary
@@ -149,6 +173,7 @@ class Recipe:
     draft_steps: int = 0       # >0: a draft loop in forward (embed_first): k heads, each feeding a token back
     draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
     extra_heads: int = 0       # several heads: more nn.Linear(H, V) heads on the head's input, see EXTRA_HEADS
+    combine: str = ""          # COMBINE: the two extra heads' logits meet in one op (one output for both)
     head_vmap: bool = False    # the head projection under torch.vmap over the batch: dense, with one warning
     second_lookup: str = ""    # SECOND_LOOKUPS: a second token lookup of ``ids2`` in the body
     bad_call: str = ""         # BAD_CALLS: after the first call, a call with one invalid id (eager raises)
@@ -562,10 +587,16 @@ class FuzzDrafter(nn.Module):
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _extra_heads(self, h, outputs, record):
-        """The several-heads block: each extra head's logits, masked by its own set (see EXTRA_HEADS)."""
+        """The several-heads block: each extra head's logits, masked by its own set (see EXTRA_HEADS); with
+        ``combine``, the first two meet in one op (see COMBINE)."""
+        logits = []
         for i, head in enumerate(self.extra_heads):
             mask = self.extra_masks[i] if self.extra_masks is not None else None
-            outputs.append(self._masker(mask)(head(h) / (i + 2)))
+            logits.append(self._masker(mask)(head(h) / (i + 2)))
+        if self.recipe.combine and len(logits) > 1:
+            logits = [COMBINE[self.recipe.combine](logits[0], logits[1])] + logits[2:]
+        for z in logits:
+            outputs.append(z)
             if record is not None:
                 record.append(("values", None, None))
 
@@ -947,11 +978,13 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
     chain = () if draft_steps else draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
     extra_heads = 0 if draft_steps or draw(st.integers(0, 5)) else draw(st.sampled_from(EXTRA_HEADS[1:]))
+    combine = draw(st.sampled_from(sorted(COMBINE))) if extra_heads == 2 and draw(st.booleans()) else ""
     second_lookup = draw(st.sampled_from(SECOND_LOOKUPS + ("",) * 4))
     bad_call = draw(st.sampled_from(BAD_CALLS + ("",) * 3))
     d2t = draw(st.sampled_from(D2T + ("",) * 10)) if head in D2T_HEADS else ""
     if d2t:  # a draft vocabulary of head_rows target ids among embed_rows: an untied head, no padding, no extra heads
         head_pad, embed_pad, extra_heads = 0, draw(st.sampled_from([16, 40])), 0
+        combine = ""
     if draft_steps:
         dtype, autocast, capacity = "float32", False, 512  # argmax fed back: no near ties, no eviction inside a call
     seq = draw(st.integers(1, 4))
@@ -968,7 +1001,7 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         lookup=lookup, head_break=draw(st.sampled_from(("",) * 4 + BREAKS)),
         hook=head in ("linear", "linear_tied") and draw(st.integers(0, 5)) == 0,
         draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
-        extra_heads=extra_heads,
+        extra_heads=extra_heads, combine=combine,
         head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
         second_lookup=second_lookup, bad_call=bad_call,
         bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,

@@ -212,6 +212,14 @@ CASES.update({
     "effect_call_vmap_body_grad": (R(body=("vmap_mlp", "effect_call"), mode="grad"), ()),
 })
 
+# -- issues 40 item 2 / 45 item 2: two heads' logits meet in one op (the grammar's ``combine``): silent on main for
+# sub/mul/hypot/atan2 (one head's chain went on through the op, masked with its set alone)
+CASES.update({
+    f"heads_meet_{op}{'_grad' if mode == 'grad' else ''}": (R(extra_heads=2, combine=op, extra_active=20, mode=mode), ())
+    for op, mode in (("sub", "inference"), ("mul", "inference"), ("hypot", "inference"), ("atan2", "inference"),
+                     ("maximum", "grad"), ("gather_at_topk", "inference"), ("stack_amax", "no_grad"))
+})
+
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="open, on main too: inductor's decompose_auto_functionalized asserts on the "
