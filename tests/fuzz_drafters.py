@@ -111,6 +111,10 @@ SECOND_LOOKUPS = ("", "same_table", "other_table")
 BAD_CALLS = ("", "pad", "past_table")
 D2T = ("", "buffer", "option")
 D2T_HEADS = ("linear", "matmul_bias", "einsum", "buffer")
+# -- issue 40, item 1: several small tables (segment or type embeddings, not the vocabulary) read at one segment id
+# computed from the tokens: the transactional observe checks each of their lookups where the ids exist, one check
+# inserted next to the previous one, in a graph it is editing.
+SMALL_TABLES = (0, 1, 2, 3)
 
 MODES = ("inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward")
 GRAD_MODES = ("grad", "enable_grad_inside")  # outputs carry gradients to the (trainable) body
@@ -154,6 +158,7 @@ class Recipe:
     bad_call: str = ""         # BAD_CALLS: after the first call, a call with one invalid id (eager raises)
     bad_at: str = "ids"        # which input holds it: "ids" or "ids2"
     d2t: str = ""              # D2T: the head has ``head_rows`` rows over a draft vocabulary of the embed_rows ids
+    small_tables: int = 0      # SMALL_TABLES: small tables (3, 4, ... rows) all read at one segment id ``ids % 3``
 
     @property
     def head_rows(self) -> int:
@@ -254,6 +259,10 @@ class FuzzDrafter(nn.Module):
             self.register_buffer("id_buf", torch.zeros(4, 8, dtype=torch.int64), persistent=False)
         if r.position:
             self.pos = nn.Embedding(16, H)
+        self.small = nn.ModuleList(nn.Embedding(3 + i, H) for i in range(r.small_tables))
+        with torch.no_grad():
+            for table in self.small:
+                table.weight.copy_(randn(*table.weight.shape, scale=0.5))
         if r.second_lookup == "other_table":
             self.embed2 = nn.Embedding(r.embed_rows, H)
             with torch.no_grad():
@@ -450,6 +459,10 @@ class FuzzDrafter(nn.Module):
             h = h + table(ids2).mean(-2, keepdim=True)
         if r.position:
             h = h + self.pos(torch.arange(ids.shape[-1], device=ids.device))
+        if r.small_tables:
+            segment = ids % 3
+            for table in self.small:
+                h = h + table(segment)
         for op in r.body:
             if op in ("mlp", "mlp_vocab_width"):
                 h = h + self.down(F.silu(self.up(h)))
@@ -972,4 +985,5 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
         second_lookup=second_lookup, bad_call=bad_call,
         bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,
+        small_tables=draw(st.sampled_from(SMALL_TABLES + (0,) * 5)),
     )
