@@ -148,7 +148,9 @@ def backend_called() -> None:
 
 
 def install() -> None:
-    """Watch Dynamo's compiles (again: ``torch._dynamo.reset()`` drops the callbacks) for a frame it skips."""
+    """Watch Dynamo's compiles for a frame it skips, from now on: ``torch._dynamo.reset()`` drops every callback, and
+    a model compiled after a reset may hand nanospec no graph at all (a graph break in a loop of its ``forward``), so
+    the watcher is registered again by the reset itself (its handler's ``clear``), not by nanospec's next graph."""
     try:
         from torch._dynamo.callback import callback_handler
     except ImportError:
@@ -156,6 +158,14 @@ def install() -> None:
     if _on_end not in callback_handler.end_callbacks:
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
+    clear = getattr(callback_handler, "clear", None)
+    if callable(clear) and not getattr(clear, "_nanospec_reinstalls", False):
+        def clear_then_install(*args, **kwargs):
+            result = clear(*args, **kwargs)
+            install()
+            return result
+        clear_then_install._nanospec_reinstalls = True
+        callback_handler.clear = clear_then_install
 
 
 def _on_start(_args) -> None:
@@ -177,8 +187,8 @@ def _on_end(_args) -> None:
         if frame is None or not _is_nanospec(frame.f_locals["compiler_fn"]):
             return
         code = frame.f_locals.get("code")
-        if code is None or code.co_name.startswith("torch_dynamo_resume_in") or code in _SKIPPED:
-            return
+        if code is None or code.co_name.startswith("torch_dynamo_resume_in"):
+            return  # (Dynamo tries a function once per reset: a model of the same class after a reset is said again)
         reason = _first_line(error)
         _SKIPPED[code] = reason
         where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"

@@ -227,6 +227,27 @@ def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
     assert "move the break out of the loop" in message
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_frame_dynamo_skips_is_warned_about_at_the_first_call_after_every_reset(in_place):
+    """``torch._dynamo.reset()`` drops Dynamo's compile callbacks, and a model whose forward breaks in a loop hands
+    nanospec no graph that would install them again: each model of the class, compiled after a reset, is still said to
+    run eager at its first call (issue 40: the second one ran dense with no warning)."""
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = DraftLoop().eval()
+        if in_place:
+            model.compile(backend="nanospec", options={"inductor": False})
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend="nanospec", options={"inductor": False})
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            compiled(torch.tensor([[1, 2]]))
+        said = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+        assert len(said) == 1 and "Dynamo skipped 'forward'" in said[0], said
+        assert "graph break in a for/while loop" in said[0]
+
+
 def test_after_a_graph_break_every_message_gives_the_warning_s_diagnosis():
     model = Broken().eval()
     compiled = compile_nanospec(model)
