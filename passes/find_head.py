@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 
 from . import patterns
-from .lookups import embedding_lookups
+from .graph import where
+from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
 
 
@@ -118,6 +119,22 @@ def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
                notes: list[str] | None = None) -> list[HeadMatch]:
+    """The LM head(s) of ``gm`` (:func:`_find_heads`); with none, a token table whose rows the graph reads at ids it
+    chose from scores is named in ``notes``: a head whose rows are chosen in the graph (Gemma-4's centroid head), said
+    in the graph that holds the choice, so a call split by a graph break (its ``.item()``) is warned at its first
+    call, whichever piece holds the head."""
+    found = _find_heads(gm, example_inputs, vocab_size, head, notes)
+    if not found and notes is not None:
+        for lk, selection in rows_chosen_in_graph(gm.graph)[:1]:
+            notes.append(f"the rows of the token table {parameter_name(lk.table)} are read at ids chosen in this graph "
+                         f"by {patterns._call_name(selection)} ({where(lk.node)}): a head whose rows are chosen in the "
+                         "graph (a centroid or cluster selection of the table's rows), which nanospec does not "
+                         "rewrite; it runs unchanged and exact")
+    return found
+
+
+def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
+                notes: list[str] | None = None) -> list[HeadMatch]:
     """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
 
     * ``head`` (a weight name or module path) picks that projection; a name that matches

@@ -310,3 +310,47 @@ def test_active_vocab_lists_the_candidate_heads_of_a_name_it_does_not_know():
         nanospec_fx.active_vocab(model, head="nope")
     assert "body.weight" in str(error.value) and "lm_head.weight" in str(error.value)
     assert "embed.weight" in str(error.value)
+
+
+class CentroidHead(nn.Module):
+    """An in-house centroid head (Gemma-4's kind): the top clusters' tokens (an int64 ordering table), those rows of the
+    tied table scored, every other token at a floor read with ``.item()``."""
+
+    V, C, K = 64, 8, 2
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body = nn.Embedding(self.V, 16), nn.Linear(16, 16)
+        self.centroids = nn.Linear(16, self.C, bias=False)
+        self.register_buffer("ordering", torch.randperm(self.V, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))
+        top = self.centroids(h).topk(self.K, -1).indices
+        rows = self.ordering.view(self.C, self.V // self.C)[top].flatten(-2)
+        z = (h.unsqueeze(-2) @ self.embed.weight[rows].transpose(-1, -2)).squeeze(-2)
+        out = torch.full((*ids.shape, self.V), z.min().item() - 1.0)
+        return out.scatter(-1, rows, z)
+
+
+@pytest.mark.parametrize("capture_scalars", [False, True], ids=["item-breaks-the-graph", "item-captured"])
+def test_a_centroid_head_is_warned_at_the_first_call_naming_its_graph_break(capture_scalars):
+    """With Dynamo's default capture_scalar_outputs=False the ``.item()`` splits the call: the piece that chooses the
+    rows says so at the first call, naming the break (issue 40: said only at the 8th call, by the head-less count)."""
+    torch.manual_seed(0)
+    model = CentroidHead().eval()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": 8, "inductor": False})
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            ids = torch.tensor([[3, 9, 27, 40]])
+            out = compiled(ids)
+    said = {str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)}
+    assert len(said) == 1, said
+    (message,) = said
+    assert "no LM head found" in message and "rows are chosen in the graph" in message and "embed.weight" in message
+    if not capture_scalars:
+        assert "graph break" in message and ".item()" in message
+    with torch.no_grad():
+        assert torch.equal(out, model(ids)), "left unchanged and exact"
