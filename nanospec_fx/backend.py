@@ -107,6 +107,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
+        if position.eager_caller and not said and token_tables(gm):  # ids the eager caller embeds are never seen
+            said.append(f"nanospec: this graph looks up token ids but is one piece of a call ({position.describe()}): "
+                        "the ids that code embeds are not observed, so the model's head may read an active set "
+                        "without them. Move the graph break out of the loop Dynamo skipped, or feed the set with "
+                        "nanospec_fx.active_vocab(model).observe(ids)")
         # A whole call without a head keeps the ids it looks up for the head's next call (a prefill), warned or not.
         recording = (_recording_prefill(gm, example_inputs, opts, config_patches)
                      if position.whole_call and opts.observe_inputs else None)
