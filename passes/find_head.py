@@ -64,15 +64,21 @@ def module_path(node: fx.Node) -> str | None:
     return re.sub(r"_modules\['([^']+)'\]", r"\1", path) or None
 
 
+_MODULE_ATTRIBUTE = re.compile(r"^[LG]\['[^']+'\](\._modules\['[^']+'\])*\.[A-Za-z_]\w*$")  # an object's tensor
+
+
 def _is_weight_like(node: fx.Node, example: object) -> bool:
-    """A parameter or buffer (fixed across calls), not an arbitrary tensor argument."""
+    """A parameter or buffer (fixed across calls), or a plain tensor attribute of the module (``self.W =
+    torch.randn(V, H)``, which ``active_vocab`` accepts too: ``module_heads.module_tensors``), not an arbitrary tensor
+    argument."""
     if node.op == "get_attr":
         return True
     if node.op != "placeholder":
         return False
     if isinstance(example, torch.nn.Parameter):
         return True
-    return "_buffers[" in patterns.source_name(node)
+    source = patterns.source_name(node)
+    return "_buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
 
 
 def reaches_output(node: fx.Node, vocab_size: int) -> str | None:

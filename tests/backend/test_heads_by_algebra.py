@@ -1,0 +1,80 @@
+"""Heads found by their algebra, not their spelling (issue 40 item 6, issue 45 item 4): ``torch.addmm`` (function and
+method), an einsum with the weight first (``"vh,bh->bv"``), and a weight held as a plain tensor attribute (which
+``active_vocab`` accepts). Each is rewritten and exact under the contract.
+
+Oracle: the eager drafter, its logits masked to the active set the state reports after the call (every fed id in it).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanospec_fx
+from helpers import compile_nanospec
+
+V, H = 64, 16
+
+
+class Drafter(nn.Module):
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.embed, self.body = nn.Embedding(V, H), nn.Linear(H, H)
+        weight = torch.randn(V, H, generator=torch.Generator().manual_seed(1)) * 0.3
+        if spelling == "tensor_attribute":
+            self.W = weight  # not a Parameter, not a buffer
+        else:
+            self.W = nn.Parameter(weight)
+        self.b = nn.Parameter(torch.randn(V, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))[:, -1]
+        if self.spelling == "addmm":
+            return torch.addmm(self.b, h, self.W.t())
+        if self.spelling == "addmm_method":
+            return self.b.addmm(h, self.W.T) / 0.7
+        if self.spelling == "einsum_weight_first":
+            return torch.einsum("vh,bh->bv", self.W, h)
+        if self.spelling == "einsum_weight_first_batched":
+            return torch.einsum("vh,bsh->bsv", self.W, torch.tanh(self.body(self.embed(ids))))
+        return F.linear(h, self.W)
+
+
+@pytest.mark.parametrize("spelling", ["addmm", "addmm_method", "einsum_weight_first", "einsum_weight_first_batched",
+                                      "tensor_attribute"])
+def test_the_head_is_found_and_exact_whatever_its_spelling(spelling):
+    torch.manual_seed(0)
+    model = Drafter(spelling).eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[3, 9, 27, 40], [5, 9, 11, 63]])
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        out, ref = compiled(ids), model(ids)
+    assert not [w for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+    state = nanospec_fx.active_vocab(model)
+    assert state.weight is model.W
+    mask = state.contains(torch.arange(V))
+    assert mask[ids].all() and int(mask.sum()) < V
+    assert torch.isinf(out[..., ~mask]).all() and (out[..., ~mask] < 0).all()
+    torch.testing.assert_close(out[..., mask], ref[..., mask], rtol=1e-5, atol=1e-5)
+
+
+def test_an_addmm_whose_bias_is_not_one_per_token_is_no_head():
+    """``addmm(c, h, W.t())`` with ``c`` [B, V] (a per-row term, not a bias) or ``beta != 1``: not a head's bias."""
+    class PerRow(Drafter):
+        def forward(self, ids):
+            h = torch.tanh(self.body(self.embed(ids)))[:, -1]
+            return torch.addmm(self.b.expand(h.shape[0], V) * 2, h, self.W.t(), beta=0.5)
+
+    torch.manual_seed(0)
+    model = PerRow("addmm").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    ids = torch.tensor([[3, 9]])
+    with pytest.warns(nanospec_fx.NanoSpecWarning), torch.inference_mode():
+        out = compiled(ids)
+    with torch.inference_mode():
+        torch.testing.assert_close(out, model(ids))
