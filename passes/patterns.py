@@ -290,7 +290,7 @@ def _match_projection(node: fx.Node) -> tuple | None:
                 return x, stored, b if isinstance(b, fx.Node) else None, True
             return x, w, b if isinstance(b, fx.Node) else None, False
         return None
-    if is_call(node, MATMUL_TARGETS, {"matmul", "__matmul__"}) and len(node.args) == 2:
+    if is_call(node, MATMUL_TARGETS | {torch.mm}, {"matmul", "__matmul__", "mm"}) and len(node.args) == 2:
         w = transposed_weight(node.args[1])
         if w is not None:
             return node.args[0], w, None, False

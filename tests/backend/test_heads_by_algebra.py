@@ -1,5 +1,5 @@
 """Heads found by their algebra, not their spelling (issue 40 item 6, issue 45 item 4): ``torch.addmm`` (function and
-method), an einsum with the weight first (``"vh,bh->bv"``), and a weight held as a plain tensor attribute (which
+method), ``torch.mm``, an einsum with the weight first (``"vh,bh->bv"``), and a weight held as a plain tensor attribute (which
 ``active_vocab`` accepts). Each is rewritten and exact under the contract.
 
 Oracle: the eager drafter, its logits masked to the active set the state reports after the call (every fed id in it).
@@ -37,6 +37,8 @@ class Drafter(nn.Module):
             return torch.addmm(self.b, h, self.W.t())
         if self.spelling == "addmm_method":
             return self.b.addmm(h, self.W.T) / 0.7
+        if self.spelling == "mm":
+            return torch.mm(h, self.W.t()) + self.b
         if self.spelling == "einsum_weight_first":
             return torch.einsum("vh,bh->bv", self.W, h)
         if self.spelling == "einsum_weight_first_batched":
@@ -44,7 +46,7 @@ class Drafter(nn.Module):
         return F.linear(h, self.W)
 
 
-@pytest.mark.parametrize("spelling", ["addmm", "addmm_method", "einsum_weight_first", "einsum_weight_first_batched",
+@pytest.mark.parametrize("spelling", ["addmm", "addmm_method", "mm", "einsum_weight_first", "einsum_weight_first_batched",
                                       "tensor_attribute"])
 def test_the_head_is_found_and_exact_whatever_its_spelling(spelling):
     torch.manual_seed(0)

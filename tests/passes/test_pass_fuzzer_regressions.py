@@ -44,6 +44,9 @@ CASES = {
     # observe ops: the second's new tokens evicted a token the first fed (already active, at an old slot) from a full
     # ring; now one observe of all of a call's ids
     "two_lookups_in_one_call_fill_a_small_ring": (Recipe(vocab=40, hidden=24, head='functional_tied', head_bias=False, head_pad=0, embed_pad=0, position=True, body=('mlp',), order='embed_first', chain=(('gumbel',), ('softmax',), ('softmax',)), return_logits=True, extra_outputs=('hidden',), dtype='float16', mode='no_grad', autocast=False, capacity=4, batch=1, seq=2, seq2=2, feed_padded_ids=False, extra_active=20, n_ban=1, seed=720, lookup='vmap_embedding', head_break='', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='same_table', bad_call='', bad_at='ids', d2t=''), ()),
+    # found by a long run with the small-tables grammar (issue 40): the real head not found (a padded table), a router
+    # as wide as a 4-row segment table (read at ``ids % 3``) was taken for the head and masked to the active set
+    "router_as_wide_as_a_segment_table": (Recipe(vocab=99, hidden=16, head='dequant', head_bias=False, head_pad=24, embed_pad=3, position=True, body=('mlp', 'clamp_fn_'), order='embed_first', chain=(('log_softmax',), ('vslice',)), return_logits=True, extra_outputs=('router', 'hidden'), dtype='float16', mode='no_grad', autocast=False, capacity=4, batch=1, seq=2, seq2=2, feed_padded_ids=False, extra_active=3, n_ban=3, seed=46117, lookup='embedding', head_break='', hook=False, draft_steps=0, draft_feed='argmax', extra_heads=0, head_vmap=False, second_lookup='', bad_call='past_table', bad_at='ids', d2t='', small_tables=2), ()),
     # in-place writes of the logits lost or applied to stale compact values
     "setitem_then_softcap": (R(chain=(("setitem", "-inf"), ("softcap", 2.0))), ()),
     "setitem_view_then_masked_fill_": (R(chain=(("setitem_view", 0.0), ("masked_fill_", 0.0), ("scale", 0.5)),
