@@ -191,11 +191,27 @@ def _on_end(_args) -> None:
             return  # (Dynamo tries a function once per reset: a model of the same class after a reset is said again)
         reason = _first_line(error)
         _SKIPPED[code] = reason
+        if _called_from_compiled_code(frame):
+            return  # a graph of its compiled caller ends at this call: that piece says why its head is dense
         where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
         warn_once(f"nanospec: Dynamo skipped {where} ({reason}) and handed nanospec no graph of it: it runs eager, "
                   f"its LM head dense, and nothing it embeds is observed. {_SKIP_REMEDY}", stacklevel=2)
     except Exception:  # noqa: BLE001 - a watcher never breaks a compile
         return
+
+
+def _called_from_compiled_code(frame) -> bool:
+    """Whether a frame above ``frame`` (Dynamo's ``_compile``) runs code Dynamo compiled."""
+    try:
+        from torch._dynamo.convert_frame import output_codes
+    except ImportError:  # pragma: no cover - older Dynamo
+        return False
+    frame = frame.f_back
+    while frame is not None:
+        if frame.f_code in output_codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _first_line(error: BaseException) -> str:

@@ -102,6 +102,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 or patterns.is_call(user, patterns.SOFTMAX_FUNCTIONS, patterns.SOFTMAX_METHODS)
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
                 or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
+                or (patterns.is_write_like(user) and user.args[0] is cur)  # a ban: ``z.scatter(-1, ids, -inf)``
             ):
                 out = user.kwargs.get("out")  # ``torch.tanh(z, out=buf)``: buf carries the logits on
                 for node in (user, out) if isinstance(out, fx.Node) else (user,):

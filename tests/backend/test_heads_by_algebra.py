@@ -80,3 +80,37 @@ def test_an_addmm_whose_bias_is_not_one_per_token_is_no_head():
         out = compiled(ids)
     with torch.inference_mode():
         torch.testing.assert_close(out, model(ids))
+
+
+class HiddenStatesDrafter(nn.Module):
+    """A drafter on the target's hidden states (no token embedding in its graph) whose logits get a ban at the ids
+    it is given: ``forward(inputs_embeds, *, input_ids)``."""
+
+    def __init__(self, ban: str):
+        super().__init__()
+        self.ban = ban
+        self.body, self.lm_head = nn.Linear(H, H), nn.Linear(H, V, bias=False)
+
+    def forward(self, inputs_embeds, *, input_ids):
+        z = self.lm_head(torch.tanh(self.body(inputs_embeds))[:, -1])
+        if self.ban == "scatter":
+            return z.scatter(-1, input_ids, -3.0)
+        return z.index_fill(-1, input_ids[0], float("-inf"))
+
+
+@pytest.mark.parametrize("ban", ["scatter", "index_fill"])
+def test_a_hidden_states_drafter_with_a_ban_at_its_ids_keeps_its_head(ban):
+    """Issue 45 item 4: the ban (a step of the chain the README lists) once made it "no LM head found"."""
+    torch.manual_seed(0)
+    model = HiddenStatesDrafter(ban).eval()
+    compiled = compile_nanospec(model, capacity=16)
+    x, ids = torch.randn(2, 3, H), torch.tensor([[4, 8, 15], [16, 23, 42]])
+    with torch.inference_mode():
+        compiled(x, input_ids=ids)
+        state = nanospec_fx.active_vocab(model)
+        state.observe(torch.tensor([4, 5, 6, 16, 42, 50]))  # fed by the user: no embedding in this graph
+        out, ref = compiled(x, input_ids=ids), model(x, input_ids=ids)
+    mask = state.contains(torch.arange(V))
+    assert int(mask.sum()) == 6
+    assert torch.isinf(out[..., ~mask]).all()
+    torch.testing.assert_close(out[..., mask], ref[..., mask], rtol=1e-5, atol=1e-5)
