@@ -177,9 +177,10 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
     vocabularies = set(tables.values())
     # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
     # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
-    # Only the largest table's rows are the token vocabulary: a projection as wide as a smaller table (a segment or
-    # token-type table read at ids computed from the tokens) is no head, even when the real head is not found.
-    heads = tied + [g for g in reaching if g not in tied and g.vocab_size == max(vocabularies, default=None)]
+    # A projection as wide as a smaller table than the largest is a head only when it is wider than its input: a
+    # router as wide as a segment or token-type table (a few rows) is no head, even when the real head is not found.
+    heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies
+                    and (g.vocab_size == max(vocabularies) or g.vocab_size > g.hidden_size)]
     if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
         widest = max(h.vocab_size for h in heads)
         heads = [h for h in heads if h.vocab_size == widest]

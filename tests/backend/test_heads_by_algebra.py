@@ -114,3 +114,49 @@ def test_a_hidden_states_drafter_with_a_ban_at_its_ids_keeps_its_head(ban):
     assert int(mask.sum()) == 6
     assert torch.isinf(out[..., ~mask]).all()
     torch.testing.assert_close(out[..., mask], ref[..., mask], rtol=1e-5, atol=1e-5)
+
+
+class WideHiddenStatesDrafter(nn.Module):
+    """A drafter on hidden states with two projections wider than H reaching the output (the head and a hidden-state
+    projection): nothing in the graph says which is the head, the model does."""
+
+    def __init__(self, says: str):
+        super().__init__()
+        self.says = says
+        self.body, self.lm_head, self.up = nn.Linear(H, H), nn.Linear(H, V, bias=False), nn.Linear(H, 80)
+        if says == "config":
+            self.config = type("Config", (), {"vocab_size": V})()
+
+    def get_output_embeddings(self):
+        return self.lm_head if self.says == "get_output_embeddings" else None
+
+    def forward(self, inputs_embeds):
+        h = torch.tanh(self.body(inputs_embeds))
+        return self.lm_head(h), self.up(h)
+
+
+@pytest.mark.parametrize("says", ["config", "get_output_embeddings"])
+def test_a_wide_head_on_hidden_states_is_found_when_the_model_says_its_vocabulary(says):
+    torch.manual_seed(0)
+    model = WideHiddenStatesDrafter(says).eval()
+    compiled = compile_nanospec(model, capacity=16)
+    x = torch.randn(2, 3, H)
+    with torch.inference_mode():
+        compiled(x)
+        state = nanospec_fx.active_vocab(model)
+        assert state.weight is model.lm_head.weight
+        state.observe(torch.tensor([1, 2, 3, 60]))
+        (out, up), (ref, ref_up) = compiled(x), model(x)
+    mask = state.contains(torch.arange(V))
+    assert torch.isinf(out[..., ~mask]).all()
+    torch.testing.assert_close(out[..., mask], ref[..., mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(up, ref_up)
+
+
+def test_a_wide_head_on_hidden_states_is_dense_with_a_warning_when_nothing_says_which():
+    torch.manual_seed(0)
+    model = WideHiddenStatesDrafter("nothing").eval()
+    compiled = compile_nanospec(model, capacity=16)
+    with pytest.warns(nanospec_fx.NanoSpecWarning, match="several projections could be the head"), \
+            torch.inference_mode():
+        compiled(torch.randn(2, 3, H))
