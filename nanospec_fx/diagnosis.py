@@ -162,6 +162,7 @@ def install() -> None:
     if callable(clear) and not getattr(clear, "_nanospec_reinstalls", False):
         def clear_then_install(*args, **kwargs):
             result = clear(*args, **kwargs)
+            _SKIPPED.clear()  # Dynamo forgets the frames it skipped: it will try them again
             install()
             return result
         clear_then_install._nanospec_reinstalls = True
