@@ -85,6 +85,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     if not heads:
         found: list[str] = []
         heads = find_heads(gm, example_inputs, vocab_size=width, head=opts.head, notes=found)
+        declared = _declared_vocab_size(gm, example_inputs) if not heads and width is None and opts.head is None \
+            else None
+        if declared is not None:  # the model says its vocabulary (config.vocab_size, get_output_embeddings)
+            heads = find_heads(gm, example_inputs, vocab_size=declared, notes=[])
+            found = [] if heads else found
         # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so; a
         # vocabulary-parallel head's note says why its gather is not followed (its shard is no padded/draft head)
         if heads:
@@ -115,6 +120,11 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
                 + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
                 "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
             )
+        if position.eager_caller and not said and token_tables(gm):  # ids the eager caller embeds are never seen
+            said.append(f"nanospec: this graph looks up token ids but is one piece of a call ({position.describe()}): "
+                        "the ids that code embeds are not observed, so the model's head may read an active set "
+                        "without them. Move the graph break out of the loop Dynamo skipped, or feed the set with "
+                        "nanospec_fx.active_vocab(model).observe(ids)")
         # A whole call without a head keeps the ids it looks up for the head's next call (a prefill), warned or not.
         recording = (_recording_prefill(gm, example_inputs, opts, config_patches)
                      if position.whole_call and opts.observe_inputs else None)
@@ -259,6 +269,23 @@ def _weight_positions(gm: fx.GraphModule, example_inputs: list) -> list[int]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
             and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))]
+
+
+def _declared_vocab_size(gm: fx.GraphModule, example_inputs: list) -> int | None:
+    """The vocabulary the model whose frame is compiled says it has: its ``get_output_embeddings()``'s rows, else
+    ``config.vocab_size`` (a hidden-states drafter with several wide projections names its head this way)."""
+    model = diagnosis.model_of_frame(_held_tensors(gm, example_inputs))
+    if model is None:
+        return None
+    try:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except Exception:  # noqa: BLE001 - a model's own method: it may not apply here
+        head = None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _held_tensors(gm: fx.GraphModule, example_inputs: list) -> list[torch.Tensor]:

@@ -229,7 +229,9 @@ def backend_called() -> None:
 
 
 def install() -> None:
-    """Watch Dynamo's compiles (again: ``torch._dynamo.reset()`` drops the callbacks) for a frame it skips."""
+    """Watch Dynamo's compiles for a frame it skips, from now on: ``torch._dynamo.reset()`` drops every callback, and
+    a model compiled after a reset may hand nanospec no graph at all (a graph break in a loop of its ``forward``), so
+    the watcher is registered again by the reset itself (its handler's ``clear``), not by nanospec's next graph."""
     try:
         from torch._dynamo.callback import callback_handler
     except ImportError:
@@ -238,6 +240,15 @@ def install() -> None:
         forget_skipped()  # a reset: what Dynamo skipped before it is compiled afresh
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
+    clear = getattr(callback_handler, "clear", None)
+    if callable(clear) and not getattr(clear, "_nanospec_reinstalls", False):
+        def clear_then_install(*args, **kwargs):
+            result = clear(*args, **kwargs)
+            forget_skipped()  # Dynamo forgets the frames it skipped: it will try them again
+            install()
+            return result
+        clear_then_install._nanospec_reinstalls = True
+        callback_handler.clear = clear_then_install
 
 
 def forget_skipped() -> None:
@@ -275,7 +286,7 @@ def _on_end(_args) -> None:
             return
         code = frame.f_locals.get("code")
         if code is None or code.co_name.startswith("torch_dynamo_resume_in"):
-            return
+            return  # (Dynamo tries a function once per reset: a model of the same class after a reset is said again)
         reason = _first_line(error)
         for value in (frame.f_locals.get("locals") or {}).values():  # the instance whose forward was skipped
             if isinstance(value, nn.Module) and getattr(type(value).forward, "__code__", None) is code:
@@ -283,11 +294,27 @@ def _on_end(_args) -> None:
         if code in _SKIPPED:
             return
         _SKIPPED[code] = reason
+        if _called_from_compiled_code(frame):
+            return  # a graph of its compiled caller ends at this call: that piece says why its head is dense
         where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
         warn_once(f"nanospec: Dynamo skipped {where} ({reason}) and handed nanospec no graph of it: it runs eager, "
                   f"its LM head dense, and nothing it embeds is observed. {_SKIP_REMEDY}", stacklevel=2)
     except Exception:  # noqa: BLE001 - a watcher never breaks a compile
         return
+
+
+def _called_from_compiled_code(frame) -> bool:
+    """Whether a frame above ``frame`` (Dynamo's ``_compile``) runs code Dynamo compiled."""
+    try:
+        from torch._dynamo.convert_frame import output_codes
+    except ImportError:  # pragma: no cover - older Dynamo
+        return False
+    frame = frame.f_back
+    while frame is not None:
+        if frame.f_code in output_codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _first_line(error: BaseException) -> str:

@@ -18,9 +18,9 @@ import torch.fx as fx
 
 from . import patterns
 from .contract import DenseHead
-from .lookups import embedding_lookups
+from .graph import where
+from .lookups import embedding_lookups, rows_chosen_in_graph
 from nanospec_fx.options import OptionError
-
 from .row_weight import row_weight
 
 
@@ -67,15 +67,21 @@ def module_path(node: fx.Node) -> str | None:
     return re.sub(r"_modules\['([^']+)'\]", r"\1", path) or None
 
 
+_MODULE_ATTRIBUTE = re.compile(r"^[LG]\['[^']+'\](\._modules\['[^']+'\])*\.[A-Za-z_]\w*$")  # an object's tensor
+
+
 def _is_weight_like(node: fx.Node, example: object) -> bool:
-    """A parameter or buffer (fixed across calls), not an arbitrary tensor argument."""
+    """A parameter or buffer (fixed across calls), or a plain tensor attribute of the module (``self.W =
+    torch.randn(V, H)``, which ``active_vocab`` accepts too: ``module_heads.module_tensors``), not an arbitrary tensor
+    argument."""
     if node.op == "get_attr":
         return True
     if node.op != "placeholder":
         return False
     if isinstance(example, torch.nn.Parameter):
         return True
-    return "_buffers[" in patterns.source_name(node)
+    source = patterns.source_name(node)
+    return "_buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
 
 
 def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
@@ -99,6 +105,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 or patterns.is_call(user, patterns.SOFTMAX_FUNCTIONS, patterns.SOFTMAX_METHODS)
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
                 or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
+                or (patterns.is_write_like(user) and user.args[0] is cur)  # a ban: ``z.scatter(-1, ids, -inf)``
             ):
                 out = user.kwargs.get("out")  # ``torch.tanh(z, out=buf)``: buf carries the logits on
                 for node in (user, out) if isinstance(out, fx.Node) else (user,):
@@ -122,6 +129,22 @@ def token_tables(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
                notes: list[str] | None = None) -> list[HeadMatch]:
+    """The LM head(s) of ``gm`` (:func:`_find_heads`); with none, a token table whose rows the graph reads at ids it
+    chose from scores is named in ``notes``: a head whose rows are chosen in the graph (Gemma-4's centroid head), said
+    in the graph that holds the choice, so a call split by a graph break (its ``.item()``) is warned at its first
+    call, whichever piece holds the head."""
+    found = _find_heads(gm, example_inputs, vocab_size, head, notes)
+    if not found and notes is not None:
+        for lk, selection in rows_chosen_in_graph(gm.graph)[:1]:
+            notes.append(f"the rows of the token table {parameter_name(lk.table)} are read at ids chosen in this graph "
+                         f"by {patterns._call_name(selection)} ({where(lk.node)}): a head whose rows are chosen in the "
+                         "graph (a centroid or cluster selection of the table's rows), which nanospec does not "
+                         "rewrite; it runs unchanged and exact")
+    return found
+
+
+def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None = None, head: str | None = None,
+                notes: list[str] | None = None) -> list[HeadMatch]:
     """The LM head(s) of ``gm``, grouped by weight, chosen by structure (never by width alone).
 
     * ``head`` (a weight name or module path) picks that projection; a name that matches
@@ -157,7 +180,10 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     vocabularies = set(tables.values())
     # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
     # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
-    heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies]
+    # A projection as wide as a smaller table than the largest is a head only when it is wider than its input: a
+    # router as wide as a segment or token-type table (a few rows) is no head, even when the real head is not found.
+    heads = tied + [g for g in reaching if g not in tied and g.vocab_size in vocabularies
+                    and (g.vocab_size == max(vocabularies) or g.vocab_size > g.hidden_size)]
     if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
         widest = max(h.vocab_size for h in heads)
         heads = [h for h in heads if h.vocab_size == widest]

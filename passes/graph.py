@@ -62,3 +62,12 @@ def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
             seen.add(cur)
             stack.extend(cur.all_input_nodes)
     return seen
+
+
+def precedes(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` comes before ``b`` in their graph, as the graph is now.
+
+    FX gives every node an order key, renewed on each insertion, and compares nodes by it: a pass that edits the
+    graph asks this instead of an index computed once (such an index knows nothing of the nodes inserted since,
+    and a lookup of one of them fails)."""
+    return a < b

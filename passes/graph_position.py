@@ -15,10 +15,12 @@ would have to clear).
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from . import patterns
@@ -33,10 +35,11 @@ class GraphPosition:
     resumes_after: str | None = None  # the graph break this graph resumes after
     ends_at: str | None = None  # the graph break this graph ends at (the call goes on in Python)
     called_from: str | None = None  # compiled code that called this frame (it broke at that call)
+    eager_caller: str | None = None  # user code running eager inside the compiled call that called this frame
 
     @property
     def whole_call(self) -> bool:
-        return not (self.resumes_after or self.ends_at or self.called_from)
+        return not (self.resumes_after or self.ends_at or self.called_from or self.eager_caller)
 
     def describe(self) -> str:
         """The break(s) that make this graph a piece of a call, for warnings."""
@@ -47,6 +50,9 @@ class GraphPosition:
             parts.append(f"it ends at a graph break at {self.ends_at}")
         if self.called_from:
             parts.append(f"its function was called from compiled code that broke at that call ({self.called_from})")
+        if self.eager_caller:
+            parts.append(f"its function was called from {self.eager_caller}, whose own lookups and ops nanospec "
+                         "never sees")
         return "; ".join(parts) or "it is the whole call"
 
 
@@ -80,7 +86,7 @@ def graph_position(gm: fx.GraphModule) -> GraphPosition:
         if why:
             ends_at += f": {why[0][:120]}"
     called_from = _compiled_caller(resumed["fn"] if resumed else None)
-    return GraphPosition(resumes_after, ends_at, called_from)
+    return GraphPosition(resumes_after, ends_at, called_from, None if called_from else _eager_caller())
 
 
 def _resumed_from_placeholders(gm: fx.GraphModule) -> str | None:
@@ -117,3 +123,41 @@ def _compiled_caller(resumed_fn: str | None) -> str | None:
                 return f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
         frame = frame.f_back
     return None
+
+
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DYNAMO = os.path.join(_TORCH, "_dynamo") + os.sep
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN = tuple(os.path.join(_ROOT, d) + os.sep for d in ("nanospec_fx", "passes", "kernels"))  # nanospec's own files
+
+
+def _eager_caller() -> str | None:
+    """The nearest frame of user code that runs eager inside the compiled call and calls the frame Dynamo compiles
+    now, if any: a caller Dynamo skipped (a graph break in a loop of ``forward`` skips the whole function, once for
+    every instance of its class) runs in Python, and its own lookups and heads are invisible to nanospec; a function
+    it calls is then compiled as a frame of its own, one piece of the call. The callers are the frames between the
+    compiled call's entry (Dynamo's wrapper in ``eval_frame.py``) and Dynamo's own frames compiling now; torch's
+    frames among them (``nn.Module`` call plumbing) are not user code, and compiled frames are
+    :func:`_compiled_caller`'s."""
+    try:
+        from torch._dynamo.convert_frame import output_codes
+    except ImportError:  # pragma: no cover - older Dynamo
+        return None
+    chain, frame = [], sys._getframe(1)
+    while frame is not None and not _entry(frame.f_code):
+        chain.append(frame)
+        frame = frame.f_back
+    if frame is None:
+        return None  # not inside a compiled call's entry (Dynamo called another way): nothing known
+    compiling = max((i for i, f in enumerate(chain) if f.f_code.co_filename.startswith(_DYNAMO)), default=-1)
+    for caller in chain[compiling + 1:]:
+        code = caller.f_code
+        if code not in output_codes and not code.co_filename.startswith((_TORCH, *_OWN)):
+            return f"{code.co_filename}:{caller.f_lineno} ({code.co_name}), which runs eager (a frame Dynamo skipped)"
+    return None
+
+
+def _entry(code) -> bool:
+    """Dynamo's wrapper that runs a compiled function or module (``compile_wrapper``; ``_fn`` in older torch)."""
+    return code.co_name in ("compile_wrapper", "_fn") and code.co_filename.startswith(_DYNAMO) \
+        and code.co_filename.endswith("eval_frame.py")

@@ -112,6 +112,42 @@ def embedding_lookups(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, 
     return [(lk.node, lk.ids, lk.table, lk.rows) for lk in table_lookups(graph) if not _positions(lk.ids)]
 
 
+_SELECTIONS = {torch.topk, torch.argmax, torch.argsort, torch.sort, torch.max, torch.multinomial}
+_SELECTION_METHODS = {"topk", "argmax", "argsort", "sort", "max", "multinomial"}
+
+
+def rows_chosen_in_graph(graph: fx.Graph) -> list[tuple[Lookup, fx.Node]]:
+    """``(lookup, selection)`` for each read of a token table's rows (a table the graph also looks fed ids up in) at
+    ids the graph chose from scores (``selection``: a top-k, argmax, sort or sampling among their ancestors): a head
+    whose rows are chosen in the graph (Gemma-4's centroid head: the tied table's rows of the top clusters), which no
+    projection shows. Ids a draft loop feeds back after a head nanospec found are chosen the same way; callers ask
+    only when no head was found."""
+    lookups = table_lookups(graph)
+    tables = {lk.table for lk in lookups if not _positions(lk.ids) and not _chosen_by(lk.ids)}
+    found = []
+    for lk in lookups:
+        selection = _chosen_by(lk.ids) if lk.table in tables else None
+        if selection is not None:
+            found.append((lk, selection))
+    return found
+
+
+def _chosen_by(ids) -> fx.Node | None:
+    """The selection (top-k, argmax, ...) ``ids`` are computed from, if any."""
+    if not isinstance(ids, fx.Node):
+        return None
+    seen, stack = set(), [ids]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if patterns.is_call(cur, _SELECTIONS, _SELECTION_METHODS):
+            return cur
+        stack.extend(cur.all_input_nodes)
+    return None
+
+
 def token_id_lookups(graph: fx.Graph, vocab_size: int) -> list[Lookup]:
     """The lookups whose ids are token ids of a V-token vocabulary: every table with V rows or more
     (a padded table too; the observe op ignores ids outside [0, V)). Observing a lookup that is not

@@ -19,7 +19,7 @@ from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
 from . import effects, patterns, transforms
 from .contract import DenseFallback, ObserveInto, StateNodes
-from .graph import ancestors, describe, downstream, where
+from .graph import ancestors, describe, downstream, precedes, where
 from .lookups import Lookup, sharded_token_lookups, table_lookups, token_id_lookups
 from .patterns import set_example_value
 
@@ -87,8 +87,7 @@ def insert_input_observers(graph: fx.Graph, into: ObserveInto) -> int:
                 ids = graph.call_function(torch.tensor, (ids,), {"dtype": torch.int64})
             set_example_value(ids)
         at = _earliest_after(graph, ids, lk.node)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        if first_read is not None and order[at] > order[first_read] and ids not in after_read:
+        if first_read is not None and precedes(first_read, at) and ids not in after_read:
             ids = _copy_before(graph, ids, first_read, lk.node)
             at = first_read
         if into.sharded:  # its observe is a collective rewritten per rank (tensor_parallel.shard_observers)
@@ -109,14 +108,13 @@ def _observe_together(graph: fx.Graph, found: list, into: ObserveInto, first_rea
     """Observe every ``(ids, at, lookup)`` at one point (the first read of the set, else the latest ``at``): each
     ``ids`` kept (a fresh tensor) at its own ``at``, all of them in one observe (flattened, in lookup order), and
     only if every lookup checked by :func:`_all_lookups_valid` reads only rows its table has."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     kept, flags = [], []
     for ids, at, lk in found:
         with graph.inserting_before(at):
             ids, ok = _only_if_looked_up(graph, ids, lk)
         kept.append(ids)
         flags.append(ok)
-    common = first_read if first_read is not None else max((at for _, at, _ in found), key=order.__getitem__)
+    common = first_read if first_read is not None else max(at for _, at, _ in found)  # the latest, by graph order
     flags += _all_lookups_valid(graph, common, after_read, regions, {lk.node for *_, lk in found})
     with graph.inserting_before(common):
         ok = flags[0]
@@ -150,15 +148,14 @@ def _all_lookups_valid(graph: fx.Graph, common: fx.Node, after_read: set, region
     A call that raises on one of them then observes nothing, whatever the order of its lookups: the call's lookups
     are one transaction. Not checked: lookups whose ids are computed after ``common`` (after the first read of the
     set: a draft loop's fed-back ids, checked by their own observe only) or inside ``torch.vmap`` & co."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     flags = []
-    for lk in table_lookups(graph):
+    for lk in table_lookups(graph):  # each check goes in at its lookup's ids: the graph grows as the loop runs
         ids = lk.ids
         if lk.node in checked or lk.node.meta.get("nanospec_active_rows") or not isinstance(ids, fx.Node) \
                 or ids in after_read or ids in regions or lk.node in regions:
             continue
         point = _earliest_after(graph, ids, lk.node)  # the lookup itself when something writes the ids before it
-        if order[point] > order[common]:
+        if precedes(common, point):
             continue
         with graph.inserting_before(point):
             flags.append(_valid(graph, ids, lk))
@@ -202,8 +199,7 @@ _RANDOM = ("rand", "bernoulli", "multinomial", "normal", "uniform", "dropout", "
 
 def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node) -> fx.Node:
     """A copy of ``ids``' computation placed before ``before`` (the first read of the state)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    late = sorted((n for n in ancestors([ids]) if order[n] >= order[before]), key=order.__getitem__)
+    late = sorted(n for n in ancestors([ids]) if not precedes(n, before))  # FX nodes sort in graph order
     inputs = ancestors([ids])
     for n in late:
         name = describe(n).lower()
@@ -212,8 +208,7 @@ def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node
             raise DenseFallback(f"the ids looked up at {where(lookup)} are computed after the head reads the active "
                                 f"set, by {describe(n)} ({where(n)}), which cannot be moved before it; look the "
                                 "ids up before the head")
-    nodes = list(graph.nodes)
-    for n in nodes[order[before]:order[lookup]]:
+    for n in _between(before, lookup):
         if set(effects.mutated_inputs(n)) & inputs:
             raise DenseFallback(f"the ids looked up at {where(lookup)} are written by {describe(n)} ({where(n)}) "
                                 "after the head reads the active set; look the ids up before the head")
@@ -228,18 +223,22 @@ def _copy_before(graph: fx.Graph, ids: fx.Node, before: fx.Node, lookup: fx.Node
 def _earliest_after(graph: fx.Graph, ids: fx.Node, lookup: fx.Node) -> fx.Node:
     """The first node after ``ids`` and after every placeholder (where a use of ``ids`` can go);
     ``lookup`` itself when something writes the ids in between (``ids.clamp_(...)``)."""
-    nodes = list(graph.nodes)
-    start = max(nodes.index(ids), max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1))
     aliases = {ids}
-    for n in nodes[nodes.index(ids) + 1:nodes.index(lookup)]:
+    for n in _between(ids.next, lookup):
         if any(w in aliases for w in effects.mutated_inputs(n)):
             return lookup
         if effects.may_alias_input(n) and any(a in aliases for a in n.all_input_nodes):
             aliases.add(n)
-    for n in nodes[start + 1:]:
-        if n.op != "placeholder":
-            return n
-    return lookup
+    return next((n for n in _between(ids.next, None) if n.op != "placeholder"), lookup)
+
+
+def _between(first: fx.Node, end: fx.Node | None):
+    """The nodes from ``first`` up to (not including) ``end`` (the graph's end when None), walked as the graph is
+    now: nodes inserted while the caller edits the graph are met too."""
+    node = first
+    while node is not end and node.op != "root":
+        yield node
+        node = node.next
 
 
 def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False) -> int:
@@ -256,18 +255,18 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     Returns how many snapshots.
     """
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    observes = [pos[n] for n in nodes if is_op(n, "observe")]
+    present = set(nodes)
+    observes = [n for n in nodes if is_op(n, "observe")]
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         compact = n.meta.get("nanospec_compact")
-        if compact in pos and op_arg(compact, "cursor") is state.cursor and (state.ids in n.all_input_nodes
-                                                                    or state.cursor in n.all_input_nodes):
+        if compact in present and op_arg(compact, "cursor") is state.cursor and (
+                state.ids in n.all_input_nodes or state.cursor in n.all_input_nodes):
             groups.setdefault(compact, []).append(n)
     taken = 0
     for compact, reads in groups.items():
-        last = max(pos[r] for r in reads)
-        if not any(pos[compact] < o < last for o in observes):
+        last = max(reads)  # the latest, by graph order (the clones inserted below do not move it)
+        if not any(precedes(compact, o) and precedes(o, last) for o in observes):
             continue
         with graph.inserting_before(compact):
             ids = graph.call_method("clone", (state.ids,))

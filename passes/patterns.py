@@ -290,7 +290,7 @@ def _match_projection(node: fx.Node) -> tuple | None:
                 return x, stored, b if isinstance(b, fx.Node) else None, True
             return x, w, b if isinstance(b, fx.Node) else None, False
         return None
-    if is_call(node, MATMUL_TARGETS, {"matmul", "__matmul__"}) and len(node.args) == 2:
+    if is_call(node, MATMUL_TARGETS | {torch.mm}, {"matmul", "__matmul__", "mm"}) and len(node.args) == 2:
         w = transposed_weight(node.args[1])
         if w is not None:
             return node.args[0], w, None, False
@@ -298,15 +298,51 @@ def _match_projection(node: fx.Node) -> tuple | None:
         if _stored(w) and w_shape is not None and len(w_shape) == 2 and x_shape and len(x_shape) >= 1 \
                 and _known_equal(x_shape[-1], w_shape[0]):  # x @ W, W [H, N]
             return node.args[0], w, None, True
+    if is_call(node, ADDMM_TARGETS, {"addmm"}):
+        return _match_addmm(node)
     if node.op == "call_function" and node.target in EINSUM_TARGETS and node.args and isinstance(node.args[0], str):
         operands = node.args[1:]
         if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
             operands = tuple(operands[0])
-        if len(operands) == 2 and _is_head_equation(node.args[0]):
-            x, w = operands
+        if len(operands) == 2:
+            x, w = _head_operands(node.args[0], *operands)
             if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
                 return x, w, None, False
     return None
+
+
+ADDMM_TARGETS = {torch.addmm}
+
+
+def _match_addmm(node: fx.Node) -> tuple | None:
+    """``torch.addmm(b, x, W.t())`` (``b.addmm(x, W.t())``): ``x @ W.t() + b`` with ``alpha = beta = 1`` and a bias of
+    one value per output ([N]); or ``addmm(b, x, W)`` with a stored ``W`` [H, N]."""
+    b, x, m2 = call_arg(node, 0, "input"), call_arg(node, 1, "mat1"), call_arg(node, 2, "mat2")
+    if any(call_arg(node, 99, k, 1) != 1 for k in ("alpha", "beta")) or not isinstance(m2, fx.Node):
+        return None
+    w, transposed = transposed_weight(m2), False
+    if w is None and _stored(m2) and tensor_shape(m2) is not None and len(tensor_shape(m2)) == 2:
+        w, transposed = m2, True
+    if w is None:
+        return None
+    width = tensor_shape(w)[1 if transposed else 0]
+    if not isinstance(b, fx.Node) or tensor_shape(b) != (width,):
+        return None  # a bias per row of x, or a broadcast scalar: not a head bias
+    return x, w, b, transposed
+
+
+def _head_operands(equation: str, a: Any, b: Any) -> tuple:
+    """``(x, W)`` of a head einsum in either operand order (``"...h,vh->...v"`` with ``(h, W)``, or
+    ``"vh,...h->...v"`` with ``(W, h)``), ``(None, None)`` when it is none."""
+    eq = equation.replace(" ", "")
+    if _is_head_equation(eq):
+        return a, b
+    if eq.count("->") == 1 and eq.count(",") == 1:
+        lhs, out = eq.split("->")
+        first, second = lhs.split(",")
+        if _is_head_equation(f"{second},{first}->{out}"):
+            return b, a
+    return None, None
 
 
 EINSUM_TARGETS = {torch.einsum, torch.functional.einsum}

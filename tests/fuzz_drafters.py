@@ -42,6 +42,10 @@ HEADS = (
     "fp8_row",         # as quant_row with a float8_e4m3fn weight
     "param_rownorm",   # nn.Linear behind parametrize: W / W.norm(dim=-1, keepdim=True) (row-wise)
     "param_colnorm",   # nn.Linear behind parametrize: W / W.norm(dim=0, keepdim=True) (mixes rows: dense)
+    # -- issue 40 item 6 / issue 45 item 4: heads found by their algebra
+    "addmm",           # torch.addmm(self.b, h2d, self.W.t()) on the flattened positions (torch.mm without a bias)
+    "einsum_wh",       # torch.einsum("vh,...h->...v", self.W, h): the weight first
+    "attr_tensor",     # F.linear(h, self.W) with self.W a plain tensor attribute (no Parameter, no buffer)
 )
 
 # How the token ids reach the embedding table (issue 16, class 3 and 14).
@@ -135,6 +139,10 @@ SECOND_LOOKUPS = ("", "same_table", "other_table")
 BAD_CALLS = ("", "pad", "past_table")
 D2T = ("", "buffer", "option")
 D2T_HEADS = ("linear", "matmul_bias", "einsum", "buffer")
+# -- issue 40, item 1: several small tables (segment or type embeddings, not the vocabulary) read at one segment id
+# computed from the tokens: the transactional observe checks each of their lookups where the ids exist, one check
+# inserted next to the previous one, in a graph it is editing.
+SMALL_TABLES = (0, 1, 2, 3)
 
 MODES = ("inference", "no_grad", "grad", "enable_grad_inside", "no_grad_forward")
 GRAD_MODES = ("grad", "enable_grad_inside")  # outputs carry gradients to the (trainable) body
@@ -179,6 +187,7 @@ class Recipe:
     bad_call: str = ""         # BAD_CALLS: after the first call, a call with one invalid id (eager raises)
     bad_at: str = "ids"        # which input holds it: "ids" or "ids2"
     d2t: str = ""              # D2T: the head has ``head_rows`` rows over a draft vocabulary of the embed_rows ids
+    small_tables: int = 0      # SMALL_TABLES: small tables (3, 4, ... rows) all read at one segment id ``ids % 3``
 
     @property
     def head_rows(self) -> int:
@@ -279,6 +288,10 @@ class FuzzDrafter(nn.Module):
             self.register_buffer("id_buf", torch.zeros(4, 8, dtype=torch.int64), persistent=False)
         if r.position:
             self.pos = nn.Embedding(16, H)
+        self.small = nn.ModuleList(nn.Embedding(3 + i, H) for i in range(r.small_tables))
+        with torch.no_grad():
+            for table in self.small:
+                table.weight.copy_(randn(*table.weight.shape, scale=0.5))
         if r.second_lookup == "other_table":
             self.embed2 = nn.Embedding(r.embed_rows, H)
             with torch.no_grad():
@@ -305,9 +318,11 @@ class FuzzDrafter(nn.Module):
             if b is not None:
                 with torch.no_grad():
                     self.lm_head.bias.copy_(b)
-        elif r.head in ("matmul_bias", "matmul_T", "einsum"):
+        elif r.head in ("matmul_bias", "matmul_T", "einsum", "addmm", "einsum_wh"):
             self.W = nn.Parameter(w)
             self.b = nn.Parameter(b) if b is not None else None
+        elif r.head == "attr_tensor":
+            self.W = w
         elif r.head == "buffer":
             self.register_buffer("head_buf", w)
         elif r.head == "dequant":
@@ -357,6 +372,8 @@ class FuzzDrafter(nn.Module):
         self.register_buffer("probe", torch.randint(0, r.vocab, (5,), generator=g))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.to(DTYPES[r.dtype])  # floating tensors only: the int8 weight, ids and masks keep their dtype
+        if r.head == "attr_tensor":  # a plain attribute: Module.to() does not see it
+            self.W = self.W.to(DTYPES[r.dtype])
         if r.head == "fp8_row":  # float8 is floating: stored after the cast of the other tensors
             self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
@@ -373,7 +390,8 @@ class FuzzDrafter(nn.Module):
             return self.lm_head.weight
         if r.head == "functional_tied":
             return self.embed.weight
-        if r.head in ("matmul_bias", "matmul_T", "einsum", "matmul_hv", "linear_hv"):
+        if r.head in ("matmul_bias", "matmul_T", "einsum", "matmul_hv", "linear_hv", "addmm", "einsum_wh",
+                      "attr_tensor"):
             return self.W
         if r.head == "buffer":
             return self.head_buf
@@ -421,6 +439,15 @@ class FuzzDrafter(nn.Module):
             return z + self.b if self.b is not None else z
         if r.head == "buffer":
             return F.linear(h, self.head_buf)
+        if r.head == "addmm":
+            flat = h.reshape(-1, h.shape[-1])
+            z = torch.addmm(self.b, flat, self.W.t()) if self.b is not None else torch.mm(flat, self.W.t())
+            return z.view(*h.shape[:-1], z.shape[-1])
+        if r.head == "einsum_wh":
+            z = torch.einsum("vh,...h->...v", self.W, h)
+            return z + self.b if self.b is not None else z
+        if r.head == "attr_tensor":
+            return F.linear(h, self.W)
         if r.head == "matmul_hv":
             z = h @ self.W
             return z + self.b if self.b is not None else z
@@ -475,6 +502,10 @@ class FuzzDrafter(nn.Module):
             h = h + table(ids2).mean(-2, keepdim=True)
         if r.position:
             h = h + self.pos(torch.arange(ids.shape[-1], device=ids.device))
+        if r.small_tables:
+            segment = ids % 3
+            for table in self.small:
+                h = h + table(segment)
         for op in r.body:
             if op in ("mlp", "mlp_vocab_width"):
                 h = h + self.down(F.silu(self.up(h)))
@@ -990,7 +1021,7 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     seq = draw(st.integers(1, 4))
     return Recipe(
         vocab=vocab, hidden=hidden, head=head,
-        head_bias=draw(st.booleans()) and head != "functional_tied" and head not in ("buffer", "dequant"),
+        head_bias=draw(st.booleans()) and head != "functional_tied" and head not in ("buffer", "dequant", "attr_tensor"),
         head_pad=head_pad, embed_pad=embed_pad, position=draw(st.booleans()), body=body,
         order=order, chain=chain, return_logits=draw(st.booleans()),
         extra_outputs=tuple(draw(st.lists(st.sampled_from(EXTRA_OUTPUTS), max_size=2, unique=True))),
@@ -1005,4 +1036,5 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
         second_lookup=second_lookup, bad_call=bad_call,
         bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,
+        small_tables=draw(st.sampled_from(SMALL_TABLES + (0,) * 5)),
     )

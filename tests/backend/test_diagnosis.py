@@ -228,6 +228,27 @@ def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
     assert "move the break out of the loop" in message
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_frame_dynamo_skips_is_warned_about_at_the_first_call_after_every_reset(in_place):
+    """``torch._dynamo.reset()`` drops Dynamo's compile callbacks, and a model whose forward breaks in a loop hands
+    nanospec no graph that would install them again: each model of the class, compiled after a reset, is still said to
+    run eager at its first call (issue 40: the second one ran dense with no warning)."""
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = DraftLoop().eval()
+        if in_place:
+            model.compile(backend="nanospec", options={"inductor": False})
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend="nanospec", options={"inductor": False})
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            compiled(torch.tensor([[1, 2]]))
+        said = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
+        assert len(said) == 1 and "Dynamo skipped 'forward'" in said[0], said
+        assert "graph break in a for/while loop" in said[0]
+
+
 def test_after_a_graph_break_every_message_gives_the_warning_s_diagnosis():
     model = Broken().eval()
     compiled = compile_nanospec(model)
@@ -359,3 +380,47 @@ def test_which_models_have_no_head():
     assert no_head(transformers.LlamaForCausalLM(config)) is None  # tied: the embedding is its head
     assert no_head(Engine()) is None and no_head(Prefill()) is None
     assert no_head(NoHead()) is not None and no_head(NoHead(), (torch.randn(V, H),)) is None  # a head_weight argument
+
+
+class CentroidHead(nn.Module):
+    """An in-house centroid head (Gemma-4's kind): the top clusters' tokens (an int64 ordering table), those rows of the
+    tied table scored, every other token at a floor read with ``.item()``."""
+
+    V, C, K = 64, 8, 2
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body = nn.Embedding(self.V, 16), nn.Linear(16, 16)
+        self.centroids = nn.Linear(16, self.C, bias=False)
+        self.register_buffer("ordering", torch.randperm(self.V, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, ids):
+        h = torch.tanh(self.body(self.embed(ids)))
+        top = self.centroids(h).topk(self.K, -1).indices
+        rows = self.ordering.view(self.C, self.V // self.C)[top].flatten(-2)
+        z = (h.unsqueeze(-2) @ self.embed.weight[rows].transpose(-1, -2)).squeeze(-2)
+        out = torch.full((*ids.shape, self.V), z.min().item() - 1.0)
+        return out.scatter(-1, rows, z)
+
+
+@pytest.mark.parametrize("capture_scalars", [False, True], ids=["item-breaks-the-graph", "item-captured"])
+def test_a_centroid_head_is_warned_at_the_first_call_naming_its_graph_break(capture_scalars):
+    """With Dynamo's default capture_scalar_outputs=False the ``.item()`` splits the call: the piece that chooses the
+    rows says so at the first call, naming the break (issue 40: said only at the 8th call, by the head-less count)."""
+    torch.manual_seed(0)
+    model = CentroidHead().eval()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
+        compiled = torch.compile(model, backend="nanospec", options={"capacity": 8, "inductor": False})
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            ids = torch.tensor([[3, 9, 27, 40]])
+            out = compiled(ids)
+    said = {str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)}
+    assert len(said) == 1, said
+    (message,) = said
+    assert "no LM head found" in message and "rows are chosen in the graph" in message and "embed.weight" in message
+    if not capture_scalars:
+        assert "graph break" in message and ".item()" in message
+    with torch.no_grad():
+        assert torch.equal(out, model(ids)), "left unchanged and exact"
