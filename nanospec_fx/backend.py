@@ -33,7 +33,7 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, DenseHead, HeadMatch, ObserveInto, StateNodes, find_heads, find_meetings, grad_enabled_at,
+    DenseFallback, DenseHead, HeadMatch, HeadSelectionError, ObserveInto, StateNodes, find_heads, find_meetings, grad_enabled_at,
     grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads,
     unobserved_lookup,
 )
@@ -59,9 +59,12 @@ def nanospec_backend(
     record_compiled_frame()
     diagnosis.backend_called()
     config_patches = {**mode_config(mode), **opts.inductor_options}
-    if opts.observe_topk is not None:
-        return _compile_target_observer(gm, example_inputs, opts, config_patches)
-    return _compile_drafter(gm, example_inputs, opts, config_patches)
+    try:
+        if opts.observe_topk is not None:
+            return _compile_target_observer(gm, example_inputs, opts, config_patches)
+        return _compile_drafter(gm, example_inputs, opts, config_patches)
+    except HeadSelectionError as exc:  # options['head'] names nothing here: the caller's option, said unwrapped
+        raise option_error(exc) from None
 
 
 nanospec_backend.nanospec = True  # how nanospec_fx.diagnosis recognises the backend behind a compiled function

@@ -20,13 +20,12 @@ from . import patterns
 from .contract import DenseHead
 from .graph import where
 from .lookups import embedding_lookups, rows_chosen_in_graph
-from nanospec_fx.options import OptionError
 from .row_weight import row_weight
 
 
-class HeadSelectionError(OptionError):
-    """``options['head']`` names no projection of the graph (or several weights): an option error, raised to the
-    caller as it is (not wrapped in Dynamo's ``BackendCompilerFailed``)."""
+class HeadSelectionError(ValueError):
+    """``options['head']`` names no projection of the graph (or several weights). The backend raises it to the
+    caller as an ``OptionError`` (not wrapped in Dynamo's ``BackendCompilerFailed``); passes/ stays below options."""
 
 
 @dataclass
