@@ -54,8 +54,8 @@ class EveryRowDrafter(EagleDrafter):
     """The baseline the earlier runs measured: the head scores every position fed to the drafter (the whole prompt
     at prefill, every committed token after), though only the last one's logits are used."""
 
-    def forward(self, *args, logits_to_keep: int = 0):
-        return super().forward(*args)
+    def forward(self, *args, logits_to_keep: int = 0, draft_topk: int = 0):
+        return super().forward(*args, draft_topk=draft_topk)
 
 
 class NoHead(nn.Module):
