@@ -164,6 +164,14 @@ def draft_split(data: dict) -> str:
                       [[c["variant"], "" if c["active"] is None else f"{c['active']:,}", f"{c['call']:.3f}",
                         f"{c['body']:.3f}", f"{c['head']:.3f}", f"{c['topk']:.3f}", f"{c['observe']:.3f}",
                         f"{c['overhead']:.3f}"] for c in data["call_split"]])
+    if data.get("round_split"):
+        text += ("\n\nDraft ms per round by part (observe and loop measured in the run; the drafter calls' measured time "
+                 "apportioned by the parts of one call, above; observe = the target's top-k joining the set + the "
+                 "calls' own fed-id observes):\n\n")
+        text += table(["variant", "depth", "draft", "body", "head", "top-k", "observe", "overhead", "loop"],
+                      [[r["variant"], str(r["depth"]), *(f"{r[k]:.2f}" for k in
+                                                         ("draft", "body", "head", "topk", "observe", "overhead", "loop"))]
+                       for r in data["round_split"]])
     if data.get("replay"):
         text += "\n\nReplayed body: runs with the compared variant's rounds and body rows exactly:\n\n"
         text += table(["variant", "depth", "replays", "same rows"],

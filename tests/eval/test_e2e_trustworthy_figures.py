@@ -177,3 +177,9 @@ def test_like_for_like_rounds_compile_every_variant_and_replay_the_body_on_the_s
     assert split[nano]["head"] > 0 and split[nano]["observe"] > 0 and split[replayed]["head"] == 0
     for c in split.values():
         assert c["overhead"] == pytest.approx(c["call"] - c["body"] - c["head"] - c["topk"] - c["observe"], abs=1e-3)
+    for r in data["round_split"]:  # the parts add up to the measured draft time per round
+        parts = sum(r[k] for k in ("body", "head", "topk", "observe", "overhead", "loop"))
+        assert parts == pytest.approx(r["draft"], rel=1e-3, abs=1e-3)
+        assert (r["head"] > 0) == (split[r["variant"]]["head"] > 0)
+    text = invoke("e2e", "--help").output  # the flag is documented
+    assert "--compile-all" in text

@@ -543,6 +543,26 @@ def call_split(drafters: dict[str, nn.Module], cache_len: int, start: int, repea
     return out
 
 
+def round_split(summaries: list[Summary], parts: list[dict]) -> list[dict]:
+    """Each (variant, depth)'s draft ms per round split into body, head, top-k, observe and overhead: the run's
+    measured figures (the target's top-k joining the set; the loop around the calls) and its drafter calls' time
+    apportioned by one call's parts (:func:`call_split`), scaled so that they add up to the calls' measured time."""
+    by = {c["variant"]: c for c in parts}
+    out = []
+    for s in summaries:
+        c = by.get(s.variant)
+        if s.category != "all" or not s.depth or c is None or s.calls_per_round != s.calls_per_round:
+            continue
+        named = {k: max(c[k], 0.0) for k in ("body", "head", "topk", "observe", "overhead")}
+        scale = s.calls_ms_per_round / max(sum(named.values()), 1e-9)
+        row = {"variant": s.variant, "depth": s.depth, "draft": s.draft_ms_per_round}
+        row.update({k: v * scale for k, v in named.items()})
+        row["observe"] += s.observe_ms_per_round
+        row["loop"] = s.loop_ms_per_round
+        out.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+    return out
+
+
 def _head_parts(module: nn.Module, x: torch.Tensor, state, ops) -> tuple:
     """``(head(), topk())`` of one drafter's head on ``x`` (None, None: the body alone has no head)."""
     head = module.lm_head

@@ -122,9 +122,10 @@ def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int, 
     from nanospec_fx.eval.bench import eagle_e2e as B
     from nanospec_fx.eval.report import console, fail, write_outputs
 
-    rows, requests_all, compared, replays = [], [], [], []
+    rows, requests_all, compared, replays, rounds = [], [], [], [], []
     for spec, runs in runs_by_model.items():
         summaries = B.summarise(runs)
+        rounds += [{"model": spec, **r} for r in B.round_split(summaries, (splits or {}).get(spec, []))]
         requests_all += [{"model": spec, **r} for r in B.request_rows(runs)]
         compared += [{"model": spec, **c} for c in B.comparisons(runs)]
         replays += [{"model": spec, **c} for c in B.replay_checks(runs)]
@@ -136,6 +137,7 @@ def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int, 
     sections = {"replay": replays} if replays else {}
     if splits:
         sections["call_split"] = [{"model": spec, **c} for spec, cs in splits.items() for c in cs]
+        sections["round_split"] = rounds
     write_outputs(out, name, rows, meta, requests=requests_all, comparisons=compared, **sections)
     _print_comparisons(console, Table, compared)
     bad = [r for r in requests_all if not r["identical"]]
