@@ -38,6 +38,7 @@ from nanospec_fx.eval.bench.graphs import graphed
 from nanospec_fx.eval.bench.kernel_config import (head_config, head_configs, kernels, op_state, state_names,
                                                   triton_op_registration)
 from nanospec_fx.eval.bench.timing import Stopwatch, device_timings
+from nanospec_fx.testing import count_launches
 
 OPS = torch.ops.nanospec
 TOPK = 10
@@ -260,6 +261,15 @@ def main(argv=None) -> int:
               f"{r['insertions_per_step']:.2f} insertions per step, expected >= {FRESH_PER_STEP}")
 
 
+    # A whole EAGLE draft step (body + head + top-k, nanospec's with its observe), eager and in a graph, with launch
+    # counts: what a drafter pays per step around the head.
+    try:
+        results["eagle_step"] = eagle_step(args, W, W32, static_idx, state, tok_buf, step_prep, timer, gen)
+    except Exception as exc:  # noqa: BLE001 - recorded, a failed check
+        results["eagle_step"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    check("eagle_step_ran", "error" not in results["eagle_step"], results["eagle_step"].get("error", ""))
+    write(results, args)
+
     # Zero host syncs per draft step (observe included), and CUDA-graph observe vs the reference.
     if dev == "cuda":
         try:
@@ -291,6 +301,92 @@ def main(argv=None) -> int:
     if failed:
         print(f"FAILED checks: {failed}", file=sys.stderr)
     return 1 if failed else 0
+
+
+class EagleBody(torch.nn.Module):
+    """An EAGLE drafter's body at the target's width, random weights: ``fc`` over [embedding, feature] (2H -> H),
+    then one Llama-3-8B decoder block (RMSNorm, GQA attention with 32 query / 8 KV heads over a fixed KV cache of
+    ``context`` positions plus the new rows, SwiGLU MLP of width ``mlp``). Only the time and the bytes matter."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, mlp: int, context: int, dtype, device, gen):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+
+        def w(o, i):
+            return torch.nn.Parameter((torch.randn(o, i, generator=gen) * i**-0.5).to(device=device, dtype=dtype),
+                                      requires_grad=False)
+        self.fc, self.q, self.o = w(hidden, 2 * hidden), w(hidden, hidden), w(hidden, hidden)
+        self.k, self.v = w(kv_heads * self.head_dim, hidden), w(kv_heads * self.head_dim, hidden)
+        self.gate, self.up, self.down = w(mlp, hidden), w(mlp, hidden), w(hidden, mlp)
+        cache = torch.randn(2, 1, heads, context, self.head_dim, generator=gen).to(device=device, dtype=dtype)
+        self.register_buffer("kv_cache", cache)
+
+    def forward(self, emb: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        rows = emb.shape[0]
+        h = F.linear(torch.cat([emb, feature], -1), self.fc)
+        a = F.rms_norm(h, (h.shape[-1],))
+        q = F.linear(a, self.q).view(1, rows, self.heads, self.head_dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k = F.linear(a, self.k).view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2).repeat_interleave(rep, 1)
+        v = F.linear(a, self.v).view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2).repeat_interleave(rep, 1)
+        k = torch.cat([self.kv_cache[0], k], 2)
+        v = torch.cat([self.kv_cache[1], v], 2)
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(rows, -1)
+        h = h + F.linear(att, self.o)
+        m = F.rms_norm(h, (h.shape[-1],))
+        return h + F.linear(F.silu(F.linear(m, self.gate)) * F.linear(m, self.up), self.down)
+
+
+def eagle_step(args, W, W32, static_idx, state, tok_buf, step_prep, timer, gen) -> dict:
+    """One EAGLE draft step at the benchmark's shape (Llama-3-8B: H = 4096, 32 / 8 heads, MLP 14,336; --small:
+    tiny) for 1 row: the body, then dense head + top-k, the static 32k head + top-k, or nanospec's observe of the
+    step's ids + compact head + compact top-k. Median us eager and replayed from a CUDA graph (CUDA only), and the
+    launches each step dispatches eagerly (:func:`nanospec_fx.testing.count_launches`: Triton launches + torch
+    compute ops), body and head part apart."""
+    dev, dtype = W.device.type, W.dtype
+    V, H = W.shape
+    small = args.small
+    body = EagleBody(H, 4 if small else 32, 2 if small else 8, 4 * H if small else 14336, 16 if small else 64,
+                     dtype, dev, gen)
+    ids, _, cursor, cache_w, _ = state
+    emb_ids = torch.randint(0, V, (1,), generator=gen).to(dev)
+    feature = torch.randn(1, H, generator=gen).to(device=dev, dtype=dtype)
+
+    def body_only():
+        return body(W[emb_ids], feature)  # the embedding tied to the head (one [V, H] table in memory)
+
+    def dense():
+        return torch.topk(F.linear(body_only(), W), TOPK)
+
+    def static32k():
+        v, i = torch.topk(F.linear(body_only(), W32), TOPK)
+        return v, static_idx[i]
+
+    def nanospec():
+        h = body_only()
+        OPS.observe(tok_buf, W, None, *state, 0)
+        return OPS.compact_topk(OPS.compact_logits(h, cache_w, None, cursor), ids, cursor, TOPK)
+
+    def nanospec_head_part():  # what nanospec adds after the body: observe + compact head + top-k
+        OPS.observe(tok_buf, W, None, *state, 0)
+        return OPS.compact_topk(OPS.compact_logits(feature, cache_w, None, cursor), ids, cursor, TOPK)
+
+    variants = {"body": body_only, "dense": dense, "static32k": static32k, "nanospec": nanospec}
+    out: dict = {"rows": 1, "eager_us": {}, "graph_us": {}, "launches": {}}
+    with torch.no_grad():
+        for name, fn in variants.items():
+            out["eager_us"][name] = timer(fn, before=step_prep if name == "nanospec" else None)
+        for name, fn in {**variants, "nanospec_head_part": nanospec_head_part}.items():
+            fn()  # compiled and warm: count the steady state
+            with count_launches() as seen:
+                fn()
+            out["launches"][name] = {"triton": len(seen.triton), "torch_ops": len(seen.torch_ops),
+                                     "total": seen.launches}
+        if dev == "cuda":
+            for name, fn in variants.items():
+                replay = graphed(fn, dev)
+                out["graph_us"][name] = timer(replay, before=step_prep if name == "nanospec" else None)
+    return out
 
 
 def check_head(r, check, tag, ns_head, dense_head, ns_head_topk, ids, cursor, args) -> None:
@@ -404,6 +500,16 @@ def write(results: dict, args) -> None:
                       f"insertions per draft step: {r.get('insertions_per_step', float('nan')):.2f}"]
         if "compile_s" in r or "compiled_error" in r:
             lines.append(f"torch.compile of the step: {r.get('compile_s', '-')} s {r.get('compiled_error', '')}")
+    step = results.get("eagle_step")
+    if step and "error" not in step:
+        lines += ["", "## EAGLE draft step (body + head + top-k; nanospec: + observe), 1 row", "",
+                  "| variant | eager us | graph us | launches (triton + torch ops) |", "|---|---|---|---|"]
+        for name, n in step["launches"].items():
+            e, g = step["eager_us"].get(name), step["graph_us"].get(name)
+            lines.append(f"| {name} | {'' if e is None else f'{e:.1f}'} | {'' if g is None else f'{g:.1f}'} | "
+                         f"{n['total']} ({n['triton']} + {n['torch_ops']}) |")
+    elif step:
+        lines += ["", f"EAGLE draft step: {step['error']}"]
     if results.get("observe_us"):
         lines += ["", "observe of 16 ids (us): " + ", ".join(f"{k}={v:.1f}" for k, v in results["observe_us"].items())]
     if "head_sweep_us" in results:

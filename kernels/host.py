@@ -103,10 +103,15 @@ def observe(
         return _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows)
     capacity, vocab = ids.numel(), slot_of.numel()
     check_num_pinned(num_pinned, capacity)
-    fed = [t for t in dict.fromkeys(token_ids.reshape(-1).to(torch.int64).tolist()) if 0 <= t < vocab]
+    given = token_ids.reshape(-1).tolist()
+    fed = [t for t in dict.fromkeys(given) if 0 <= t < vocab]
     if not fed:
         return
-    slots = slot_of.index_select(0, torch.tensor(fed, dtype=torch.int64, device=ids.device)).tolist()
+    # The common call (a draft step's few ids, nearly all active): one gather of their slots; with no new id
+    # there is nothing to insert and nothing to renew, so the call ends here.
+    slots = slot_of[fed].tolist()
+    if min(slots) >= 0:
+        return
     start = int(cursor.reshape(()))
     plan = plan_insertions(fed, slots, start, capacity, num_pinned)
     if plan is None:

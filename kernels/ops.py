@@ -216,6 +216,26 @@ for _name in ("compact_logits", "head_logits"):
             _register_autocast(_name, _device)
 
 
+# ----------------------------------------------------------------------------- observe's autograd key
+# ``observe`` returns nothing and writes only state tensors, which never require grad: it has no gradient. The
+# autograd and ADInplaceOrView kernels custom_op registers for it cost ~half of an eager observe call on the CPU
+# host path (Python: argument defaults filled per call, each mutated argument checked); this one kernel does
+# what they do for this op - bump the version counters of the five mutated state tensors (so autograd still sees
+# a saved cache that an observe overwrote) - and dispatches straight to the backend kernel below them.
+_OBSERVE = torch.ops.nanospec.observe.default
+_MUTATED = tuple(arguments("observe").index(name) for name in mutated("observe"))
+
+
+def _observe_autograd(keyset, *args):
+    for i in _MUTATED:
+        torch.autograd.graph.increment_version(args[i])
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return _OBSERVE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
+
+
+_AUTOCAST_LIB.impl("observe", _observe_autograd, "Autograd", with_keyset=True)
+
+
 # ----------------------------------------------------------------------------- autograd
 # Gradients flow into the head's input x (how EAGLE drafters are trained: body trainable, head
 # frozen). The weights are the state's cached rows, never trainable: their gradient is None.

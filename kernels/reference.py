@@ -168,8 +168,10 @@ def renew_fed_ids(
     Without it a token fed again keeps its age, and the same call's new tokens can evict it: a
     call would lose a token it feeds although all its tokens fit. With it, a call whose distinct
     ids fit in the ring leaves every one of them active (a larger call keeps the rule of
-    :func:`observe`: the last ones stay). Runs before either observe implementation, so they
-    stay identical; fixed shapes, no host sync.
+    :func:`observe`: the last ones stay). :func:`observe` runs it first; the Triton allocation kernel
+    computes the same in its one program (:mod:`kernels.triton_observe`), the host path over Python lists
+    (:func:`kernels.host.renewed_slots`): this is the definition they are tested against. Fixed shapes, no host
+    sync.
 
     A ring position ``q`` (insertion ``cursor + q``) is endangered when it holds an id of this call
     and fewer than ``n_new`` unprotected positions precede it: exactly the protected positions

@@ -47,6 +47,10 @@ HEAD_CONFIGS: dict[str, dict] = {
     "c16_k256_s4": dict(BLOCK_C=16, BLOCK_K=256, num_warps=4, num_stages=4),
     "c16_k128_s4": dict(BLOCK_C=16, BLOCK_K=128, num_warps=4, num_stages=4),
     "c64_w8": dict(BLOCK_C=64, BLOCK_K=128, num_warps=8, num_stages=3),
+    # Tiles chosen by the row count (issue 39): up to FMA_ROWS rows, any dtype, register FMAs on BLOCK_M = the rows
+    # rounded up (no 16-row tl.dot padding) over 16-slot tiles (192 programs at C = 3,072: every SM of an H100/H200
+    # busy, where 32-slot tiles leave 36 of 132 idle); more rows: tl.dot on 16 x 16 tiles. Not timed on a GPU yet.
+    "by_rows": dict(BLOCK_C=16, BLOCK_K=256, num_warps=4, num_stages=4, FMA_ROWS=4, FMA_BLOCK_K=128),
 }
 
 _ENV = ("NANOSPEC_KERNELS", "NANOSPEC_HEAD_CONFIG", "NANOSPEC_TRITON_OP")

@@ -225,7 +225,10 @@ def _launch_head(x, cache_w, cache_b, cursor, ids, out2, vocab_size: int, scatte
 
 
 def _tiles(dtype: torch.dtype, rows: int, cfg: dict) -> tuple[bool, int, int]:
-    """(USE_DOT, BLOCK_M, BLOCK_K): tl.dot with 16-row tiles, or register FMAs for a few fp32 rows."""
+    """(USE_DOT, BLOCK_M, BLOCK_K): tl.dot with 16-row tiles, or register FMAs for a few fp32 rows (for a few rows
+    of any dtype with a configuration that names ``FMA_ROWS``: ``by_rows``)."""
+    if rows <= cfg.get("FMA_ROWS", 0):
+        return False, triton.next_power_of_2(max(rows, 1)), cfg["FMA_BLOCK_K"]
     if dtype == torch.float32 and rows <= _FMA_MAX_ROWS:
         return False, triton.next_power_of_2(max(rows, 1)), _FMA_BLOCK_K
     return True, _BLOCK_M, cfg["BLOCK_K"]

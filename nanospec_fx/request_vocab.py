@@ -25,7 +25,7 @@ import torch
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
 from nanospec_fx.policies import resolve, token_to_row
-from nanospec_fx.state import VocabState, as_token_ids, check_token_range
+from nanospec_fx.state import VocabState, as_token_ids, check_token_range, in_range_or_nothing
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
@@ -165,11 +165,13 @@ class RequestVocabs(VocabState):
     def observe(self, request_id: Hashable, token_ids: Any, validate: bool = True) -> None:
         """Add token ids (int, list, tensor, numpy; any shape) to the set of ``request_id``.
 
-        ``validate`` raises ``ValueError`` for ids outside [0, V) (reads them on the host); ``validate=False`` is
-        sync-free and skips them. Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set
+        ``validate`` raises ``ValueError`` for ids outside [0, V) on a CPU state (read on the host); on another device
+        it checks them there, no host sync, and a call holding one observes nothing; ``validate=False`` skips them. Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set
         (``observes=False``, the ``static`` policy) ignores the call."""
         tokens = as_token_ids(token_ids).to(self.device).reshape(1, -1)
-        if validate:
+        if validate and tokens.device.type != "cpu" and not self.observes_meet_the_ranks:
+            tokens = in_range_or_nothing(tokens, self.token_vocab_size)
+        elif validate:
             self._check_range(tokens)
         row = torch.tensor([self.row_of(request_id)], dtype=torch.int64).to(self.device, non_blocking=True)
         self._observe(row, tokens)

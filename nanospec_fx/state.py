@@ -119,6 +119,14 @@ def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -
     return torch.where(ok, rows, torch.full_like(rows, -1))
 
 
+def in_range_or_nothing(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``token_ids`` if every one is in ``[0, vocab_size)``, else all -1 (observe skips them): the range check of a
+    validated observe on a device, all-or-nothing like the graph's transactional observes, computed there with no
+    host sync (a ``ValueError`` would need the ids on the host: a sync per call)."""
+    ok = ((token_ids >= 0) & (token_ids < vocab_size)).all()
+    return torch.where(ok, token_ids, torch.full_like(token_ids, -1))
+
+
 def check_token_range(token_ids: torch.Tensor, vocab_size: int) -> None:
     """``ValueError`` naming the first bad id when a token id is outside ``[0, vocab_size)`` (reads them on the
     host)."""
@@ -264,12 +272,16 @@ class ActiveVocab(VocabState):
         Accepted: a Python int, an integer tensor (any integer dtype, any device), a numpy integer
         array or scalar, or (nested) lists/tuples/ranges of those; anything else (floats, bools,
         strings, ...) raises ``TypeError``. With ``validate`` (default) ids outside
-        ``[0, vocab_size)`` raise ``ValueError``; this reads the ids on the host. On either error
-        the state is unchanged. ``validate=False`` makes the call sync-free and silently skips
-        out-of-range ids. A frozen (``static``) set ignores the call.
+        ``[0, vocab_size)`` raise ``ValueError`` on a CPU state (read on the host: no device to wait
+        for); on another device the check runs there, with no host sync: a call holding such an id
+        observes nothing (:func:`in_range_or_nothing`). On either error the state is unchanged.
+        ``validate=False`` skips out-of-range ids and observes the others. A frozen (``static``) set
+        ignores the call.
         """
         token_ids = self._as_ids(token_ids)
-        if validate:
+        if validate and token_ids.device.type != "cpu" and not getattr(self, "observes_meet_the_ranks", False):
+            token_ids = in_range_or_nothing(token_ids, self.vocab_size)
+        elif validate:  # on the host; a sharded set's check also flags the other ranks (sharded_state)
             self._check_range(token_ids)
         if self.observes:
             self.refresh_if_stale()

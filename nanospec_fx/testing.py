@@ -45,6 +45,16 @@ _last: "_Compiled | None" = None
 RECOMPILE_LIMIT = 256
 
 
+def count_launches():
+    """``with count_launches() as seen: step()``: the device work an eager step dispatches, for a budget in CI or a
+    benchmark (``seen.launches``: Triton launches plus torch compute ops outside them, each one kernel launch on a
+    GPU; ``seen.triton`` and ``seen.torch_ops`` name them). Views and allocations are not counted; a
+    ``torch.ops.nanospec`` call counts what its body dispatches (:mod:`nanospec_fx.kernels.launch_count`)."""
+    from nanospec_fx.kernels.launch_count import counting
+
+    return counting()
+
+
 def assert_equivalent(
     drafter: nn.Module,
     example_inputs: Any,
