@@ -24,7 +24,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -167,15 +167,26 @@ class EagleDrafter(nn.Module):
             self.layer.attn_norm = nn.Identity()
         self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v, logits_to_keep: int = 0):
+    def forward(self, input_ids, features, positions, slots, mask, cache_k, cache_v, logits_to_keep: int = 0,
+                draft_topk: int = 0):
         """Args: ``input_ids [B, T]``, ``features [B, T, H]`` (the feature before each token),
         ``positions [B, T]`` (RoPE), ``slots [T]`` (cache rows written), ``mask [T, L]`` bool
         (cache rows each query reads), ``cache_k/v`` of a :class:`KVCache` (updated in place).
         ``logits_to_keep`` (as in transformers): score only the last N positions (0: all); the hidden state
-        is returned for every position."""
+        is returned for every position. ``draft_topk=k``: return the ``k`` best tokens of each scored position
+        and their log-probs (``(log_probs [B, T', k], token ids [B, T', k])``) instead of the logits, so that a
+        draft loop that only picks tokens never reads a ``[V]`` row: compiled with nanospec, the selection runs on
+        the compact logits and maps the ids back (no scatter into ``[V]``)."""
+        h = self.body(input_ids, features, positions, slots, mask, cache_k, cache_v)
+        logits = self.lm_head(self.head_input(h[:, -logits_to_keep:] if logits_to_keep else h))
+        if draft_topk:
+            return tuple(torch.log_softmax(logits.float(), -1).topk(draft_topk, dim=-1)), h
+        return logits, h
+
+    def body(self, input_ids, features, positions, slots, mask, cache_k, cache_v) -> torch.Tensor:
+        """The hidden state ``[B, T, H]`` of every fed position: the drafter without its head."""
         x = self.fuse(self.embed(input_ids), features.to(self.fc.weight.dtype))
-        h = self.layer(x, positions, slots, mask, cache_k, cache_v)
-        return self.lm_head(self.head_input(h[:, -logits_to_keep:] if logits_to_keep else h)), h
+        return self.layer(x, positions, slots, mask, cache_k, cache_v)
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The block's input from the token embeddings and the features: ``fc(cat(e, f))``, each normalised
@@ -258,36 +269,67 @@ class DraftTree:
         return paths
 
 
-def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor, start: int):
+class Choice(NamedTuple):
+    """A drafter's ``k`` best tokens at one or more positions, taken inside its forward (``draft_topk``):
+    log-probs ``[..., k]`` (descending) and token ids ``[..., k]``. A draft loop that only picks tokens reads
+    these instead of ``[V]`` logits."""
+
+    scores: torch.Tensor
+    tokens: torch.Tensor
+
+
+def feed(drafter: Callable, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor, start: int,
+         select: int = 0):
     """Run the drafter over committed positions ``start..start+T-1`` (causal); return the root.
 
     ``tokens [T]`` are x[start+1 ..], ``features [T, H]`` are the target's f[start ..]. Returns the
-    logits ``[V]`` and hidden ``[H]`` of the last position: the root of the next draft round.
+    logits ``[V]`` and hidden ``[H]`` of the last position: the root of the next draft round. With
+    ``select=k`` and a drafter that takes ``draft_topk``, the root's first element is its :class:`Choice`
+    of ``k`` (``[k]`` each) instead of the ``[V]`` logits.
     """
     device = cache.k.device
     slots = torch.arange(start, start + tokens.numel(), device=device)
     mask = torch.arange(cache.max_len, device=device) <= slots[:, None]
     convert = getattr(unwrap(drafter), "target_features", None)  # a vLLM-layout drafter reads normed features
     features = convert(features) if convert is not None else features
-    keep = {"logits_to_keep": 1} if _keeps_logits(drafter) else {}  # only the last position's logits are used
-    logits, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask,
-                             cache.k, cache.v, **keep)
-    return logits[0, -1], hidden[0, -1]
+    keep = {"logits_to_keep": 1} if _takes(drafter, "logits_to_keep") else {}  # only the last position is used
+    out, hidden = drafter(tokens.view(1, -1), _fresh(features.unsqueeze(0)), slots.view(1, -1), slots, mask,
+                          cache.k, cache.v, **keep, **_selecting(drafter, select))
+    return _last(out), hidden[0, -1]
 
 
-def _keeps_logits(drafter: Callable) -> bool:
-    """Whether the drafter's forward takes ``logits_to_keep`` (an :class:`EagleDrafter` does; a user's callable
-    in the same convention may not, and then scores every fed position)."""
+def _selecting(drafter: Callable, k: int) -> dict:
+    """The keyword that makes the drafter pick its ``k`` best tokens itself (``{}``: it cannot, or ``k`` is 0)."""
+    return {"draft_topk": k} if k and _takes(drafter, "draft_topk") else {}
+
+
+def _last(out) -> torch.Tensor | Choice:
+    """The last position of the first batch row: of a drafter's logits ``[1, T, V]`` or its choice."""
+    return Choice(out[0][0, -1], out[1][0, -1]) if isinstance(out, tuple) else out[0, -1]
+
+
+def _best(root: torch.Tensor | Choice, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs [..., k], token ids [..., k])`` of the best ``k`` tokens: from a :class:`Choice` as it is, or
+    from ``[..., V]`` logits (a drafter that cannot select itself, or a caller that handed logits)."""
+    if isinstance(root, Choice):
+        return root.scores[..., :k], root.tokens[..., :k]
+    return torch.log_softmax(root.float(), -1).topk(k, dim=-1)
+
+
+def _takes(drafter: Callable, keyword: str) -> bool:
+    """Whether the drafter's forward (a module's, or a plain callable's own) takes ``keyword``: an
+    :class:`EagleDrafter` takes ``logits_to_keep`` and ``draft_topk``; a user's callable in the same convention
+    may not, and then scores every fed position and hands the loop ``[V]`` logits."""
     if isinstance(drafter, nn.Module):
-        return _takes_keep(type(unwrap(drafter)).forward)
-    return _takes_keep(drafter if inspect.isfunction(drafter) else type(drafter).__call__)  # a wrapper: its own
+        return _takes_keyword(type(unwrap(drafter)).forward, keyword)
+    return _takes_keyword(drafter if inspect.isfunction(drafter) else type(drafter).__call__, keyword)
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_keep(function: Callable) -> bool:
-    """Once per function (feed runs every round): does its signature name ``logits_to_keep``?"""
+def _takes_keyword(function: Callable, keyword: str) -> bool:
+    """Once per function and keyword (feed runs every round): does its signature name it?"""
     try:
-        return "logits_to_keep" in inspect.signature(function).parameters
+        return keyword in inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
 
@@ -299,18 +341,21 @@ def _fresh(x: torch.Tensor) -> torch.Tensor:
 
 
 def draft_chain(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int) -> DraftTree:
-    """``depth`` tokens, each the drafter's argmax after the previous one (``depth - 1`` drafter calls)."""
+    """``depth`` tokens, each the drafter's argmax after the previous one (``depth - 1`` drafter calls).
+
+    ``root_logits``: the root's ``[V]`` logits or its :class:`Choice`. A drafter that takes ``draft_topk`` picks
+    each token itself (top-1 of its compact logits under nanospec: no ``[V]`` row in the loop)."""
     device = cache.k.device
-    logp = torch.log_softmax(root_logits.float(), -1)
-    score, token = logp.max(-1)
+    score, token = (t[0] for t in _best(root_logits, 1))
     tokens, scores = [token], [score]
     hidden = root_hidden
+    select = _selecting(drafter, 1)
     for d in range(1, depth):
         slot = torch.tensor([start + d - 1], device=device)
         mask = (torch.arange(cache.max_len, device=device) <= slot)[None]
-        logits, h = drafter(token.view(1, 1), _fresh(hidden.view(1, 1, -1)), slot.view(1, 1), slot, mask,
-                            cache.k, cache.v)
-        step, token = torch.log_softmax(logits[0, -1].float(), -1).max(-1)
+        out, h = drafter(token.view(1, 1), _fresh(hidden.view(1, 1, -1)), slot.view(1, 1), slot, mask,
+                         cache.k, cache.v, **select)
+        step, token = (t[0] for t in _best(_last(out), 1))
         score, hidden = score + step, h[0, -1]
         tokens.append(token)
         scores.append(score)
@@ -328,24 +373,26 @@ def draft_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
     Frontier node i of level d is cached at slot ``start + (d-1) top_k + i``.
     """
     def best_children(logits):
-        scores, tokens = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
+        scores, tokens = _best(logits, top_k)
         return tokens, scores
 
-    return DraftTree(*_grow_tree(drafter, cache, root_logits, root_hidden, start, depth, top_k, best_children))
+    return DraftTree(*_grow_tree(drafter, cache, root_logits, root_hidden, start, depth, top_k, best_children,
+                                 select=top_k))
 
 
 def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, start: int, depth: int, k: int,
-               children: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+               children: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], select: int = 0):
     """The frontier expansion of :func:`draft_tree` and :func:`draft_sampled`; returns flat
     ``(tokens, parents, scores)``.
 
     ``children(logits [n, V])`` gives each row's ``k`` candidates: tokens ``[n, k]`` and their log q
-    ``[n, k]`` (-inf: the candidate does not exist). A missing candidate gets the root's first token
+    ``[n, k]`` (-inf: the candidate does not exist); with ``select=k`` (and a drafter that takes ``draft_topk``)
+    it gets the drafter's :class:`Choice` ``[n, k]`` instead of the logits. A missing candidate gets the root's first token
     (active) as a stand-in, and a cumulative score of -inf, so it is never kept in the frontier
     ahead of a real one and never verified.
     """
     device = cache.k.device
-    tokens, scores = (t[0] for t in children(root_logits[None]))
+    tokens, scores = (t[0] for t in children(_rows(root_logits)))
     fallback = tokens[0]
     tokens = torch.where(torch.isneginf(scores), fallback, tokens)
     all_tokens, all_parents, all_scores = [tokens], [torch.full((k,), -1, device=device)], [scores]
@@ -357,8 +404,9 @@ def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
         slots = start + (d - 1) * k + rows
         mask[rows, slots] = True
         positions = torch.full((1, k), start + d - 1, device=device)
-        logits, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v)
-        child_tokens, child_scores = children(logits[0])  # [k, k]
+        out, h = drafter(tokens.view(1, k), hidden.unsqueeze(0), positions, slots, mask, cache.k, cache.v,
+                         **_selecting(drafter, select))
+        child_tokens, child_scores = children(Choice(out[0][0], out[1][0]) if isinstance(out, tuple) else out[0])
         child_tokens = torch.where(torch.isneginf(child_scores), fallback, child_tokens)
         cumulative = (scores[:, None] + child_scores).flatten()  # -inf under a missing parent
         all_tokens.append(child_tokens.flatten())
@@ -369,6 +417,11 @@ def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
         tokens, hidden, mask = child_tokens.flatten()[best], h[0][parent_row], mask[parent_row]
         frontier, offset = offset + best, offset + k * k
     return torch.cat(all_tokens), torch.cat(all_parents), torch.cat(all_scores)
+
+
+def _rows(root: torch.Tensor | Choice) -> torch.Tensor | Choice:
+    """The root as a batch of one row (``[1, V]`` logits or a choice of ``[1, k]``)."""
+    return Choice(root.scores[None], root.tokens[None]) if isinstance(root, Choice) else root[None]
 
 
 def drafter_cache(drafter, max_len: int) -> KVCache:

@@ -178,6 +178,7 @@ class Greedy:
             raise ValueError(f"need depth >= 0 and top_k >= 1, got depth={depth!r}, top_k={top_k!r}")
         self.depth, self.top_k, self.num_nodes, self.chain = depth, top_k, num_nodes, chain
         self.width = 1 if chain else top_k  # cache slots a draft level takes
+        self.select = self.width  # tokens the drafter picks per row itself (eagle.Choice): no [V] row needed
 
     def first(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
@@ -214,6 +215,7 @@ class Sampling:
             raise TypeError(f"sampler must be a nanospec_fx.sampling.SpeculativeSampler (e.g. SpeculativeSampler("
                             f"temperature=0.7, top_p=0.9)), got {type(sampler).__name__}")
         self.sampler, self.generator, self.depth, self.top_k, self.width = sampler, generator, depth, top_k, top_k
+        self.select = 0  # drafts are drawn from the whole [V] distribution q: the drafter hands its logits
 
     def first(self, logits: torch.Tensor) -> int:
         return int(self.sampler.sample(self.sampler.probs(logits), self.generator))
@@ -274,8 +276,10 @@ def decode(
     the target's top-k at every prompt position seeds the active set (a head over the whole prompt on a
     cached target). ``cache_len`` fixes the drafter's cache length (default: the request's length rounded
     up to 64); one length for every request keeps a compiled drafter at one graph per call shape.
-    ``on_draft`` sees each round's draft before it is verified; ``timer(phase)`` ("draft", "verify") wraps
-    each phase of a round (a benchmark's clock; the loop itself never waits for the device to time it).
+    ``on_draft`` sees each round's draft before it is verified; ``timer(phase)`` wraps each phase of a round (a
+    benchmark's clock; the loop itself never waits for the device to time it): "draft" (the drafter's calls and
+    the loop around them), "observe" (the target's top-k joining the active set) and "verify" (the target's
+    forward, acceptance, and its top-k over the verified rows: the target's work, whichever drafter reads it).
     """
     if observe not in OBSERVE:
         raise ValueError(f"observe must be one of {OBSERVE}, got {observe!r}")
@@ -301,7 +305,7 @@ def decode(
         if state is not None:
             _seed(state, prompt, logits, target_topk)
         # The drafter reads (x[j+1], f[j]) at position j: positions 0..P-1 now, then n = len(seq) - 1.
-        root = feed(drafter, cache, torch.tensor(seq[1:], device=device), features, 0)
+        root = feed(drafter, cache, torch.tensor(seq[1:], device=device), features, 0, rule.select)
         if state is None and (state := drafter_state(drafter)) is not None:  # made by this first compiled call
             _seed(state, prompt, logits, target_topk)
     while len(seq) - p < max_new_tokens:
@@ -317,11 +321,15 @@ def decode(
                                  else (0, 0, [rule.first(logits[0, 0])]))
             seq += committed
             target.commit(len(seq) - 1)
+            seeds = (_target_topk(logits[row] if observe == "verified" else logits[row, : m + 1], target_topk)
+                     if state is not None and observe != "none" else None)  # the target's work: booked as verify
         if drafting:
+            if seeds is not None:
+                with phase("observe"):
+                    state.observe(seeds, validate=False)
             with phase("draft"):
-                if state is not None and observe != "none":
-                    _observe_topk(state, logits[row] if observe == "verified" else logits[row, : m + 1], target_topk)
-                root = feed(drafter, cache, torch.tensor(seq[n + 1:], device=device), features[row, : m + 1], n)
+                root = feed(drafter, cache, torch.tensor(seq[n + 1:], device=device), features[row, : m + 1], n,
+                            rule.select)
         stats.rounds += 1
         stats.accepted.append(m)
         stats.drafted += sum(len(path) for path in paths)
@@ -341,12 +349,14 @@ def drafter_state(drafter) -> ActiveVocab | None:
 
 def _seed(state: ActiveVocab, prompt: torch.Tensor, logits: torch.Tensor, k: int) -> None:
     state.observe(prompt, validate=False)
-    _observe_topk(state, logits, k)
+    if (seeds := _target_topk(logits, k)) is not None:
+        state.observe(seeds, validate=False)
 
 
-def _observe_topk(state: ActiveVocab, logits: torch.Tensor, k: int) -> None:
-    if k > 0:
-        state.observe(logits.topk(k, dim=-1).indices, validate=False)
+def _target_topk(logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The target's top-``k`` token ids at each of its scored rows (None for ``k = 0``): what joins the drafter's
+    active set. Taken over the logits the verification already holds, as part of the target's work."""
+    return logits.topk(k, dim=-1).indices if k > 0 else None
 
 
 # ----------------------------------------------------------------------------- the loop, ready to call

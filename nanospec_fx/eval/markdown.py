@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+
+#: a drafter cell (request, variant, depth, repeat) whose verify ms per round exceeds this multiple of its depth's
+#: median is a load spike: every variant's target verifies the same rows at a depth, so only load moves it that far
+SPIKE = 2.0
+
+
+class Untrustworthy(ValueError):
+    """A results JSON that says its own timings cannot be trusted (oversubscribed, or load spikes)."""
 
 
 def pct(x: float) -> str:
@@ -75,10 +84,21 @@ def e2e(data: dict) -> str:
                    "yes" if r["identical"] else "**no**"] for r in data["rows"]])
 
 
-def e2e_eagle(data: dict) -> str:
-    """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category."""
+#: parts of an `e2e --drafter eagle` rendering that ``render(..., section=...)`` prints alone
+EAGLE_SECTIONS = ("pooled", "paired", "split")
+
+
+def e2e_eagle(data: dict, section: str | None = None) -> str:
+    """Pooled: tau, speed and where the time goes per variant and depth; then tau and speedup per category, the
+    paired ratios and the draft time's split (``section``: only one of :data:`EAGLE_SECTIONS`)."""
     rows = data["rows"]
     pooled = _eagle_pooled(_with_full_rate([r for r in rows if r["category"] == "all"]), detail=True)
+    if section == "pooled":
+        return pooled
+    if section == "paired":
+        return paired_table(data.get("comparisons") or [])
+    if section == "split":
+        return draft_split(data)
     cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
     keys = list(dict.fromkeys((r["variant"], r["depth"]) for r in rows if r["depth"]))
     by = {(r["variant"], r["depth"], r["category"]): r for r in rows}
@@ -104,14 +124,86 @@ def e2e_eagle(data: dict) -> str:
     if data.get("comparisons"):
         text += "\n\nPaired ratios (same requests, this run): median over requests [95% bootstrap interval]:\n\n"
         text += paired_table(data["comparisons"])
+    split = draft_split(data)
+    if split:
+        text += "\n\n" + split
+    return text
+
+
+def sample(data: dict) -> str:
+    """Requests per cell, repeats and the machine's load: the line every e2e table is read with."""
+    pooled = [r for r in data["rows"] if r.get("category") == "all" and r.get("depth")]
+    prov = data["meta"].get("provenance") or {}
+    requests = sorted({r.get("requests") for r in pooled if r.get("requests")})
+    repeats = sorted({r.get("repeats", 1) for r in pooled})
+    return (f"{'/'.join(map(str, requests)) or '?'} request(s) per cell (pooled over categories), "
+            f"{'/'.join(map(str, repeats))} repeat(s), {prov.get('threads', '?')} thread(s), load "
+            f"{(prov.get('load_average_start') or ['?'])[0]} -> {(prov.get('load_average_end') or ['?'])[0]}")
+
+
+def draft_split(data: dict) -> str:
+    """Like-for-like runs (``--compile-all``): where each round's draft time goes, measured in the run (the target's
+    top-k joining the set, the drafter's calls, the loop around them), one call's parts timed apart, and whether
+    the replayed body ran the compared variant's rows."""
+    pooled = [r for r in data["rows"] if r.get("category") == "all" and r.get("depth")
+              and r.get("calls_per_round", float("nan")) == r.get("calls_per_round", float("nan"))]
+    if not pooled:
+        return ""
+    text = ("Draft ms per round, split (measured in the run; the target's top-k is in verify): observe = the "
+            "target's top-k joining the set, calls = inside the drafter's calls (body, head, selection, Dynamo "
+            f"entry), loop = the rest of the draft phase ({data['meta'].get('compile_all') or 'nanospec only'} "
+            "compile):\n\n")
+    text += table(["variant", "depth", "draft", "observe", "calls", "loop", "calls/round", "verify", "body rows/round"],
+                  [[r["variant"], str(r["depth"]), f"{r['draft_ms_per_round']:.2f}", f"{r['observe_ms_per_round']:.2f}",
+                    f"{r['calls_ms_per_round']:.2f}", f"{r['loop_ms_per_round']:.2f}", f"{r['calls_per_round']:.2f}",
+                    f"{r['verify_ms_per_round']:.2f}", f"{r['body_rows_per_round']:.2f}"] for r in pooled])
+    if data.get("call_split"):
+        text += ("\n\nOne draft call (one row, the loop's top-1) timed in parts, ms (medians of interleaved calls; "
+                 "an estimate from parts: overhead = call - the parts):\n\n")
+        text += table(["variant", "active", "call", "body", "head", "top-k", "observe", "overhead"],
+                      [[c["variant"], "" if c["active"] is None else f"{c['active']:,}", f"{c['call']:.3f}",
+                        f"{c['body']:.3f}", f"{c['head']:.3f}", f"{c['topk']:.3f}", f"{c['observe']:.3f}",
+                        f"{c['overhead']:.3f}"] for c in data["call_split"]])
+    if data.get("round_split"):
+        text += ("\n\nDraft ms per round by part (observe and loop measured in the run; the drafter calls' measured time "
+                 "apportioned by the parts of one call, above; observe = the target's top-k joining the set + the "
+                 "calls' own fed-id observes):\n\n")
+        text += table(["variant", "depth", "draft", "body", "head", "top-k", "observe", "overhead", "loop"],
+                      [[r["variant"], str(r["depth"]), *(f"{r[k]:.2f}" for k in
+                                                         ("draft", "body", "head", "topk", "observe", "overhead", "loop"))]
+                       for r in data["round_split"]])
+    if data.get("replay"):
+        text += "\n\nReplayed body: runs with the compared variant's rounds and body rows exactly:\n\n"
+        text += table(["variant", "depth", "replays", "same rows"],
+                      [[c["variant"], str(c["depth"]), c["replays"], f"{c['same_rows']} of {c['runs']}"]
+                       for c in data["replay"]])
     return text
 
 
 def paired_table(comparisons: list[dict]) -> str:
-    """The paired comparisons an `e2e --drafter eagle` run made (JSONs with a "comparisons" section)."""
-    return table(["variant", "depth", "against", "depth ", "metric", "ratio [95% interval]", "requests"],
+    """The paired comparisons an `e2e --drafter eagle` run made (JSONs with a "comparisons" section); a ratio is a
+    lead (or a loss) only where its interval excludes 1."""
+    return table(["variant", "depth", "against", "depth ", "metric", "ratio [95% interval]", "requests", "excludes 1"],
                  [[c["a"], str(c["a_depth"]), c["b"], str(c["b_depth"] or ""), c["metric"].replace("_", " "),
-                   f"{c['median']:.2f}x [{c['low']:.2f}, {c['high']:.2f}]", str(c["requests"])] for c in comparisons])
+                   f"{c['median']:.2f}x [{c['low']:.2f}, {c['high']:.2f}]", str(c["requests"]),
+                   "yes" if c["low"] > 1 or c["high"] < 1 else "no"] for c in comparisons])
+
+
+def trust_problems(data: dict) -> list[str]:
+    """Why a results JSON's timings cannot be trusted (empty: no reason found): a provenance (its own or a merged
+    piece's) that says oversubscribed, or drafter cells whose verify time is a load spike (:data:`SPIKE`)."""
+    meta = data["meta"]
+    problems = [p["oversubscribed"] for p in [meta.get("provenance") or {}]
+                + [piece.get("provenance") or {} for piece in meta.get("pieces", [])] if p.get("oversubscribed")]
+    cells: dict[int, list[float]] = {}
+    for r in data.get("requests") or []:
+        if r.get("depth") and r.get("rounds"):
+            cells.setdefault(r["depth"], []).append(r["verify_s"] / r["rounds"])
+    spikes = [(d, v / statistics.median(vs)) for d, vs in cells.items() for v in vs if v > SPIKE * statistics.median(vs)]
+    if spikes:
+        problems.append(f"{len(spikes)} of {sum(map(len, cells.values()))} drafter cells have a verify time per round "
+                        f"over {SPIKE:g}x their depth's median (up to {max(x for _, x in spikes):.1f}x): load spikes")
+    return problems
 
 
 def interval(r: dict) -> str:
@@ -121,12 +213,22 @@ def interval(r: dict) -> str:
     return f"{r['speedup']:.2f}x [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
 
 
-def render(path: Path) -> str:
+def render(path: Path, force: bool = False, section: str | None = None) -> str:
+    """The markdown of one results JSON (``section``: one part of an EAGLE run's, :data:`EAGLE_SECTIONS`). A run
+    whose JSON says it cannot be trusted (:func:`trust_problems`) is refused (:class:`Untrustworthy`) unless
+    ``force``, and then rendered under a line that says why."""
     data = json.loads(path.read_text())
+    problems = trust_problems(data)
+    if problems and not force:
+        raise Untrustworthy(f"{path.name} is not trustworthy ({'; '.join(problems)}): rerun it with --threads 1 on "
+                            "a quiet machine, or render it with --force (the output then says so)")
     rows = data["rows"]
     kind = ("coverage" if "coverage" in rows[0] else "centroid_coverage" if "coverage_greedy" in rows[0] else "head" if "of_limit" in rows[0] else
             "draft" if "round_ms" in rows[0] else "e2e_eagle" if "tau" in rows[0] else "e2e")
-    body = {"coverage": coverage, "centroid_coverage": centroid_coverage, "head": head, "draft": draft, "e2e": e2e, "e2e_eagle": e2e_eagle}[kind](data)
+    if section is not None and (kind != "e2e_eagle" or section not in EAGLE_SECTIONS):
+        raise ValueError(f"--section {section}: only an e2e --drafter eagle result has sections ({EAGLE_SECTIONS})")
+    body = {"coverage": coverage, "centroid_coverage": centroid_coverage, "head": head, "draft": draft, "e2e": e2e,
+            "e2e_eagle": lambda d: e2e_eagle(d, section)}[kind](data)
     meta = data["meta"]
     shards = meta.get("shards")  # `nanospec-fx e2e-merge`: each piece's provenance, not the merge's own
     if shards:
@@ -135,6 +237,10 @@ def render(path: Path) -> str:
                   + "".join(f"\n- shard {p['shard']['index']}: {_origin(p.get('provenance'))}" for p in meta["pieces"]))
     else:
         origin = f"\n\n{_origin(meta['provenance'])}" if meta.get("provenance") else ""
+    if kind == "e2e_eagle":
+        origin += f"\n\n{sample(data)}"
+    if problems:
+        origin += f"\n\n**Not trustworthy** (rendered with --force): {'; '.join(problems)}."
     return f"### {path.stem}\n\n`{data['meta'].get('command', '')}`{origin}\n\n{body}\n"
 
 

@@ -144,3 +144,42 @@ def test_static_table_drops_the_records_the_requests_come_from(tmp_path):
     assert len({s.record for s in static}) == len(static)  # every bundled record has its own id
     assert [s.record for s in kept] == [s.record for i, s in enumerate(static) if i not in (1, 2)]
     assert info["records_dropped_as_requests"] == 2 and info["records_counted"] == len(static) - 2
+
+
+def test_like_for_like_rounds_compile_every_variant_and_replay_the_body_on_the_same_rows(trained):
+    """--compile-all: every variant through torch.compile; the replayed body runs the rounds (accepted lengths, so
+    body rows) of the nanospec variant it is compared with; the draft time is split and the target's top-k is
+    verify time (only the variant with an active set observes)."""
+    root, requests = trained
+    eagle(root, requests, "--depth", 1, "--depth", 2, "--variants", "full,static,context,body,body-replayed",
+          "--compile-all", "eager", "--name", "like")
+    data = json.loads((root / "like.json").read_text())
+    assert data["meta"]["compile_all"] == "eager" and data["meta"]["inductor"] is False
+    assert all(r["identical"] for r in data["requests"])
+    nano = next(r["variant"] for r in data["rows"] if r["variant"].startswith("nanospec"))
+    replayed = f"{eagle_e2e.REPLAYED} ({nano})"
+    assert {c["runs"] for c in data["replay"]} == {3} and all(c["same_rows"] == c["runs"] for c in data["replay"])
+    by = {(r["variant"], r["depth"], r["request"]): r for r in data["requests"]}
+    for (variant, depth, request), r in by.items():
+        if variant == replayed:
+            assert r["accepted"] == by[(nano, depth, request)]["accepted"]
+            assert r["body_rows"] == by[(nano, depth, request)]["body_rows"]
+    pooled = {(r["variant"], r["depth"]): r for r in data["rows"] if r["category"] == "all"}
+    for (variant, depth), r in pooled.items():
+        if depth:  # one feed and depth - 1 chain steps per round
+            assert r["calls_per_round"] == depth
+            assert (r["observe_ms_per_round"] > 0) == variant.startswith("nanospec")
+            parts = r["observe_ms_per_round"] + r["calls_ms_per_round"] + r["loop_ms_per_round"]
+            assert parts == pytest.approx(r["draft_ms_per_round"])
+    assert {(c["a"], c["b"], c["metric"]) for c in data["comparisons"]} >= {(nano, replayed, "draft_ms_per_round")}
+    split = {c["variant"]: c for c in data["call_split"]}
+    assert set(split) == {v for v, d in pooled if d}
+    assert split[nano]["head"] > 0 and split[nano]["observe"] > 0 and split[replayed]["head"] == 0
+    for c in split.values():
+        assert c["overhead"] == pytest.approx(c["call"] - c["body"] - c["head"] - c["topk"] - c["observe"], abs=1e-3)
+    for r in data["round_split"]:  # the parts add up to the measured draft time per round
+        parts = sum(r[k] for k in ("body", "head", "topk", "observe", "overhead", "loop"))
+        assert parts == pytest.approx(r["draft"], rel=1e-3, abs=1e-3)
+        assert (r["head"] > 0) == (split[r["variant"]]["head"] > 0)
+    text = invoke("e2e", "--help").output  # the flag is documented
+    assert "--compile-all" in text

@@ -117,3 +117,54 @@ def test_centroid_coverage_report_pivots_methods_per_shape(tmp_path):
     lines = _report().render(path).splitlines()
     assert "| C (tokens per cluster) | R | centroids | nanospec | union |" in lines
     assert "| 16 (4) | 8 | 50.0% / 25.0% (8) | 75.0% / 50.0% (3) | 87.5% / 62.5% (7) |" in lines
+
+
+def _cells(verify_ms: list[float]) -> list[dict]:
+    return [{"variant": "v", "depth": 1, "request": i, "rounds": 10, "verify_s": ms / 100} for i, ms in
+            enumerate(verify_ms)]
+
+
+def test_the_report_refuses_a_run_its_json_calls_untrustworthy_unless_forced(tmp_path):
+    markdown = _report()
+    rows = [_row("target only", 0, "all", 1.0, 10.0, 1.0), _row("full head", 1, "all", 1.5, 8.0, 0.8)]
+    clean = {"rows": rows, "meta": {"provenance": {"oversubscribed": None, "threads": 1}},
+             "requests": _cells([10, 11, 12, 10.5])}
+    busy = {**clean, "meta": {"provenance": {"oversubscribed": "oversubscribed: 2 threads on 2 cores"}}}
+    spiky = {**clean, "requests": _cells([10, 11, 12, 10.5, 31])}  # one cell 3x its depth's median
+    for name, data in (("clean", clean), ("busy", busy), ("spiky", spiky)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    assert "Not trustworthy" not in markdown.render(tmp_path / "clean.json")
+    for name, why in (("busy", "oversubscribed: 2 threads"), ("spiky", "1 of 5 drafter cells")):
+        try:
+            markdown.render(tmp_path / f"{name}.json")
+        except markdown.Untrustworthy as e:
+            assert why in str(e)
+        else:
+            raise AssertionError(f"{name} was rendered")
+        assert f"**Not trustworthy** (rendered with --force): {why}" in markdown.render(tmp_path / f"{name}.json",
+                                                                                       force=True)
+    script = _script()
+    try:
+        script.main([str(tmp_path / "busy.json")])
+    except markdown.Untrustworthy:
+        pass
+    else:
+        raise AssertionError("report.py printed an oversubscribed run")
+    assert "Not trustworthy" in script.main(["--force", str(tmp_path / "busy.json")])
+
+
+def test_tables_state_their_sample_and_claim_a_lead_only_where_the_interval_excludes_1(tmp_path):
+    rows = [{**_row("target only", 0, "all", 1.0, 10.0, 1.0), "requests": 6, "repeats": 2},
+            {**_row("full head", 1, "all", 1.5, 8.0, 0.8), "requests": 6, "repeats": 2}]
+    comparisons = [{"a": "x", "a_depth": 1, "b": "y", "b_depth": 1, "metric": "tokens_per_s", "median": 1.04,
+                    "low": 1.01, "high": 1.09, "requests": 6},
+                   {"a": "x", "a_depth": 2, "b": "y", "b_depth": 2, "metric": "tokens_per_s", "median": 1.06,
+                    "low": 0.98, "high": 1.23, "requests": 6}]
+    path = tmp_path / "e2e-eagle-x.json"
+    path.write_text(json.dumps({"rows": rows, "comparisons": comparisons, "meta": {
+        "command": "c", "provenance": {"threads": 1, "load_average_start": [0.1], "load_average_end": [0.2]}}}))
+    text = _report().render(path)
+    assert "6 request(s) per cell (pooled over categories), 2 repeat(s), 1 thread(s), load 0.1 -> 0.2" in text
+    paired = _script().main(["--section", "paired", str(path)])
+    assert "| 1.04x [1.01, 1.09] | 6 | yes |" in paired and "| 1.06x [0.98, 1.23] | 6 | no |" in paired
+    assert "tau / speedup" not in paired  # the section alone

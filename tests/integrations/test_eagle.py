@@ -194,3 +194,57 @@ def test_the_mtp_layout_normalises_both_inputs_and_keeps_the_contract():
     state = assert_equivalent(drafter, _step_inputs(drafter), options={"capacity": 64}, active_ids=[1, 2, 3],
                               token_inputs=[0])
     assert len(state) > 0
+
+
+def test_a_drafter_picking_its_tokens_reads_no_vocabulary_wide_row():
+    """``draft_topk``: compiled with nanospec, the log-softmax and top-k run on the compact logits and the ids are
+    mapped back (no [V] fill or scatter, counted by the profiler on the graph's aten ops), with the tokens and
+    log-probs the [V] logits give; the logits path, which a caller that needs [V] gets, still writes the row."""
+    _, module = models()
+    torch._dynamo.reset()
+    drafter = torch.compile(module, backend="nanospec", options={"inductor": False, "capacity": 256})
+    inputs = _step_inputs(module)
+
+    def vocabulary_wide_ops(**keywords):
+        with torch.inference_mode():
+            drafter(*inputs, **keywords)  # compiled before it is profiled
+            with torch.profiler.profile(record_shapes=True) as prof:
+                out = drafter(*inputs, **keywords)
+        # the observe's own [V] membership lookups (inside nanospec::observe) are not a row of logits
+        return out, {e.name for e in prof.events() if e.name.startswith("aten::") and not _inside_observe(e)
+                     and any(shape and shape[-1] == V for shape in e.input_shapes)}
+
+    vocabulary_wide_ops(logits_to_keep=1, draft_topk=3)  # the first call makes the set
+    nanospec_fx.active_vocab(module).observe(torch.arange(0, V, 7))
+    ((scores, tokens), _), wide = vocabulary_wide_ops(logits_to_keep=1, draft_topk=3)
+    (logits, _), wide_logits = vocabulary_wide_ops(logits_to_keep=1)
+    assert not wide, f"the choice read a [V] row: {wide}"
+    assert "aten::scatter_" in wide_logits or "aten::index_put_" in wide_logits, wide_logits
+    best = torch.log_softmax(logits[0, -1], -1).topk(3)
+    assert torch.equal(tokens[0, -1], best.indices)
+    torch.testing.assert_close(scores[0, -1], best.values)
+    assert nanospec_fx.active_vocab(module).contains(tokens).all()
+
+
+def _inside_observe(event) -> bool:
+    while event is not None:
+        if event.name.startswith("nanospec::observe"):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
+def test_a_compiled_drafter_picking_its_tokens_is_lossless(chain):
+    """The draft loop hands an EagleDrafter ``draft_topk`` (its chain's top-1, its tree's top-k): the output is
+    the target's greedy output and every drafted token is active."""
+    target, module = models()
+    torch._dynamo.reset()
+    drafter = torch.compile(module, backend="nanospec", options={"inductor": False, "capacity": 256})
+    forward, ids = hf_target_forward(target), prompt()
+    drafted = []
+    out, stats = speculative_generate(forward, drafter, ids, 20, depth=4, top_k=4, chain=chain,
+                                      on_draft=lambda tree: drafted.append(tree.tokens[torch.isfinite(tree.scores)]))
+    assert torch.equal(out, greedy_generate(forward, ids, 20))
+    assert sum(stats.accepted) > 0
+    assert nanospec_fx.active_vocab(module).contains(torch.cat(drafted)).all()

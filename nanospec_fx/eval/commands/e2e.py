@@ -38,8 +38,9 @@ def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
               help="--drafter eagle: drafts per round (repeatable: each depth is measured).")
 @click.option("--variants", default="full,static,context,hybrid", show_default=True,
               help="--drafter eagle: drafter heads to measure: full, static, context, hybrid, and two references: "
-                   "full-every-row (the full head scoring every fed position, as runs before 2026-12 did) and body "
-                   "(no head: the drafter body's own time per round, which a head restriction can approach).")
+                   "full-every-row (the full head scoring every fed position, as runs before 2026-12 did), body "
+                   "(no head: the drafter body's own time per round, which a head restriction can approach) and "
+                   "body-replayed (the body given the first nanospec variant's accepted lengths: the same rows).")
 @click.option("--observe", default="verified", show_default=True,
               help="--drafter eagle: where the target's top-k joins the active set: every verified position "
                    "(rejected drafts included, as in the paper), the accepted ones only, or nowhere (none). A comma "
@@ -77,11 +78,15 @@ def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
               "every scored position, prefill included).")
 @click.option("--inductor/--no-inductor", default=False, show_default=True,
               help="Compile the nanospec drafter's graph with inductor (slow to compile on CPU) or run it eagerly.")
+@click.option("--compile-all", type=click.Choice(["eager", "inductor"]), default=None,
+              help="--drafter eagle, like for like: every variant through torch.compile, the dense ones too (eager: "
+                   "Dynamo without inductor everywhere; inductor: inductor everywhere; overrides --inductor). "
+                   "Without it only the nanospec variants are compiled, and they alone pay Dynamo's entry.")
 @out_option("e2e")
 @threads_option
 def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, observe, paired_prompt_topk, repeats,
         shard, prompt_topk, eagle_dir, static_corpus, static_n, capacity, observe_topk, max_prompt, max_new, draft_tokens,
-        observer, inductor, out, name, threads):
+        observer, inductor, compile_all, out, name, threads):
     """Speculative decoding end to end with each drafter head (full, FR-Spec static, nanospec), output checked.
 
     --drafter truncated (default): generate(assistant_model=...) with a layer-truncated drafter.
@@ -97,7 +102,7 @@ def e2e(models, tokenizer, draft_layers, corpora, drafter, depths, variants, obs
                    eagle_dir=eagle_dir, static_corpus=static_corpus, static_n=static_n, capacity=capacity,
                    observe_topk=observe_topk, max_prompt=max_prompt, max_new=max_new or 128, inductor=inductor, out=out,
                    name=name, threads=threads, repeats=repeats, paired_prompt_topk=paired_prompt_topk,
-                   shard=shard or (0, 1))
+                   shard=shard or (0, 1), compile_all=compile_all)
     if shard:
         raise click.UsageError("--shard needs --drafter eagle")
     corpora, max_new = corpora or ("sharegpt[:3]", "humaneval[:3]"), max_new or 64

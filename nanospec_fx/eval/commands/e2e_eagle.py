@@ -11,7 +11,7 @@ EAGLE_CORPORA = ("sharegpt[:8]", "humaneval[:8]", "shakespeare[:8]", "mtbench-ma
 
 def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, prompt_topk=False, static_corpus, static_n,
         capacity, observe_topk, max_prompt, max_new, inductor, out, name, threads, repeats=1, paired_prompt_topk=False,
-        shard=(0, 1)):
+        shard=(0, 1), compile_all=None):
     import hashlib
     import itertools
 
@@ -41,7 +41,7 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
     if not 0 <= shard[0] < shard[1]:
         fail(f"--shard K/N takes 0 <= K < N, got {shard[0]}/{shard[1]}")
     settings = list(itertools.product(dict.fromkeys(observes), (False, True) if paired_prompt_topk else (prompt_topk,)))
-    runs_by_model, metas, checks, statics, digests, request_ids = {}, {}, {}, {}, {}, []
+    runs_by_model, metas, checks, statics, digests, request_ids, splits = {}, {}, {}, {}, {}, [], {}
     for spec in models[:1] if models == ("gemma3-270m", "smollm2-135m") else models:  # the default: Gemma only
         folder = eagle_dir or default_dir(spec)
         try:
@@ -74,9 +74,12 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
         table = FrequencyTable.from_token_ids(
             (tok.encode(s.prompt) + tok.encode(s.continuation) for s in static_samples), vocab)
         torch._dynamo.reset()
-        drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table, inductor=inductor,
-                                      which=kinds)
-        nano = sum(isinstance(d, torch._dynamo.eval_frame.OptimizedModule) for d in drafters.values())
+        try:
+            drafters = B.drafter_variants(drafter, table.top(min(static_n, vocab)), capacity, table,
+                                          inductor=inductor, which=kinds, compile=compile_all)
+        except ValueError as e:
+            fail(e)
+        nano = sum(B.is_nanospec(n) for n in drafters)
         mine = sum(B.in_shard(i, shard) for i in range(len(requests)))
         plan = repeats * mine * (1 + (len(drafters) + nano * (len(settings) - 1)) * len(depths))
         with progress() as prog:
@@ -88,6 +91,8 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
             runs_by_model[spec] = B.run_eagle_e2e(
                 target, drafters, requests, list(depths), max_new, observes[0], observe_topk, prompt_topk=prompt_topk,
                 progress=step, repeats=repeats, settings=settings, shard=shard)
+            longest = max(len(ids) for _, ids in requests)
+            splits[spec] = B.call_split(drafters, -(-(longest + max_new + 2 * max(depths) + 3) // 64) * 64, longest)
         meta_path = folder / T.META
         metas[spec] = {k: v for k, v in json.loads(meta_path.read_text()).items() if k not in ("history", "config")}
         metas[spec]["checkpoint_sha256"] = file_digest(folder / T.WEIGHTS)
@@ -100,13 +105,15 @@ def run(*, models, tokenizer, corpora, depths, variants, observe, eagle_dir, pro
             "shard": {"index": shard[0], "count": shard[1]}, "request_ids": request_ids, "requests_sha256": digests,
             "training_text_check": checks, "static_table": statics,
             "static_n": static_n,
-            "static_corpus": static_corpus, "inductor": inductor, "drafter_training": metas,
+            "static_corpus": static_corpus, "inductor": inductor if compile_all is None else compile_all == "inductor",
+            "compile_all": compile_all, "target_topk": "verify time (taken over the verified rows, the target's work)",
+            "drafter_training": metas,
             "draft": "chain (EAGLE drafter, greedy), target verifies [last token] + drafts on its KV cache",
             "machine": machine()}
-    report(out, name, meta, runs_by_model, torch.get_num_threads())
+    report(out, name, meta, runs_by_model, torch.get_num_threads(), splits)
 
 
-def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int) -> None:
+def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int, splits: dict | None = None) -> None:
     """Summaries, paired comparisons, tables, plot and outputs from the decoded runs of each model: the one path
     for a whole run and for merged shards (``nanospec-fx e2e-merge``). Fails (after writing) on any output that
     differs from the target's greedy output."""
@@ -115,17 +122,23 @@ def report(out: Path, name: str, meta: dict, runs_by_model: dict, threads: int) 
     from nanospec_fx.eval.bench import eagle_e2e as B
     from nanospec_fx.eval.report import console, fail, write_outputs
 
-    rows, requests_all, compared = [], [], []
+    rows, requests_all, compared, replays, rounds = [], [], [], [], []
     for spec, runs in runs_by_model.items():
         summaries = B.summarise(runs)
+        rounds += [{"model": spec, **r} for r in B.round_split(summaries, (splits or {}).get(spec, []))]
         requests_all += [{"model": spec, **r} for r in B.request_rows(runs)]
         compared += [{"model": spec, **c} for c in B.comparisons(runs)]
+        replays += [{"model": spec, **c} for c in B.replay_checks(runs)]
         _print(console, Table, spec, summaries, len({r.request for r in runs}), meta["max_new"], meta["observe"],
                threads)
         rows += [{"model": spec, **dataclasses.asdict(s)} for s in summaries]
     out.mkdir(parents=True, exist_ok=True)
     _plot(rows, out / f"{name}.png")
-    write_outputs(out, name, rows, meta, requests=requests_all, comparisons=compared)
+    sections = {"replay": replays} if replays else {}
+    if splits:
+        sections["call_split"] = [{"model": spec, **c} for spec, cs in splits.items() for c in cs]
+        sections["round_split"] = rounds
+    write_outputs(out, name, rows, meta, requests=requests_all, comparisons=compared, **sections)
     _print_comparisons(console, Table, compared)
     bad = [r for r in requests_all if not r["identical"]]
     if bad:
