@@ -16,6 +16,7 @@ import nanospec_fx
 from drafters import HEAD_KINDS, POST_OPS, RETURNS, EagleLikeDrafter, HiddenOnlyDrafter, TinyDrafter
 from helpers import active_mask, assert_close_per_dtype, compile_nanospec
 from nanospec_fx import pass_reports
+from nanospec_fx.testing import TOLERANCES
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -59,7 +60,18 @@ def test_compiled_drafter_matches_masked_eager(case):
         # Fewer active tokens than k: the compact top-k pads with -inf and the smallest inactive ids,
         # where eager returns -inf with arbitrary inactive ids. Compare ids only where a token was found.
         (values, indices), (ref_values, ref_indices) = out, expected
-        assert_close_per_dtype(values, ref_values, case["dtype"])
+        # A log-softmax value z - logsumexp(z) carries the rounding of its logit z, at the logits' scale: two GEMMs
+        # summing in another order may round a bf16 logit of 20 one ulp apart (0.125), far above the tolerance
+        # of a value near -3 (the Triton kernels, which accumulate in fp32, against eager bf16).
+        model.returns = "logits"
+        with torch.inference_mode():
+            logits = model(ids, _mask=mask)
+        model.returns = "log_softmax_topk"
+        finite = logits[torch.isfinite(logits)]
+        scale = finite.abs().max().item() if finite.numel() else 0.0
+        rtol, atol = TOLERANCES[case["dtype"]]
+        torch.testing.assert_close(values, ref_values, rtol=rtol,
+                                   atol=atol + 2 * torch.finfo(case["dtype"]).eps * scale)
         found = torch.isfinite(ref_values)
         assert torch.equal(indices[found], ref_indices[found]) or case["dtype"] != torch.float32
         assert not mask[indices[~found]].any()
