@@ -110,9 +110,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
         # (an embedding-only or a post-op-only piece: the piece with the head says why it is dense); a whole
         # call that embeds tokens and computes nothing vocabulary-wide is a prefill, not a head nanospec missed.
         for note in (n for n in notes if isinstance(n, DenseHead)):  # a head the finder cannot take: its reason
-            said.append(f"nanospec: the head {note.head} runs dense: {note}")
-            counters["nanospec"]["heads_dense"] += 1
-            counters["nanospec"][f"dense: {reason_key(note)}"] += 1
+            _runs_dense(said, note.head, note)
         if any(isinstance(n, DenseHead) for n in notes):
             said.extend(f"nanospec: {n}" for n in notes if not isinstance(n, DenseHead))
         elif notes or projections_reaching_output(gm) or (position.whole_call and not embeds):
@@ -143,7 +141,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             continue
         reason = _dense_reason(gm, head, real, position, opts) or _layout_clash(head, heads)
         if reason:
-            _runs_dense(said, head, reason)
+            _runs_dense(said, head.name, reason)
         else:
             rewritable.append((head, real[head.weight], _bias_tensor(head, real)))
     _agree(heads, rewritable, said, opts)  # before any state is built: that may run a collective
@@ -152,7 +150,7 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
             compiled = _rewrite_drafter(gm, example_inputs, rewritable, config, opts, config_patches, position)
         except DenseFallback as reason:
             head = reason.args[1]
-            _runs_dense(said, head, reason.args[0])
+            _runs_dense(said, head.name, reason.args[0])
             rewritable = [r for r in rewritable if r[0] is not head]
             continue
         except Exception as error:  # still meet the others' second consensus: they would wait for it
@@ -167,12 +165,17 @@ def _compile_drafter(gm: fx.GraphModule, example_inputs: list, opts: NanoSpecOpt
     return _dense(gm, example_inputs, opts, config_patches, said)
 
 
-def _runs_dense(said: list[str], head: HeadMatch, reason: str) -> None:
-    """Say why ``head`` runs dense, and count it: ``heads_dense``, and ``dense: <the reason's first clause>``."""
-    said.append(f"nanospec: the head {head.name} runs dense: {reason}")
+def _runs_dense(said: list[str], name: str, reason: str) -> None:
+    """Say why the head ``name`` runs dense, and count it."""
+    said.append(f"nanospec: the head {name} runs dense: {reason}")
+    _count_dense(name, reason)
+
+
+def _count_dense(name: str, reason: str) -> None:
+    """Count a dense head: ``heads_dense``, and ``dense: <the reason's first clause>``."""
     counters["nanospec"]["heads_dense"] += 1
     counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
-    log.debug("head %s runs dense: %s", head.name, reason)
+    log.debug("head %s runs dense: %s", name, reason)
 
 
 def _heads_that_meet(gm: fx.GraphModule, heads: list[HeadMatch], said: list[str]) -> set[HeadMatch]:
@@ -194,9 +197,7 @@ def _heads_that_meet(gm: fx.GraphModule, heads: list[HeadMatch], said: list[str]
         said.append(f"nanospec: the heads {names} run dense: {reason}")
         for head in group:
             if head not in met:
-                counters["nanospec"]["heads_dense"] += 1
-                counters["nanospec"][f"dense: {reason_key(reason)}"] += 1
-                log.debug("head %s runs dense: %s", head.name, reason)
+                _count_dense(head.name, reason)
         met.update(group)
     return met
 
