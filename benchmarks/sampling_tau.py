@@ -2,7 +2,7 @@
 
 The EAGLE loop of nanospec_fx/eagle.py (speculative_sample) on a tiny random Llama target and an
 EAGLE drafter copying its layer (plus noise), at several temperatures, chain and tree drafting.
-Every variant is lossless (tested in tests/integrations/test_eagle_sampling.py); what pruning costs is
+Every variant is lossless (tested in tests/eagle/test_eagle_sampling.py); what pruning costs is
 acceptance: a drafter restricted to its active set never proposes the other tokens, so the target's
 mass there is always a rejection. tau = tokens committed per round (accepted drafts + 1).
 
