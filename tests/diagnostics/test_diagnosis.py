@@ -21,25 +21,7 @@ import nanospec_fx
 from nanospec_fx.diagnosis import HEADLESS_CALLS
 from nanospec_fx.testing import assert_equivalent
 from helpers import compile_nanospec
-
-V, H = 60, 8
-
-
-class Engine(nn.Module):
-    """Engine-style split: forward returns hidden states, compute_logits(h) runs the head outside the call."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(V, H)
-        self.body = nn.Linear(H, H)
-        self.lm_head = nn.Linear(H, V, bias=False)
-
-    def forward(self, ids):
-        return torch.tanh(self.body(self.embed(ids)))
-
-    def compute_logits(self, h):
-        return self.lm_head(h)
-
+from loop_drafter import H, V, DraftLoop, Engine  # beside this file
 
 class DisabledHead(Engine):
     """The head in a @torch.compiler.disable helper: Dynamo never hands it to nanospec."""
@@ -50,21 +32,6 @@ class DisabledHead(Engine):
     @torch.compiler.disable
     def _head(self, h):
         return self.lm_head(h)
-
-
-class DraftLoop(Engine):
-    """A draft loop that stops at EOS: a graph break in a loop, so Dynamo skips the whole forward."""
-
-    def forward(self, ids, eos: int = 3):
-        out = []
-        for _ in range(3):
-            z = self.lm_head(self.embed(ids)[:, -1])
-            tok = z.argmax(-1, keepdim=True)
-            out.append(z)
-            if (tok == eos).all():
-                break
-            ids = torch.cat([ids, tok], 1)
-        return torch.stack(out, 1)
 
 
 class Prefill(Engine):
@@ -206,10 +173,10 @@ def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(textwrap.dedent(f"""
         import sys, warnings
-        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+        sys.path[:0] = [{str(Path(__file__).parent)!r}]
         import torch
         import nanospec_fx
-        from test_diagnosis import DraftLoop  # this file's drafter, in a process Dynamo was never reset in
+        from loop_drafter import DraftLoop  # in a process Dynamo was never reset in
 
         compiled = torch.compile(DraftLoop().eval(), backend="nanospec", options={{"inductor": False}})
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():

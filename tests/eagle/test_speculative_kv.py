@@ -18,20 +18,12 @@ import torch._dynamo
 transformers = pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.eagle import EagleConfig, EagleDrafter  # noqa: E402
+from nanospec_fx.eagle import EagleConfig  # noqa: E402
 from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
+from copying_pair import V, copying_drafter, head_name, llama, prompt  # noqa: E402 - beside this file
 from nanospec_fx.speculative import (  # noqa: E402
-    HFTarget, Sampling, decode, eagle_generate, final_norm, greedy_generate, hf_target_forward,
+    HFTarget, Sampling, decode, eagle_generate, greedy_generate, hf_target_forward,
 )
-
-V = 512
-
-
-def llama(layers: int = 1):
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def gemma3(sliding_window: int = 4):
@@ -49,22 +41,6 @@ def gemma3(sliding_window: int = 4):
     )
     torch.manual_seed(0)
     return transformers.Gemma3ForCausalLM(config).eval()
-
-
-def copying_drafter(target, noise: float = 0.0) -> EagleDrafter:
-    drafter = EagleDrafter(
-        EagleConfig.from_target(target.config), target.model.embed_tokens, target.lm_head, final_norm(target)
-    )
-    return drafter.copy_target_layer(target.model.layers[0], noise).eval()
-
-
-def head_name(drafter) -> str:
-    """The head weight's parameter name (a tied head is listed under the embedding's name)."""
-    return next(n for n, p in drafter.named_parameters() if p is drafter.lm_head.weight)
-
-
-def prompt(length: int = 12, seed: int = 2):
-    return torch.randint(0, V, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("make", [llama, gemma3], ids=["llama", "gemma3-sliding"])

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
 from nanospec_fx.speculative import HFTarget, eagle_generate, greedy_generate, hf_target_forward  # noqa: E402
-from test_speculative_kv import V, copying_drafter, head_name, llama, prompt  # noqa: E402
+from copying_pair import V, copying_drafter, head_name, llama, prompt  # noqa: E402 - beside this file
 
 
 def _decode(prompt_topk: bool):

@@ -22,9 +22,8 @@ from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_helpers import call_targets, compile_and_run  # noqa: E402
-from test_vocab_parallel import _run_ranks  # noqa: E402
-from test_vocab_parallel_select import NoOffset  # noqa: E402
-from tp_drafters import DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, VocabParallelDrafter  # noqa: E402
+from gloo_ranks import run_ranks  # noqa: E402
+from tp_drafters import DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, NoOffset, VocabParallelDrafter  # noqa: E402
 
 V, H, TP, RANK = 64, 16, 2, 1
 FAKE_RANK = RANK
@@ -115,5 +114,5 @@ def test_sharded_targets_it_cannot_prove_are_not_observed(fake_group, compiled_g
 
 @pytest.mark.slow
 def test_two_ranks_observe_the_top_k_of_the_concatenated_logits():
-    first, second = _run_ranks("sharded_target")  # each rank asserts the ids against plain torch's top-k itself
+    first, second = run_ranks("sharded_target")  # each rank asserts the ids against plain torch's top-k itself
     assert first == second and {"max_view", "topk_list", "dtensor_shard", "dtensor_exchange", "ties"} <= set(first)

@@ -10,10 +10,7 @@
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import re
@@ -28,6 +25,7 @@ import nanospec_fx
 from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gloo_ranks import run_ranks  # noqa: E402
 from graph_helpers import call_targets, compile_and_run  # noqa: E402
 from tp_drafters import GATHERS, DTensorDrafter, VocabParallelDrafter, gather_funcol  # noqa: E402
 from nanospec_fx import pass_reports
@@ -190,40 +188,16 @@ def test_a_target_observer_feeds_a_sharded_state(fake_group, compiled_graphs, ta
 
 
 # ----------------------------------------------------------------------------- two gloo processes
-def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
-    """Both ranks of ``scenario`` (tp_worker.py) as subprocesses, meeting at a file store; fails (never hangs) past
-    ``timeout``."""
-    worker = Path(__file__).with_name("tp_worker.py")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), store],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(TP)]
-        outputs = []
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        if p.returncode == -6 and "malloc()" in out:  # a known open defect (issue 40), said as such, never a pass
-            pytest.xfail(f"{scenario}: rank {rank} aborted in the allocator (heap corruption, intermittent since the "
-                         "merge of the TP check-in and the fused observe; open, issue 40):\n" + out[-1000:])
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
-    return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
-
-
 @pytest.mark.slow
 def test_two_ranks_exact_with_identical_sets():
-    results = _run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
+    results = run_ranks("exact")  # each rank asserts exactness, fed ids and identical sets itself
     assert results[0] == results[1] and set(results[0]) == set(GATHERS) - {"stack"} | {"dtensor", "target_observer",
                                                                                    "draft_to_target"}
 
 
 @pytest.mark.slow
 def test_ranks_that_disagree_all_raise_the_same_error():
-    first, second = _run_ranks("disagree", timeout=240)
+    first, second = run_ranks("disagree", timeout=240)
     assert first == second and "rank 0: head_weight rewritten" in first["error"] and "rank 1: head_weight dense" \
         in first["error"]
     assert "tensor-parallel target" in first["target_error"] and "rank 0: target observer: 1 top-k and 0 input" \
@@ -232,14 +206,14 @@ def test_ranks_that_disagree_all_raise_the_same_error():
 
 def test_two_ranks_per_request_sets_replicate_the_full_head():
     """The vLLM plugin's tensor-parallel head state (ShardedRequestVocabs): see tp_worker.requests."""
-    first, second = _run_ranks("requests", timeout=300)
+    first, second = run_ranks("requests", timeout=300)
     assert first == second and first["all_ranks"] == [False, True]
 
 
 def test_vllm_head_one_decision_on_every_rank():
     """The vLLM plugin's head under tensor parallelism: exact on both ranks; a first-call check that fails on one
     rank turns the compact head off on both (see tp_worker.vllm_head)."""
-    first, second = _run_ranks("vllm_head", timeout=300)
+    first, second = run_ranks("vllm_head", timeout=300)
     assert first == second == {
         "agree": {"disabled": False, "compact_calls": 2, "dense_calls": 0, "sharded": True, "other_rank_warned": False},
         "rank_1_differs": {"disabled": True, "compact_calls": 0, "dense_calls": 2, "sharded": True}}
@@ -250,7 +224,7 @@ def test_ranks_whose_ids_or_local_decisions_differ_all_raise_the_same_error():
     """See tp_worker.diverge: the same ids in another order, other ids of the same count (eagerly and in a compiled
     step), an id out of range on one rank, a reset() on one rank only, other input shapes at the first compile, an unexpected error in the
     rewrite on one rank. Before, these gave wrong rows silently, a gloo abort or a hang."""
-    first, second = _run_ranks("diverge", timeout=240)
+    first, second = run_ranks("diverge", timeout=240)
     assert first == second  # the same error on every rank
     for case in ("reordered", "other_ids", "compiled_other_ids", "sticky"):
         assert "fetched head rows for different token ids" in first[case], first[case]
@@ -265,7 +239,7 @@ def test_ranks_that_observe_different_numbers_of_ids_all_raise_the_same_error():
     """See tp_worker.id_counts (a 20 s collective timeout): an eager observe with 3 ids on rank 0 and 4 on rank 1
     aborted the process in gloo (sizes differ); now every rank raises the same error listing each rank's count,
     no set changes, and the next observe with the same ids works."""
-    first, second = _run_ranks("id_counts", timeout=240)
+    first, second = run_ranks("id_counts", timeout=240)
     assert first == second  # the same error on every rank
     assert "different numbers of token ids" in first["drafter"] and "(rank 0: 3, rank 1: 4)" in first["drafter"]
     assert "(rank 0: 0, rank 1: 2)" in first["drafter_empty"]
@@ -280,7 +254,7 @@ def test_a_broken_spmd_program_ends_in_one_error_on_every_rank():
     (observe_inputs=False) a head shard written on one rank only and a reset on one rank only were silent; another
     dtype on one rank passed the compile consensus and aborted in gloo; one rank observing once more, or raising
     before its collective, hung until the collective's timeout. Now every rank raises the same error."""
-    first, second = _run_ranks("spmd_breaks", timeout=240)
+    first, second = run_ranks("spmd_breaks", timeout=240)
     assert first == second  # the same error on every rank
     assert "written in place on rank(s) [1] only" in first["written_alone"]
     assert "last reset them at different steps" in first["reset_alone"] and "rank 1: 0" in first["reset_alone"]
@@ -299,5 +273,5 @@ def test_a_broken_spmd_program_ends_in_one_error_on_every_rank():
 def test_a_rank_that_recompiles_or_refreshes_alone_ends_in_the_same_error_not_a_hang(scenario, cause):
     """See tp_worker.recompile_alone / stale_alone (a 20 s collective and store timeout): rank 1 waits in the
     store, rank 0 in its step's collective; both raise the message rank 1 left, neither hangs nor aborts."""
-    first, second = _run_ranks(scenario, timeout=240)
+    first, second = run_ranks(scenario, timeout=240)
     assert first == second and cause in first["error"]

@@ -23,8 +23,8 @@ from nanospec_fx.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_helpers import call_targets, compile_and_run  # noqa: E402
-from test_vocab_parallel import _run_ranks  # noqa: E402
-from tp_drafters import EXCHANGES, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter  # noqa: E402
+from gloo_ranks import run_ranks  # noqa: E402
+from tp_drafters import EXCHANGES, DTensorExchangeDrafter, ExchangeDrafter, NoOffset, ParallelEmbeddingDrafter  # noqa: E402
 
 V, H, TP, RANK = 64, 16, 2, 1
 FAKE_RANK = RANK  # the fake group makes this process rank 1: the offset rank * V/tp is not zero
@@ -67,16 +67,6 @@ class NoExchange(ExchangeDrafter):
     def forward(self, ids):
         v, i = F.linear(self.embed(ids), self.head_weight).max(-1)
         return i + self.rank * self.head_weight.shape[0]
-
-
-class NoOffset(ExchangeDrafter):
-    """Exchanges local ids (0..V/tp-1) as they are: not token ids."""
-
-    def forward(self, ids):
-        v, i = F.linear(self.embed(ids), self.head_weight).max(-1)
-        av = funcol.all_gather_tensor(v, 0, dist.group.WORLD).view((self.tp,) + tuple(v.shape))
-        ai = funcol.all_gather_tensor(i, 0, dist.group.WORLD).view((self.tp,) + tuple(i.shape))
-        return ai.gather(0, av.argmax(0).unsqueeze(0)).squeeze(0)
 
 
 class IdsSwapped(ExchangeDrafter):
@@ -164,7 +154,7 @@ def test_exact_integers_of_each_dtype():
 
 @pytest.mark.slow
 def test_two_ranks_exchanges_are_exact():
-    first, second = _run_ranks("exchange")  # each rank asserts exactness against plain torch and the dense drafter
+    first, second = run_ranks("exchange")  # each rank asserts exactness against plain torch and the dense drafter
     assert first == second and {"max_view", "topk_list", "max_stack_ties", "dtensor_shard", "max_packed_ties",
                                 "topk_packed_list_inductor", "topk_packed_unbind"} <= set(first)
 
@@ -195,7 +185,7 @@ def test_a_vocab_parallel_embedding_observes_the_original_ids(fake_group, compil
 
 @pytest.mark.slow
 def test_two_ranks_vocab_parallel_embedding_feeds_every_id():
-    first, second = _run_ranks("embedding")  # each rank asserts: every fed id active, exact, identical sets
+    first, second = run_ranks("embedding")  # each rank asserts: every fed id active, exact, identical sets
     assert first == second and set(first) == {"megatron", "where"}
 
 

@@ -257,6 +257,16 @@ class ExchangeDrafter(VocabParallelDrafter):
         return (z * self.scale).double() if self.scale is not None else z
 
 
+class NoOffset(ExchangeDrafter):
+    """Exchanges local ids (0..V/tp-1) as they are: not token ids."""
+
+    def forward(self, ids):
+        v, i = F.linear(self.embed(ids), self.head_weight).max(-1)
+        av = funcol.all_gather_tensor(v, 0, dist.group.WORLD).view((self.tp,) + tuple(v.shape))
+        ai = funcol.all_gather_tensor(i, 0, dist.group.WORLD).view((self.tp,) + tuple(i.shape))
+        return ai.gather(0, av.argmax(0).unsqueeze(0)).squeeze(0)
+
+
 class DTensorExchangeDrafter(DTensorDrafter):
     """``ColwiseParallel()`` with its default ``Shard(-1)`` output: each rank gets its slice, takes its max and
     exchanges (value, id) with the others (``exchange_max_view``)."""

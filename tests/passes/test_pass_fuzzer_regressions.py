@@ -1,7 +1,7 @@
 """Failures the pass fuzzer found, shrunk to small recipes and kept as explicit cases.
 
-Each case runs ``run_case`` (or ``run_scenario``; tests/passes/test_pass_fuzzer.py): the compiled drafter must
-equal the oracle of issue 16's contract (masked where a chain tensor is read from outside the chain, IEEE after),
+Each case runs ``run_case`` (or ``run_scenario``; tests/passes/fuzz_judge.py, the fuzzer's judge): the compiled
+drafter must equal the oracle of issue 16's contract (masked where a chain tensor is read from outside the chain, IEEE after),
 or warn and equal the dense drafter. A case whose defect is still open is an xfail naming its issue-16 class
 (``strict=False`` while the pass is rewritten; the lead flips them to plain cases once fixed).
 """
@@ -12,7 +12,7 @@ import pytest
 
 from fuzz_drafters import Recipe
 from nanospec_fx.kernels.selection import use_kernels
-from test_pass_fuzzer import Scenario, run_case, run_scenario
+from fuzz_judge import Scenario, run_case, run_scenario  # beside this file
 
 
 def _open(reason: str):

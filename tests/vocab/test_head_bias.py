@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-from test_state_invariants import Drafter, H, V
+from mlp_drafter import H, V, Drafter  # beside this file
 
 IDS = torch.tensor([[1, 2, 3]])
 

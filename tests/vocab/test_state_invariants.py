@@ -16,40 +16,7 @@ import nanospec_fx
 from nanospec_fx.state import ActiveVocab, state_for
 from nanospec_fx.vocab_config import VocabConfig
 from helpers import compile_nanospec
-
-V, H = 40, 8
-
-
-class Drafter(nn.Module):
-    """Embedding -> MLP -> head; ``head`` picks how the head weight is held."""
-
-    def __init__(self, head: str = "linear", bias: bool = False, seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.kind = head
-        self.embed = nn.Embedding(V, H)
-        self.body = nn.Sequential(nn.Linear(H, 2 * H), nn.SiLU(), nn.Linear(2 * H, H))
-        if head == "linear":
-            self.lm_head = nn.Linear(H, V, bias=bias)
-        elif head == "tied":
-            self.lm_head = nn.Linear(H, V, bias=False)
-            self.lm_head.weight = self.embed.weight
-        elif head == "buffer":
-            self.register_buffer("head_w", torch.randn(V, H) / H**0.5)
-            if bias:
-                self.register_buffer("head_b", torch.randn(V))
-
-    def forward(self, ids, _mask=None):
-        h = self.embed(ids)
-        h = h + self.body(h)
-        if self.kind == "buffer":
-            z = F.linear(h, self.head_w, getattr(self, "head_b", None))
-        else:
-            z = self.lm_head(h)
-        if _mask is not None:
-            z = z.masked_fill(~_mask, float("-inf"))
-        return z
-
+from mlp_drafter import H, V, Drafter  # beside this file
 
 def active(model, **kw) -> torch.Tensor:
     return nanospec_fx.active_vocab(model, **kw).contains(torch.arange(V))

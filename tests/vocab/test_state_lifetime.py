@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nanospec_fx
-from test_state_invariants import Drafter, V
+from mlp_drafter import V, Drafter  # beside this file
 
 IDS = torch.tensor([[1, 2, 3]])
 
