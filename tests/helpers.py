@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compile_nanospec(model, **options):
+    """``torch.compile(model, backend="nanospec", options=...)``, inductor off unless asked, from a fresh Dynamo."""
+    # A hypothesis test compiles one drafter per example inside one test, where the autouse fixture resets once:
+    # without this reset the examples' recompiles would reach Dynamo's recompile limit and later ones run eager.
     torch._dynamo.reset()
     options.setdefault("inductor", False)
     return torch.compile(model, backend="nanospec", options=options)

@@ -43,7 +43,6 @@ def test_importing_the_package_after_the_entry_point_does_not_duplicate():
 
 def test_active_set_changes_do_not_recompile():
     torch.manual_seed(0)
-    torch._dynamo.reset()
     model = TinyDrafter(120, 8, post="softcap").eval()
     counter = CompileCounterWithBackend("nanospec")
     compiled = torch.compile(model, backend=counter)
@@ -75,7 +74,6 @@ def test_state_is_updated_in_place_and_keeps_addresses_across_calls():
 
 def test_a_second_instance_reusing_the_compiled_graph_gets_its_own_state():
     torch.manual_seed(0)
-    torch._dynamo.reset()
     a, b = TinyDrafter(70, 8).eval(), TinyDrafter(70, 8).eval()
     ca = torch.compile(a, backend="nanospec", options={"capacity": 8, "inductor": False})
     cb = torch.compile(b, backend="nanospec", options={"capacity": 8, "inductor": False})
@@ -91,7 +89,6 @@ def test_a_second_instance_reusing_the_compiled_graph_gets_its_own_state():
 
 def test_dynamic_row_dims():
     torch.manual_seed(0)
-    torch._dynamo.reset()
     model = TinyDrafter(90, 8, post="last_position").eval()
     compiled = torch.compile(model, backend="nanospec", dynamic=True, options={"capacity": 16, "inductor": False})
     with torch.no_grad():

@@ -21,7 +21,6 @@ def test_mode_with_nanospec_options_reaches_the_backend_merged(monkeypatch):
         seen.append((opts, config_patches))
         return real(gm, example_inputs, opts, config_patches)
     monkeypatch.setattr(backend, "_compile_drafter", spy)
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V, bias=False)).eval()
     compiled = nanospec_fx.compile(model, capacity=16, mode="max-autotune-no-cudagraphs", inductor=False)

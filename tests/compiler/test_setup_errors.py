@@ -24,7 +24,6 @@ def test_compile_checks_options_at_once():
 
 
 def test_compile_in_place_returns_the_module():
-    torch._dynamo.reset()
     model = TinyDrafter(40, 8).eval()
     assert nanospec_fx.compile(model, {"capacity": 8, "inductor": False}, in_place=True) is model
     with torch.no_grad():
@@ -66,7 +65,6 @@ def test_a_bad_option_reaches_torch_compile_callers_as_our_error(options, said):
     """torch.compile checks nothing: the backend's first call raises OptionError, a ValueError that Dynamo passes
     through unwrapped (no BackendCompilerFailed), whose text is ours alone (no 'report a bug to PyTorch'), and no
     warning beside it (the error is no skipped frame: no graph-break remedies)."""
-    torch._dynamo.reset()
     compiled = torch.compile(TinyDrafter(40, 8).eval(), backend="nanospec", options={**options, "inductor": False})
     with pytest.raises(nanospec_fx.OptionError) as caught, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)

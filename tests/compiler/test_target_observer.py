@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_target_outputs_are_bit_identical_and_its_top3_is_observed():
-    torch._dynamo.reset()
     target, drafter = tiny_llama(2000, 2, 0), tiny_llama(2000, 1, 1)
     ids = torch.randint(0, 2000, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -30,12 +29,10 @@ def test_target_outputs_are_bit_identical_and_its_top3_is_observed():
 
 
 def test_target_observer_under_inductor_matches_plain_inductor():
-    torch._dynamo.reset()
     target, drafter = tiny_llama(1000, 1, 0), tiny_llama(1000, 1, 1)
     ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         plain = torch.compile(target)(ids).logits
-    torch._dynamo.reset()
     state = nanospec_fx.attach(drafter, capacity=64)
     observer = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": state})
     with torch.inference_mode():
@@ -46,7 +43,6 @@ def test_target_observer_under_inductor_matches_plain_inductor():
 
 @pytest.mark.slow
 def test_assisted_generation_with_target_observer_is_lossless():
-    torch._dynamo.reset()
     target, drafter = tiny_llama(3000, 2, 0), tiny_llama(3000, 1, 1)
     prompt = torch.randint(0, 3000, (1, 10), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -65,7 +61,6 @@ def test_assisted_generation_with_target_observer_is_lossless():
 
 
 def test_without_observe_prompt_only_scored_positions_are_observed():
-    torch._dynamo.reset()
     target, drafter = tiny_llama(3000, 1, 0), tiny_llama(3000, 1, 1)
     prompt = torch.randint(0, 3000, (1, 10), generator=torch.Generator().manual_seed(4))
     state = nanospec_fx.speculative_pair(target, drafter, capacity=512, inductor=False, observe_prompt=False)
@@ -84,12 +79,10 @@ def test_target_observer_rejects_bad_options():
     state = nanospec_fx.attach(drafter, head="lm_head.weight", capacity=8)
     with pytest.raises(Exception, match="observe_topk and vocab go together"):
         torch.compile(target, backend="nanospec", options={"observe_topk": 3})(torch.tensor([[1]]))
-    torch._dynamo.reset()
     with pytest.raises(Exception, match="60 tokens"):
         torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": state, "inductor": False})(
             torch.tensor([[1]])
         )
-    torch._dynamo.reset()
     with pytest.raises(Exception, match="must be the drafter module or its ActiveVocab"):
         torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": "drafter", "inductor": False})(
             torch.tensor([[1]])
@@ -97,7 +90,6 @@ def test_target_observer_rejects_bad_options():
 
 
 def test_static_state_is_not_fed_by_the_target():
-    torch._dynamo.reset()
     target, drafter = TinyDrafter(50, 8).eval(), TinyDrafter(50, 8).eval()
     freqs = torch.arange(50)  # token 49 most frequent
     state = nanospec_fx.attach(drafter, head="lm_head.weight", policy="static", frequencies=freqs, static_size=5)
@@ -122,7 +114,6 @@ class _Target(nn.Module):
 def test_the_observer_follows_the_drafter_to_another_dtype(observer_first):
     """``drafter.to(dtype)`` rebuilds the shared state in the new dtype: the observer keeps feeding it (no
     error), and the drafter's logits stay equal to its masked eager logits, in each dtype and back."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
     vocab = 50
     target, drafter = _Target(vocab, 8).eval(), TinyDrafter(vocab, 8).eval()
@@ -154,7 +145,6 @@ def test_the_observer_follows_the_drafter_to_another_dtype(observer_first):
 def test_detach_undoes_speculative_pair():
     """After detach the target observes nothing, both models run their own eager calls again (or what they had
     before), and Dynamo's recompile limit is what it was; the drafter's ActiveVocab stays its handle."""
-    torch._dynamo.reset()
     target, drafter = tiny_llama(500, 1, 0), tiny_llama(500, 1, 1)
     ids = torch.randint(0, 500, (1, 6), generator=torch.Generator().manual_seed(5))
     limit = torch._dynamo.config.recompile_limit
@@ -182,7 +172,6 @@ def test_detach_undoes_speculative_pair():
 
 
 def test_detach_gives_back_a_models_own_compile_and_keeps_a_limit_changed_since():
-    torch._dynamo.reset()
     target, drafter = tiny_llama(500, 1, 0), tiny_llama(500, 1, 1)
     target.compile(backend="eager")
     own = target._compiled_call_impl

@@ -149,7 +149,6 @@ def test_a_drafter_fed_hidden_states_with_a_target_observer_is_not_warned_about(
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_frame_dynamo_skips_is_named_by_every_message(in_place):
     model = DraftLoop().eval()
-    torch._dynamo.reset()
     if in_place:
         model.compile(backend="nanospec", options={"inductor": False})
         compiled = model
@@ -201,7 +200,7 @@ def test_a_frame_dynamo_skips_is_warned_about_at_the_first_call_after_every_rese
     nanospec no graph that would install them again: each model of the class, compiled after a reset, is still said to
     run eager at its first call (issue 40: the second one ran dense with no warning)."""
     for _ in range(2):
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # the subject: a user's reset before each model (the first is the fixture's too)
         model = DraftLoop().eval()
         if in_place:
             model.compile(backend="nanospec", options={"inductor": False})
@@ -241,7 +240,6 @@ def test_a_bypassed_wrapper_fed_by_a_target_observer_is_warned_about_once():
             return self.lm_head(torch.tanh(self.body(self.embed(ids))))
 
     drafter, target = Engine().eval(), Target().eval()
-    torch._dynamo.reset()
     wrapper = torch.compile(drafter, backend="nanospec", options={"inductor": False})
     nanospec_fx.attach(drafter, head="lm_head")
     observer = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": wrapper,
@@ -280,10 +278,8 @@ def test_active_vocab_lists_the_candidate_heads_of_a_name_it_does_not_know():
     assert "embed.weight" in str(error.value)
 
 
-def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forgets_skips():
-    """A bad option raises to its caller: it is not said later as another never-compiled instance's cause; a frame
-    Dynamo skipped is that instance's (not its class's), and torch._dynamo.reset() forgets it."""
-    torch._dynamo.reset()
+def test_a_failed_compile_is_no_diagnosis_of_another_instance():
+    """A bad option raises to its caller: it is not said later as another never-compiled instance's cause."""
     failed, other = Prefill().eval(), Prefill().eval()
     with pytest.raises(nanospec_fx.OptionError), torch.no_grad():
         torch.compile(failed, backend="nanospec", options={"capacty": 8})(torch.tensor([[1, 2]]))
@@ -291,8 +287,10 @@ def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forget
         assert "capacty" not in str(nanospec_fx.explain(model))
     assert "not compiled with backend='nanospec'" in str(nanospec_fx.explain(other))
 
-    torch._dynamo.reset()
-    nanospec_fx.explain(other, quiet=True)  # installs the skip watcher (a reset drops it) before any backend call
+
+def test_a_skipped_frame_is_its_instances_and_a_reset_forgets_it():
+    """A frame Dynamo skipped is that instance's (not its class's), and torch._dynamo.reset() forgets it."""
+    nanospec_fx.explain(Prefill().eval(), quiet=True)  # installs the skip watcher before any backend call
     looping, sibling = DraftLoop().eval(), DraftLoop().eval()
     said = "(graph break in a for/while loop"
     with warnings.catch_warnings(), torch.no_grad():
@@ -301,7 +299,7 @@ def test_a_failed_compile_is_no_diagnosis_of_another_instance_and_a_reset_forget
         looping(torch.tensor([[1, 2]]))
     assert said in str(nanospec_fx.explain(looping))
     assert said not in str(nanospec_fx.explain(torch.compile(sibling, backend="nanospec")))
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # the subject: the user's reset drops the skip, so the report no longer names it
     assert said not in str(nanospec_fx.explain(looping))
 
 
@@ -376,7 +374,6 @@ def test_a_centroid_head_is_warned_at_the_first_call_naming_its_graph_break(capt
     rows says so at the first call, naming the break (issue 40: said only at the 8th call, by the head-less count)."""
     torch.manual_seed(0)
     model = CentroidHead().eval()
-    torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars):
         compiled = torch.compile(model, backend="nanospec", options={"capacity": 8, "inductor": False})
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():

@@ -152,7 +152,6 @@ def test_explain_names_the_kernels_and_predicts_for_them(use_kernels):
 def test_a_bypassed_compile_wrapper_is_reported_as_not_rewritten():
     """generate(assistant_model=wrapper) calls the original module: its head runs dense, and explain says so."""
     model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
-    torch._dynamo.reset()
     wrapper = torch.compile(model, backend="nanospec", options={"inductor": False})
     nanospec_fx.attach(model, head="lm_head.weight")
     with torch.no_grad():

@@ -74,7 +74,6 @@ def test_doc_snippet_runs(name, code, monkeypatch):
     assert name is not None, "a ```python block without a <!-- snippet: NAME --> marker"
     if name.startswith("not run:"):
         pytest.skip(name)
-    torch._dynamo.reset()
     monkeypatch.setattr(nanospec_fx.backend, "_compile", lambda gm, example_inputs, opts, patches: gm.forward)
     ns = setup(name)
     exec(compile(code, name, "exec"), ns)

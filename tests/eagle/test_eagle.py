@@ -48,7 +48,6 @@ class CheckedDrafter:
     """The compiled drafter, checking at every call that only active tokens get a finite logit."""
 
     def __init__(self, module, **options):
-        torch._dynamo.reset()
         self._orig_mod = module
         self.compiled = torch.compile(module, backend="nanospec", options={"inductor": False, **options})
         self.calls = 0
@@ -201,7 +200,6 @@ def test_a_drafter_picking_its_tokens_reads_no_vocabulary_wide_row():
     mapped back (no [V] fill or scatter, counted by the profiler on the graph's aten ops), with the tokens and
     log-probs the [V] logits give; the logits path, which a caller that needs [V] gets, still writes the row."""
     _, module = models()
-    torch._dynamo.reset()
     drafter = torch.compile(module, backend="nanospec", options={"inductor": False, "capacity": 256})
     inputs = _step_inputs(module)
 
@@ -239,7 +237,6 @@ def test_a_compiled_drafter_picking_its_tokens_is_lossless(chain):
     """The draft loop hands an EagleDrafter ``draft_topk`` (its chain's top-1, its tree's top-k): the output is
     the target's greedy output and every drafted token is active."""
     target, module = models()
-    torch._dynamo.reset()
     drafter = torch.compile(module, backend="nanospec", options={"inductor": False, "capacity": 256})
     forward, ids = hf_target_forward(target), prompt()
     drafted = []

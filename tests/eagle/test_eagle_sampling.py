@@ -42,7 +42,6 @@ def setup():
     target = transformers.LlamaForCausalLM(config).eval()
     drafter = EagleDrafter(EagleConfig.from_target(config), target.model.embed_tokens, target.lm_head)
     drafter.copy_target_layer(target.model.layers[0], 0.1).eval()
-    torch._dynamo.reset()
     compiled = torch.compile(drafter, backend="nanospec", options={"capacity": 4, "inductor": False, "head": "lm_head"})
     forward = hf_target_forward(target)
     exact = sequence_distribution(lambda ids: SAMPLER.probs(forward(ids)[0][:, -1]), PROMPT, LENGTH)

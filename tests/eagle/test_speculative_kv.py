@@ -88,7 +88,6 @@ def test_eagle_decoding_is_the_targets_greedy_output(make, depth):
 
 @pytest.mark.parametrize("observe", ["verified", "accepted", "none"])
 def test_nanospec_drafter_is_lossless_and_keeps_a_small_set(observe):
-    torch._dynamo.reset()
     target = llama()
     drafter = copying_drafter(target, 0.05)
     nanospec_fx.attach(drafter, head=head_name(drafter), capacity=128)
@@ -105,7 +104,6 @@ def test_observing_rejected_positions_adds_to_the_set():
     """observe="verified" adds the target's top-k after rejected drafts too: never fewer tokens."""
     sizes = {}
     for observe in ("accepted", "verified"):
-        torch._dynamo.reset()
         target = llama()
         drafter = copying_drafter(target, 0.3)
         nanospec_fx.attach(drafter, head=head_name(drafter), capacity=V)

@@ -18,7 +18,6 @@ from copying_pair import V, copying_drafter, head_name, llama, prompt  # noqa: E
 
 
 def _decode(prompt_topk: bool):
-    torch._dynamo.reset()
     target = llama()
     drafter = copying_drafter(target, 0.05)
     nanospec_fx.attach(drafter, head=head_name(drafter), capacity=V)

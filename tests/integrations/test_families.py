@@ -56,7 +56,6 @@ def build(family: str, layers: int, seed: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_assisted_generation_is_token_for_token_greedy(family):
-    torch._dynamo.reset()
     target, drafter = build(family, 2, seed=0), build(family, 1, seed=1)
     vocab = FAMILIES[family][2]
     drafter.compile(backend="nanospec", options={"capacity": CAPACITY, "inductor": False})

@@ -43,7 +43,6 @@ def test_centroid_selected_head_is_left_exact_with_a_warning():
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = drafter(ids)
-    torch._dynamo.reset()
     # .item() (the mask value) would split the graph: captured, the whole selection is in one graph
     with torch._dynamo.config.patch(capture_scalar_outputs=True), \
             pytest.warns(nanospec_fx.NanoSpecWarning, match="no LM head found"):
@@ -94,7 +93,6 @@ def test_generate_with_the_compiled_assistant_is_the_targets_greedy_output(tmp_p
             drafted.append(logits)
         return candidates, logits
 
-    torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=capture_scalars), \
             pytest.MonkeyPatch.context() as mp, pytest.warns(nanospec_fx.NanoSpecWarning) as caught:
         mp.setattr(generator, "get_candidates", recording)

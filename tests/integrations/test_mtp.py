@@ -21,7 +21,6 @@ def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch._dynamo.reset()
         target = transformers.AutoModelForCausalLM.from_pretrained(tiny_mtp_checkpoint(tmp_path / kind, kind, vocab_size=V)).eval()
         ids = torch.randint(1, V, (1, 8), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
@@ -89,7 +88,6 @@ def test_mtp_pair_with_several_mtp_layers_handed_in_keeps_greedy_output(depth):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch._dynamo.reset()
         target = tiny_deepseek(depth)
         layers = mtp_layers(target, depth)
         ids = torch.randint(1, V, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -136,7 +134,6 @@ def test_mtp_sampling_keeps_the_target_distribution(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch._dynamo.reset()
         target = tiny_deepseek(2, vocab=SAMPLING_V, seed=3)
         probs = lambda ids: SpeculativeSampler(TEMPERATURE).probs(target(ids).logits[:, -1])  # noqa: E731
         exact = sequence_distribution(probs, PROMPT, 2)

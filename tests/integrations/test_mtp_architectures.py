@@ -40,7 +40,6 @@ def one_thread():
 @pytest.mark.parametrize("kind, tied, depth, from_checkpoint", CASES)
 def test_mtp_pair_finds_the_head_of_every_architecture(kind, tied, depth, from_checkpoint, tmp_path, one_thread,
                                                        monkeypatch):
-    torch._dynamo.reset()
     if from_checkpoint:
         path, written = arch.checkpoint(tmp_path / kind, kind, V, depth, tied)
         target = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

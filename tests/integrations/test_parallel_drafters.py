@@ -31,7 +31,6 @@ HEAD_OPS = ("compact_logits", "head_logits")
 def one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch._dynamo.reset()
     yield
     torch.set_num_threads(threads)
 

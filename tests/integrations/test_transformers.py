@@ -14,7 +14,6 @@ from helpers import tiny_llama  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.parametrize("inductor", [False, True])
 def test_llama_assisted_generation_is_token_for_token_greedy(inductor):
-    torch._dynamo.reset()
     vocab = 3000
     target, drafter = tiny_llama(vocab, 2, 0), tiny_llama(vocab, 1, 1)
     drafter.compile(backend="nanospec", options={"capacity": 128, "inductor": inductor})

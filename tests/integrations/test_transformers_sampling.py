@@ -45,7 +45,6 @@ def tiny_llama(seed: int):
 @pytest.fixture(scope="module")
 def pair():
     """A target and a drafter with the target's weights (drafts are accepted often), compiled by speculative_pair."""
-    torch._dynamo.reset()
     target, drafter = tiny_llama(0), tiny_llama(0)
     probs = lambda ids: SpeculativeSampler(TEMPERATURE).probs(target(ids).logits[:, -1])  # noqa: E731
     exact = sequence_distribution(probs, PROMPT, 2)  # before compiling: the target alone

@@ -345,12 +345,19 @@ def _validate(twin, recipe: Recipe, inputs: dict) -> None:
         raise AssertionError(exc)  # unreachable
 
 
-def _compile(model, recipe: Recipe, options: dict | None):
-    extra = {}
-    if recipe.d2t == "option":  # what the warning of a "buffer" recipe tells to pass
-        extra = {"draft_to_target": model.draft_targets(), "target_vocab_size": recipe.embed_rows}
-    return torch.compile(model, backend="nanospec",
-                         options={"inductor": False, "capacity": recipe.capacity, **extra, **(options or {})})
+def _compile_fresh(models: list, recipes: list, options: dict | None) -> list:
+    """Each drafter compiled with its recipe's options, from a fresh Dynamo."""
+    # One case is one hypothesis example, and a test runs many in one pytest test (the autouse fixture resets once):
+    # each case starts from nothing compiled, or the earlier cases' recompiles reach Dynamo's limit (then eager).
+    torch._dynamo.reset()
+    compiled = []
+    for model, recipe in zip(models, recipes):
+        extra = {}
+        if recipe.d2t == "option":  # what the warning of a "buffer" recipe tells to pass
+            extra = {"draft_to_target": model.draft_targets(), "target_vocab_size": recipe.embed_rows}
+        compiled.append(torch.compile(model, backend="nanospec", options={
+            "inductor": False, "capacity": recipe.capacity, **extra, **(options or {})}))
+    return compiled
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -392,8 +399,7 @@ def run_case(recipe: Recipe, options: dict | None = None) -> str:
     model, twin = FuzzDrafter(recipe), FuzzDrafter(recipe)
     calls = [make_inputs(recipe, 0), make_inputs(recipe, 1)]
     _validate(twin, recipe, calls[0])
-    torch._dynamo.reset()
-    compiled = _compile(model, recipe, options)
+    (compiled,) = _compile_fresh([model], [recipe], options)
     judge = Judgement()
     for call, inputs in enumerate(calls):
         try:
@@ -451,8 +457,7 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
         _share_embedding(twins)
     for twin, r in zip(twins, scenario.drafters):
         _validate(twin, r, make_inputs(r, 0))
-    torch._dynamo.reset()
-    compiled = [_compile(m, r, options) for m, r in zip(models, scenario.drafters)]
+    compiled = _compile_fresh(models, scenario.drafters, options)
     fed = [torch.zeros(0, dtype=torch.int64) for _ in models]
     n_calls = [0 for _ in models]
     # A warning about one drafter excuses none of the others, except drafters that share its head weight (a tied head
@@ -467,7 +472,7 @@ def run_scenario(scenario: Scenario, options: dict | None = None) -> str:
     for step, (i, action) in enumerate(scenario.schedule):
         r = scenario.drafters[i]
         if action == "reset":
-            torch._dynamo.reset()
+            torch._dynamo.reset()  # the scenario's step: a user's reset between calls
             fed = [torch.zeros(0, dtype=torch.int64) for _ in models]
         elif action.startswith("save:"):
             try:

@@ -149,7 +149,6 @@ def _check(region: str, outer: bool, head_trainable: bool, body_trainable: bool,
         assert pass_reports.reports(state), "the head should be rewritten"
         active = state.contains(torch.arange(V))
         assert active[IDS.flatten()].all() and not active.all()
-    torch._dynamo.reset()
     oracle_model = _build(region, head_trainable, body_trainable, post)
     if post:  # log_softmax reads the masked logits (the chain ends there); the mask keeps no-grad logits no-grad
         oracle_model.mask = active

@@ -124,7 +124,6 @@ def test_hv_head_follows_in_place_writes_of_the_weight():
 
 def test_hv_head_of_a_second_instance_reads_its_own_weight():
     a, b = HVHead("linear_t", seed=0).eval(), HVHead("linear_t", seed=1).eval()
-    torch._dynamo.reset()
     ca = torch.compile(a, backend="nanospec", options={"inductor": False, "capacity": 16})
     cb = torch.compile(b, backend="nanospec", options={"inductor": False, "capacity": 16})
     for _ in range(2):
@@ -168,7 +167,6 @@ def _graphs_of(model, **options):
         graphs.append(getattr(inner, "__self__", gm).graph)
         return compiled
 
-    torch._dynamo.reset()
     return torch.compile(model, backend=backend), graphs
 
 

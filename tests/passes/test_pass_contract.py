@@ -426,14 +426,13 @@ def _fresh_plain(seed):
 def test_instances_and_models_called_alternately_keep_their_own_sets(reset_between):
     a, b = _fresh_plain(1), _fresh_plain(2)  # two instances of one class: they share compiled graphs
     c = Lookup("index").eval()  # another model
-    torch._dynamo.reset()
     compiled = {m: torch.compile(m, backend="nanospec", options={"inductor": False, "capacity": 32}) for m in (a, b, c)}
     feeds = {a: [[1, 2]], b: [[30, 31]], c: [[40, 41]]}
     with torch.no_grad():
         for _ in range(2):
             for m in (a, b, c):
                 if reset_between:
-                    torch._dynamo.reset()
+                    torch._dynamo.reset()  # the subject: a user's reset between calls must not mix the sets
                 out = compiled[m](torch.tensor(feeds[m]))
                 _close(out, m(torch.tensor(feeds[m]), mask=_active(m)))
     for m in (a, b, c):
@@ -450,7 +449,6 @@ def test_a_compiled_free_function_shared_by_two_drafters_feeds_each_its_own_set(
     def draft(model, ids):
         return torch.softmax(model.lm_head(model.hidden(ids)) / 0.5, -1)
 
-    torch._dynamo.reset()
     with torch.no_grad():
         pa = draft(a, torch.tensor([[5, 6]]))
         pb = draft(b, torch.tensor([[7, 8]]))
@@ -540,7 +538,6 @@ def test_ids_copied_into_a_buffer_after_the_head_read_leave_it_dense():
 
 def test_every_instance_that_runs_a_dense_graph_is_told_so():
     a, b = Lookup("take").eval(), Lookup("take").eval()  # one class: Dynamo compiles the graph once
-    torch._dynamo.reset()
     compiled = {m: torch.compile(m, backend="nanospec", options={"inductor": False, "capacity": 32}) for m in (a, b)}
     for m in (a, b):
         with torch.no_grad(), pytest.warns(nanospec_fx.NanoSpecWarning, match="runs dense: take"):

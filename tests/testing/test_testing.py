@@ -141,7 +141,6 @@ def test_torch_trace_log_stays_out_of_pytests_capture(caplog):
     import logging
 
     caplog.set_level(logging.DEBUG, logger="torch.__trace")
-    torch._dynamo.reset()
     torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 4))
     if not any(r.name == "torch.__trace" for r in caplog.records):
         pytest.skip("this torch sends no trace records to other handlers")
@@ -224,7 +223,6 @@ def test_the_check_leaves_dynamo_and_the_users_drafter_alone():
     state and its options while assert_equivalent checks the same drafter with other options."""
     from nanospec_fx.backend import nanospec_backend
 
-    torch._dynamo.reset()  # a fresh process for this test: the earlier checks' graphs count toward Dynamo's limit
     compiles = []
 
     def backend(gm, example_inputs, **_):
@@ -257,7 +255,6 @@ def test_a_check_dynamo_does_not_compile_fails_instead_of_passing(monkeypatch):
     """Past Dynamo's recompile limit the drafter would run eager: nothing checked, so it must not pass."""
     import nanospec_fx.testing as testing
 
-    torch._dynamo.reset()
     model, x = tiny(seed=13), ids()
     assert_equivalent(model, (x,), options={"capacity": 32})
     monkeypatch.setattr(testing, "RECOMPILE_LIMIT", 1)

@@ -14,7 +14,6 @@ IDS = torch.tensor([[1, 2, 3]])
 
 
 def setup():
-    torch._dynamo.reset()
     model = Drafter("linear", bias=True).eval()
     compiled = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 16})
     with torch.no_grad():

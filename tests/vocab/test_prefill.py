@@ -119,7 +119,6 @@ def test_drafters_sharing_one_embedding_keep_their_own_prompts(order):
     torch.manual_seed(0)
     shared = nn.Embedding(90, 16)
     models = {"a": OnSharedTable(shared).eval(), "b": OnSharedTable(shared).eval()}
-    torch._dynamo.reset()
     compiled = {k: torch.compile(m, backend="nanospec", options={"capacity": 64, "inductor": False})
                 for k, m in models.items()}
     with torch.inference_mode():

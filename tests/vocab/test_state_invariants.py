@@ -236,7 +236,6 @@ def test_observe_of_a_huge_python_int_is_out_of_range():
 # ----------------------------------------------------------------------------- 7. one state per head weight
 def test_two_wrappers_with_the_same_options_share_one_state():
     model = Drafter("linear").eval()
-    torch._dynamo.reset()
     a = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 16})
     b = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 16, "observe_inputs": False})
     with torch.no_grad():
@@ -252,7 +251,6 @@ def test_two_wrappers_with_the_same_options_share_one_state():
 
 def test_two_wrappers_with_different_options_fail_clearly():
     model = Drafter("linear").eval()
-    torch._dynamo.reset()
     a = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 16})
     b = torch.compile(model, backend="nanospec", options={"inductor": False, "capacity": 8})
     with torch.no_grad():

@@ -47,7 +47,6 @@ def test_torch_save_and_load_after_a_compiled_call(what):
 
 
 def test_pickle_and_deepcopy_give_a_drafter_that_compiles_with_its_own_state():
-    torch._dynamo.reset()
     model, compiled = compiled_once()
     original = nanospec_fx.active_vocab(model)
     for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
