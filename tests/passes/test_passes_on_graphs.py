@@ -10,10 +10,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import nanospec_fx
 from drafters import NoHead, TinyDrafter, TwoHeads
 from nanospec_fx.passes import (HeadSelectionError, ObserveInto, StateNodes, find_heads, insert_input_observers,
                                 insert_topk_observers, rewrite_head)
+from nanospec_fx.kernels.schema import STATE_FIELDS
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab
 
 V, H = 50, 8
@@ -187,7 +187,22 @@ def test_topk_observer_and_the_positions_a_slice_leaves_out(observe_prompt):
 
 
 def test_the_state_tensors_are_declared_once():
-    state = ActiveVocab(torch.randn(V, H), capacity=4)
-    assert STATE_TENSORS == tuple(StateNodes.__dataclass_fields__) == ("ids", "slot_of", "cursor", "cache_w", "cache_b")
-    assert [t.data_ptr() for t in state.tensors()] == [getattr(state, f).data_ptr() for f in STATE_TENSORS]
-    assert nanospec_fx.ActiveVocab is ActiveVocab
+    """The ops' schema declares the state once (kernels/schema.py): the placeholders the passes create (StateNodes,
+    built positionally from the graph's inputs) and the tensors an ActiveVocab hands a graph (``tensors()``) follow
+    its order, and each tensor at a field's position is what the declaration says that field is."""
+    assert tuple(StateNodes.__dataclass_fields__) == STATE_TENSORS
+    weight = torch.randn(V, H)
+    state = ActiveVocab(weight, capacity=4)
+    state.observe([7, 3])
+    handed = state.tensors()
+    assert len(handed) == len(STATE_FIELDS)
+    sizes = {"C": 4, "V": V, "H": H}
+    for field, tensor in zip(STATE_FIELDS, handed):
+        assert tensor.dtype == (field.dtype or weight.dtype), f"{field.name}: {tensor.dtype}"
+        shape = [sizes[d] if d in sizes else int(d) for d in field.shape.strip("[]").split(", ")]
+        assert list(tensor.shape) == shape, f"{field.name}: {tuple(tensor.shape)}, declared {field.shape}"
+    at = dict(zip(STATE_TENSORS, handed))  # by position, as a graph receives them
+    assert at["ids"][:2].tolist() == [7, 3] and at["ids"][2:].tolist() == [-1, -1]  # slot -> token id
+    assert at["slot_of"][[7, 3, 0]].tolist() == [0, 1, -1]  # token id -> slot, -1 inactive
+    assert at["cursor"].tolist() == [2]
+    torch.testing.assert_close(at["cache_w"][:2], weight[[7, 3]])  # head rows in slot order
