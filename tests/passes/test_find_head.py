@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import nanospec_fx
 from drafters import HEAD_KINDS, NoHead, TinyDrafter, TwoHeads
@@ -102,13 +104,33 @@ def test_bad_options_raise_clearly(options, message):
         compile_nanospec(model, **options)(torch.randint(0, 40, (1, 2)))
 
 
+class _SeeInductorConfig(CustomGraphPass):
+    """A post-grad pass given as an inductor option: inductor runs it while it compiles a graph; it records the
+    inductor config in force then, and whether the graph calls nanospec's ops (the rewritten head)."""
+
+    def __init__(self):
+        self.seen: list[tuple[bool, bool]] = []
+
+    def __call__(self, graph):
+        calls_nanospec = any(str(getattr(n.target, "namespace", "")) == "nanospec" for n in graph.nodes)
+        self.seen.append((torch._inductor.config.fallback_random, calls_nanospec))
+
+    def uuid(self):
+        return None  # no cache key: inductor compiles (and runs this pass) every time
+
+
 def test_inductor_options_pass_through():
+    """Keys nanospec does not own reach inductor as config patches: inductor runs the post-grad pass the option
+    names, with the other option (fallback_random, off by default) in force; the patch ends with the compile."""
     torch.manual_seed(0)
     model = TinyDrafter(40, 8).eval()
-    compiled = compile_nanospec(model, capacity=8, inductor=True, **{"fallback_random": True})
+    see = _SeeInductorConfig()
+    compiled = compile_nanospec(model, capacity=8, inductor=True, fallback_random=True, post_grad_custom_post_pass=see)
     ids = torch.randint(0, 40, (1, 3))
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), model(ids, _mask=active_mask(model)))
+    assert see.seen == [(True, True)], f"(fallback_random, rewritten) per graph inductor compiled: {see.seen}"
+    assert torch._inductor.config.fallback_random is False and torch._inductor.config.post_grad_custom_post_pass is None
 
 
 def test_position_table_with_vocabulary_rows_is_not_observed():
