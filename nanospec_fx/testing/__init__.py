@@ -5,12 +5,14 @@
 
 compiles the drafter with nanospec, runs it and the eager drafter on the same inputs, and raises
 ``AssertionError`` naming the output, the number of mismatches and the largest error if the
-compiled drafter breaks the contract. :func:`active_sets` and :func:`token_ids` are hypothesis
-strategies for property tests (hypothesis is only imported when they are called).
+compiled drafter breaks the contract. This module holds that check (the contract helpers); its two
+other jobs have a module each, their names importable from here:
 
-For speculative *sampling*, :func:`assert_same_distribution` compares generated token sequences
-with the target's exact distribution (:func:`sequence_distribution`) or with samples of the target
-alone, by a chi-square test at a fixed significance (docs/sampling.md).
+- :mod:`nanospec_fx.testing.strategies`: :func:`active_sets` and :func:`token_ids`, hypothesis
+  strategies for property tests (hypothesis is only imported when they are called);
+- :mod:`nanospec_fx.testing.distribution`: for speculative *sampling*, :func:`assert_same_distribution`
+  compares generated token sequences with the target's exact distribution (:func:`sequence_distribution`)
+  or with samples of the target alone, by a chi-square test at a fixed significance (docs/sampling.md).
 """
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ from torch.utils import _pytree as pytree
 
 from nanospec_fx.lookup import active_vocab, registered_states, unwrap
 from nanospec_fx.state import ActiveVocab
+# The strategies and the distribution tests, a module each (one job each), under the public names the docs use.
+from nanospec_fx.testing.distribution import (
+    ChiSquareResult, assert_same_distribution, chi2_sf, chi_square_test, sequence_cells, sequence_distribution,
+    two_sample_chi_square_test,
+)
+from nanospec_fx.testing.strategies import active_sets, token_ids
 
 TOLERANCES = {  # (rtol, atol): logits from a compact GEMM round differently from the full one
     torch.float64: (1e-7, 1e-7),
@@ -438,202 +446,9 @@ def _is_token_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
 
 
-# --------------------------------------------------------------------------- hypothesis
-def active_sets(vocab_size: int, max_size: int, min_size: int = 0):
-    """Strategy: a 1-D int64 tensor of distinct token ids in ``[0, vocab_size)``."""
-    from hypothesis import strategies as st
-
-    ids = st.lists(st.integers(0, vocab_size - 1), min_size=min_size, max_size=min(max_size, vocab_size), unique=True)
-    return ids.map(lambda xs: torch.tensor(xs, dtype=torch.int64))
-
-
-def token_ids(vocab_size: int, shape):
-    """Strategy: an int64 tensor of token ids in ``[0, vocab_size)``; ``shape`` is a tuple or a strategy of tuples."""
-    from hypothesis import strategies as st
-
-    def of_shape(dims: tuple[int, ...]):
-        n = 1
-        for d in dims:
-            n *= d
-        values = st.lists(st.integers(0, vocab_size - 1), min_size=n, max_size=n)
-        return values.map(lambda xs: torch.tensor(xs, dtype=torch.int64).reshape(dims))
-
-    if isinstance(shape, st.SearchStrategy):
-        return shape.flatmap(lambda dims: of_shape(tuple(dims)))
-    return of_shape(tuple(shape))
-
-
-# --------------------------------------------------------------------------- distributions
-# Lossless speculative *sampling* cannot be checked sample by sample: it is a claim about a
-# distribution. These helpers compare the tokens a sampler generates with the target's exact
-# distribution (or with samples of the target alone) by a chi-square test at a fixed significance.
-@dataclass(frozen=True)
-class ChiSquareResult:
-    """A chi-square test of generated token sequences.
-
-    ``p_value`` is the probability, for a sampler that *is* distributed as the reference, of a
-    statistic at least this large; the test rejects when it is below ``alpha``, so ``alpha`` is its
-    false-alarm rate (with a fixed seed the outcome is deterministic). ``impossible`` counts samples
-    in cells of reference probability 0 (a token the target can never produce there): any makes
-    the test reject, whatever the statistic.
-    """
-
-    statistic: float
-    dof: int
-    p_value: float
-    num_samples: int
-    num_cells: int
-    alpha: float
-    impossible: int = 0
-
-    @property
-    def rejected(self) -> bool:
-        return self.impossible > 0 or self.p_value < self.alpha
-
-    def __str__(self) -> str:
-        verdict = "differs from" if self.rejected else "is consistent with"
-        extra = f", {self.impossible} samples of probability 0" if self.impossible else ""
-        return (f"the sample {verdict} the reference: chi2 = {self.statistic:.2f}, dof = {self.dof}, "
-                f"p = {self.p_value:.3g} (alpha = {self.alpha:g}), {self.num_samples} samples in "
-                f"{self.num_cells} cells{extra}")
-
-
-def chi2_sf(statistic: float, dof: int) -> float:
-    """Survival function of the chi-square distribution: ``Q(dof / 2, statistic / 2)`` (no scipy needed)."""
-    if dof <= 0:
-        return 1.0
-    x = torch.tensor(statistic / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), x))
-
-
-def sequence_cells(samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Cell index of each sampled sequence: ``samples [N, L]`` (or ``[N]``) -> ``[N]`` in ``[0, V**L)``."""
-    samples = torch.as_tensor(samples).long().cpu()
-    if samples.dim() == 1:
-        samples = samples[:, None]
-    if samples.dim() != 2:
-        raise ValueError(f"samples must be [N] or [N, L] token ids, got shape {tuple(samples.shape)}")
-    if samples.numel() and (samples.min() < 0 or samples.max() >= vocab_size):
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got {int(samples.min())}..{int(samples.max())}")
-    weights = vocab_size ** torch.arange(samples.shape[1] - 1, -1, -1, dtype=torch.int64)
-    return (samples * weights).sum(-1)
-
-
-def _pool(observed: list[torch.Tensor], expected: list[torch.Tensor], min_expected: float):
-    """Group cells so that each group is expected at least ``min_expected`` times.
-
-    Cells are taken in increasing order of expected count and grouped greedily until a group is
-    large enough (a leftover group joins the last one). The grouping depends on the expected counts
-    only, never on the observed ones, so the test stays valid; cells of expected 0 join a group.
-    """
-    weight = torch.stack(expected).min(0).values
-    order = weight.argsort()
-    group = torch.empty_like(order)
-    current, acc = 0, 0.0
-    for cell, w in zip(order.tolist(), weight[order].tolist()):
-        group[cell] = current
-        acc += w
-        if acc >= min_expected:
-            current, acc = current + 1, 0.0
-    leftover = bool((group == current).any())  # the last cells, expected fewer than min_expected times
-    if leftover and current > 0:
-        group[group == current] = current - 1
-    groups = max(current, 1)
-    pooled_o = [torch.zeros(groups, dtype=torch.float64).index_add_(0, group, o.double()) for o in observed]
-    pooled_e = [torch.zeros(groups, dtype=torch.float64).index_add_(0, group, e.double()) for e in expected]
-    return pooled_o, pooled_e
-
-
-def chi_square_test(samples: torch.Tensor, probs: torch.Tensor, *, alpha: float = 1e-3,
-                    min_expected: float = 5.0) -> ChiSquareResult:
-    """Goodness of fit of sampled sequences to their exact distribution.
-
-    Args:
-        samples: ``[N, L]`` (or ``[N]``) generated token ids, one sequence per row.
-        probs: the exact joint distribution, shape ``[V] * L`` (e.g. from :func:`sequence_distribution`).
-        alpha: the significance, i.e. the false-alarm rate of a correct sampler.
-        min_expected: cells expected fewer times are pooled (the chi-square approximation needs ~5).
-    """
-    probs = torch.as_tensor(probs, dtype=torch.float64).cpu()
-    vocab_size = probs.shape[-1]
-    cells = sequence_cells(samples, vocab_size)
-    length = 1 if torch.as_tensor(samples).dim() == 1 else torch.as_tensor(samples).shape[1]
-    if probs.dim() != length or any(s != vocab_size for s in probs.shape):
-        raise ValueError(f"probs must have shape [V] * L = {[vocab_size] * length}, got {list(probs.shape)}")
-    flat = probs.flatten() / probs.sum()
-    n = cells.numel()
-    observed = torch.bincount(cells, minlength=flat.numel()).double()
-    impossible = int(observed[flat == 0].sum())
-    (o,), (e,) = _pool([observed], [flat * n], min_expected)
-    statistic = float(((o - e) ** 2 / e).sum())
-    dof = o.numel() - 1
-    return ChiSquareResult(statistic, dof, chi2_sf(statistic, dof), n, o.numel(), alpha, impossible)
-
-
-def two_sample_chi_square_test(samples: torch.Tensor, reference_samples: torch.Tensor, vocab_size: int, *,
-                               alpha: float = 1e-3, min_expected: float = 5.0) -> ChiSquareResult:
-    """Chi-square test of homogeneity: were two sets of sampled sequences drawn from one distribution?
-
-    For targets too large for :func:`sequence_distribution`: compare speculative samples with
-    samples of the target alone (``reference_samples``), ``[N, L]`` and ``[M, L]`` token ids.
-    """
-    a, b = sequence_cells(samples, vocab_size), sequence_cells(reference_samples, vocab_size)
-    cells = torch.cat([a, b]).unique()
-    count_a = (a[:, None] == cells).sum(0).double()
-    count_b = (b[:, None] == cells).sum(0).double()
-    n_a, n_b = a.numel(), b.numel()
-    total = count_a + count_b
-    expected_a, expected_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
-    (oa, ob), (ea, eb) = _pool([count_a, count_b], [expected_a, expected_b], min_expected)
-    statistic = float(((oa - ea) ** 2 / ea).sum() + ((ob - eb) ** 2 / eb).sum())
-    dof = oa.numel() - 1
-    return ChiSquareResult(statistic, dof, chi2_sf(statistic, dof), n_a + n_b, oa.numel(), alpha)
-
-
-@torch.inference_mode()
-def sequence_distribution(next_token_probs: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor,
-                          length: int, *, max_cells: int = 1 << 20) -> torch.Tensor:
-    """The exact joint distribution ``[V] * length`` of the next ``length`` tokens after ``prompt``.
-
-    ``next_token_probs(ids [B, T]) -> [B, V]`` is the target's sampling distribution at the last
-    position (after temperature/top-k/top-p). Every prefix is enumerated (``V ** (length - 1)``
-    rows at the last step), so it is for tiny vocabularies: ``V ** length <= max_cells``.
-    """
-    prompt = torch.as_tensor(prompt).long().view(1, -1)
-    joint, prefixes = torch.ones(1, dtype=torch.float64), prompt
-    vocab_size = None
-    for step in range(length):
-        probs = next_token_probs(prefixes).double().cpu()
-        vocab_size = probs.shape[-1]
-        if vocab_size ** length > max_cells:
-            raise ValueError(f"V ** length = {vocab_size}**{length} cells exceed max_cells={max_cells}; "
-                             "use two_sample_chi_square_test with samples of the target alone")
-        joint = (joint[:, None] * probs).flatten()
-        if step + 1 < length:
-            tokens = torch.arange(vocab_size, device=prefixes.device)
-            prefixes = torch.cat([prefixes.repeat_interleave(vocab_size, 0),
-                                  tokens.repeat(prefixes.shape[0])[:, None]], 1)
-    return joint.view([vocab_size] * length)
-
-
-def assert_same_distribution(samples: torch.Tensor, probs: torch.Tensor | None = None, *,
-                             reference_samples: torch.Tensor | None = None, vocab_size: int | None = None,
-                             alpha: float = 1e-3, min_expected: float = 5.0) -> ChiSquareResult:
-    """Assert that sampled sequences follow the target's distribution; return the test's result.
-
-    Give either ``probs`` (the exact distribution, :func:`chi_square_test`) or ``reference_samples``
-    and ``vocab_size`` (samples of the target alone, :func:`two_sample_chi_square_test`). Raises
-    ``AssertionError`` with the statistic and p-value when the test rejects at ``alpha``.
-    """
-    if (probs is None) == (reference_samples is None):
-        raise ValueError("give exactly one of probs= (exact distribution) or reference_samples= (target samples)")
-    if probs is not None:
-        result = chi_square_test(samples, probs, alpha=alpha, min_expected=min_expected)
-    else:
-        if vocab_size is None:
-            raise ValueError("reference_samples= needs vocab_size=")
-        result = two_sample_chi_square_test(samples, reference_samples, vocab_size, alpha=alpha,
-                                            min_expected=min_expected)
-    if result.rejected:
-        raise AssertionError(str(result))
-    return result
+__all__ = [
+    "TOLERANCES", "RECOMPILE_LIMIT", "assert_equivalent", "count_launches", "options_key",
+    "active_sets", "token_ids",
+    "ChiSquareResult", "assert_same_distribution", "chi2_sf", "chi_square_test", "sequence_cells",
+    "sequence_distribution", "two_sample_chi_square_test",
+]
