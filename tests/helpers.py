@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def compile_nanospec(model, **options):
     """``torch.compile(model, backend="nanospec", options=...)``, inductor off unless asked, from a fresh Dynamo."""
-    # A hypothesis test compiles one drafter per example inside one test, where the autouse fixture resets once:
-    # without this reset the examples' recompiles would reach Dynamo's recompile limit and later ones run eager.
+    # One place for "a fresh Dynamo per compile" where pytest's autouse fixture (a reset per test) cannot reach: a
+    # hypothesis test (and the pass fuzzer's judge) compiles one drafter per example inside one test, and the
+    # tensor-parallel worker process runs a scenario's cases in one process with no fixture. Without it, the earlier
+    # compiles' recompiles reach Dynamo's recompile limit and the later ones run eager (nothing checked).
     torch._dynamo.reset()
     options.setdefault("inductor", False)
     return torch.compile(model, backend="nanospec", options=options)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+from helpers import compile_nanospec  # noqa: E402 - tests/helpers.py: a fresh Dynamo per compile (no pytest here)
 from tp_drafters import (  # noqa: E402
     DTensorDrafter, DTensorExchangeDrafter, ExchangeDrafter, ParallelEmbeddingDrafter, VocabParallelDrafter,
     dense_masked, full_selection)
@@ -52,12 +53,11 @@ def exact(rank: int, world: int) -> dict:
              ("movedim", False, False, 0.5), ("dtensor", True, False, None), ("megatron", True, False, 0.5),
              ("c10d_movedim", True, False, 0.5), ("list_movedim", False, True, None)]
     for gather, bias, inductor, scale in cases:
-        torch._dynamo.reset()
         if gather == "dtensor":
             model = DTensorDrafter(V, H, bias=bias).parallelize(mesh)
         else:
             model = VocabParallelDrafter(V, H, world, rank, gather=gather, bias=bias, scale=scale)
-        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
+        compiled = compile_nanospec(model, **{"capacity": CAPACITY, "inductor": inductor})
         g = torch.Generator().manual_seed(1)
         fed: list[int] = []
         state = None
@@ -73,11 +73,10 @@ def exact(rank: int, world: int) -> dict:
             state = _check_step(model, ids, out, fed)
         report[gather] = len(state)
     # A draft vocabulary (EAGLE-3 d2t): R = 48 head rows, sharded, over the 96-token vocabulary.
-    torch._dynamo.reset()
     rows = 48
     tokens = torch.randperm(V, generator=torch.Generator().manual_seed(4))[:rows].sort().values
     model = VocabParallelDrafter(V, H, world, rank, draft_rows=rows)
-    compiled = torch.compile(model, backend="nanospec", options={  # draft row r -> tokens[r]
+    compiled = compile_nanospec(model, **{  # draft row r -> tokens[r]
         "capacity": CAPACITY, "inductor": False, "draft_to_target": tokens, "target_vocab_size": V})
     ids = torch.cat([tokens[torch.tensor([3, 7, 3, 40])],
                      torch.tensor([int(t) for t in range(V) if t not in tokens][:2])])
@@ -89,10 +88,9 @@ def exact(rank: int, world: int) -> dict:
     assert _all_equal(state.token_ids().tolist())
     report["draft_to_target"] = len(state)
     # A vocabulary-parallel target observing its top-3 into the drafter's replicated set.
-    torch._dynamo.reset()
     drafter = VocabParallelDrafter(V, H, world, rank)
     target = VocabParallelDrafter(V, H, world, rank, seed=5)
-    compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    compiled = compile_nanospec(drafter, **{"capacity": CAPACITY, "inductor": False})
     observer = torch.compile(target, backend="nanospec", options={"observe_topk": 3, "vocab": drafter,
                                                                   "inductor": False})
     first, ids = torch.randint(0, V, (2, 1, 4), generator=torch.Generator().manual_seed(2))
@@ -121,9 +119,8 @@ def disagree(rank: int, world: int) -> dict:
     model = VocabParallelDrafter(V, H, world, rank)
     compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
     report = {"error": _compile_error(lambda: compiled(torch.randint(0, V, (2, 3))), grad=rank == 1)}
-    torch._dynamo.reset()
     drafter = VocabParallelDrafter(V, H, world, rank)
-    compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    compiled = compile_nanospec(drafter, **{"capacity": CAPACITY, "inductor": False})
     with torch.no_grad():
         compiled(torch.tensor([[5, 70]]))  # the drafter's state, the same on both ranks (the same ids: see diverge)
     observer = torch.compile(ExchangeDrafter(V, H, world, rank, seed=5), backend="nanospec", options={
@@ -171,7 +168,6 @@ def exchange(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     for name, bias, inductor, scale, ties in cases:
-        torch._dynamo.reset()
         if name == "dtensor_shard":
             model = DTensorExchangeDrafter(V, H).parallelize(mesh)
             logits_of = model.full_logits
@@ -184,7 +180,7 @@ def exchange(rank: int, world: int) -> dict:
                         model.head_bias.zero_()
             full_w, full_b = _full(model.head_weight), _full(model.head_bias)
             logits_of = lambda ids, m=model, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
-        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": inductor})
+        compiled = compile_nanospec(model, **{"capacity": CAPACITY, "inductor": inductor})
         k = {"topk_list": 3, "topk_arange": 1, "topk_packed_list": 2, "topk_packed_unbind": 2,
              "topk_packed_split": 2}.get(name, 1)
         g = torch.Generator().manual_seed(1)
@@ -225,9 +221,8 @@ def embedding(rank: int, world: int) -> dict:
     report = {}
     warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # "nothing joins the set" would be one
     for style in ("megatron", "where"):
-        torch._dynamo.reset()
         model = ParallelEmbeddingDrafter(V, H, world, rank, style=style)
-        compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+        compiled = compile_nanospec(model, **{"capacity": CAPACITY, "inductor": False})
         g = torch.Generator().manual_seed(3)
         fed: list[int] = []
         for shape in [(2, 5), (2, 1), (1, 3)]:
@@ -261,7 +256,6 @@ def sharded_target(rank: int, world: int) -> dict:
                                               ("topk_list", True, True, 0.5, False), ("ties", False, False, None, True),
                                               ("dtensor_exchange", False, False, None, False),
                                               ("dtensor_shard", True, False, None, False)]:
-        torch._dynamo.reset()
         if name == "dtensor_exchange":
             target = DTensorExchangeDrafter(V, H, seed=5).parallelize(mesh)
             logits_of = target.full_logits
@@ -279,7 +273,7 @@ def sharded_target(rank: int, world: int) -> dict:
             full_w, full_b = _full(target.head_weight), _full(target.head_bias)
             logits_of = lambda ids, m=target, w=full_w, b=full_b: m.full_logits(ids, w, b)  # noqa: E731
         drafter = VocabParallelDrafter(V, H, world, rank)
-        compiled = torch.compile(drafter, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+        compiled = compile_nanospec(drafter, **{"capacity": CAPACITY, "inductor": False})
         observer = torch.compile(target, backend="nanospec", options={
             "observe_topk": k, "vocab": drafter, "inductor": inductor, "observe_inputs": False})
         g = torch.Generator().manual_seed(2)
@@ -446,9 +440,8 @@ def _raised(call, kind=Exception) -> str:
 
 
 def _compiled_drafter(rank: int, world: int, bias: bool = False):
-    torch._dynamo.reset()
     model = VocabParallelDrafter(V, H, world, rank, bias=bias)
-    return model, torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    return model, compile_nanospec(model, **{"capacity": CAPACITY, "inductor": False})
 
 
 def _fed_drafter(rank: int, world: int):
@@ -578,9 +571,8 @@ def spmd_breaks(rank: int, world: int) -> dict:
     report = {}
     # observe_inputs=False: the draft step has no collective; a head shard written on one rank only was read
     # stale by the others (silently wrong logits), and a reset on one rank only left the sets apart
-    torch._dynamo.reset()
     model = VocabParallelDrafter(V, H, world, rank)
-    compiled = torch.compile(model, backend="nanospec", options={
+    compiled = compile_nanospec(model, **{
         "capacity": CAPACITY, "inductor": False, "observe_inputs": False})
     fed = torch.tensor([[3, 50, 7, 90]])
     with torch.no_grad():
@@ -608,9 +600,8 @@ def spmd_breaks(rank: int, world: int) -> dict:
             report["observed_once_more"] = _raised(lambda: compiled(fed), RanksDiverged)
         _check_step(model, fed, compiled(fed), fed.flatten().tolist())
     # another dtype on one rank: the compile consensus names each rank's head (gloo aborted on the fetch sizes)
-    torch._dynamo.reset()
     model = VocabParallelDrafter(V, H, world, rank).to(torch.float64 if rank == 1 else torch.float32)
-    compiled = torch.compile(model, backend="nanospec", options={"capacity": CAPACITY, "inductor": False})
+    compiled = compile_nanospec(model, **{"capacity": CAPACITY, "inductor": False})
     with torch.no_grad():
         report["dtype"] = _raised(lambda: compiled(fed), Exception)
     # per-request sets of a shard written on one rank only

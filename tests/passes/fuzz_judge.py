@@ -16,6 +16,7 @@ from hypothesis import assume
 
 import nanospec_fx
 from fuzz_drafters import GRAD_MODES, FuzzDrafter, Recipe, bad_inputs, compute_dtype, make_inputs
+from helpers import compile_nanospec
 from nanospec_fx.backend import NanoSpecWarning
 from nanospec_fx import pass_reports
 
@@ -346,17 +347,14 @@ def _validate(twin, recipe: Recipe, inputs: dict) -> None:
 
 
 def _compile_fresh(models: list, recipes: list, options: dict | None) -> list:
-    """Each drafter compiled with its recipe's options, from a fresh Dynamo."""
-    # One case is one hypothesis example, and a test runs many in one pytest test (the autouse fixture resets once):
-    # each case starts from nothing compiled, or the earlier cases' recompiles reach Dynamo's limit (then eager).
-    torch._dynamo.reset()
+    """Each drafter compiled with its recipe's options, from a fresh Dynamo (``compile_nanospec``: one case is one
+    hypothesis example, many in one pytest test)."""
     compiled = []
     for model, recipe in zip(models, recipes):
         extra = {}
         if recipe.d2t == "option":  # what the warning of a "buffer" recipe tells to pass
             extra = {"draft_to_target": model.draft_targets(), "target_vocab_size": recipe.embed_rows}
-        compiled.append(torch.compile(model, backend="nanospec", options={
-            "inductor": False, "capacity": recipe.capacity, **extra, **(options or {})}))
+        compiled.append(compile_nanospec(model, **{"capacity": recipe.capacity, **extra, **(options or {})}))
     return compiled
 
 
