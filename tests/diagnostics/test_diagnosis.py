@@ -198,9 +198,13 @@ def test_a_frame_dynamo_skips_is_warned_about_once_in_a_fresh_process(tmp_path):
 def test_a_frame_dynamo_skips_is_warned_about_at_the_first_call_after_every_reset(in_place):
     """``torch._dynamo.reset()`` drops Dynamo's compile callbacks, and a model whose forward breaks in a loop hands
     nanospec no graph that would install them again: each model of the class, compiled after a reset, is still said to
-    run eager at its first call (issue 40: the second one ran dense with no warning)."""
+    run eager at its first call (issue 40: the second one ran dense with no warning), and the reset forgets the skip
+    of the model before it (explain no longer names it)."""
+    before = None
     for _ in range(2):
         torch._dynamo.reset()  # the subject: a user's reset before each model (the first is the fixture's too)
+        if before is not None:
+            assert "(graph break in a for/while loop" not in str(nanospec_fx.explain(before, quiet=True))
         model = DraftLoop().eval()
         if in_place:
             model.compile(backend="nanospec", options={"inductor": False})
@@ -213,6 +217,8 @@ def test_a_frame_dynamo_skips_is_warned_about_at_the_first_call_after_every_rese
         said = [str(w.message) for w in caught if issubclass(w.category, nanospec_fx.NanoSpecWarning)]
         assert len(said) == 1 and "Dynamo skipped 'forward'" in said[0], said
         assert "graph break in a for/while loop" in said[0]
+        assert "(graph break in a for/while loop" in str(nanospec_fx.explain(compiled, quiet=True))
+        before = compiled
 
 
 def test_after_a_graph_break_every_message_gives_the_warning_s_diagnosis():
@@ -288,8 +294,9 @@ def test_a_failed_compile_is_no_diagnosis_of_another_instance():
     assert "not compiled with backend='nanospec'" in str(nanospec_fx.explain(other))
 
 
-def test_a_skipped_frame_is_its_instances_and_a_reset_forgets_it():
-    """A frame Dynamo skipped is that instance's (not its class's), and torch._dynamo.reset() forgets it."""
+def test_a_skipped_frame_is_its_instances():
+    """A frame Dynamo skipped is that instance's, not its class's (a reset forgetting it: the test of a skip after
+    every reset)."""
     nanospec_fx.explain(Prefill().eval(), quiet=True)  # installs the skip watcher before any backend call
     looping, sibling = DraftLoop().eval(), DraftLoop().eval()
     said = "(graph break in a for/while loop"
@@ -299,8 +306,6 @@ def test_a_skipped_frame_is_its_instances_and_a_reset_forgets_it():
         looping(torch.tensor([[1, 2]]))
     assert said in str(nanospec_fx.explain(looping))
     assert said not in str(nanospec_fx.explain(torch.compile(sibling, backend="nanospec")))
-    torch._dynamo.reset()  # the subject: the user's reset drops the skip, so the report no longer names it
-    assert said not in str(nanospec_fx.explain(looping))
 
 
 class NoHead(nn.Module):

@@ -155,7 +155,7 @@ def backend(gm, example_inputs):  # the nanospec backend's inductor step, on a g
     return _compile(gm, example_inputs, NanoSpecOptions(), {})
 
 def compile_under(mode):
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # the subject: Dynamo compiles fn again, so the graph reaches inductor's caches each time
     with use_kernels(mode):
         torch.compile(fn, backend=backend)(torch.randn(4))
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]  # so far
