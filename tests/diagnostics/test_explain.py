@@ -93,15 +93,24 @@ def test_measured_constants_replace_the_fitted_ones():
         calibrate(0)
 
 
-def test_explain_calibrated_says_where_its_constants_come_from(monkeypatch):
+@pytest.fixture
+def fresh_calibration():
+    """calibrate() caches per process and width: a test that replaces the measurement starts and ends with an empty
+    cache, so neither a real measurement of an earlier test nor its stand-in constants outlive it."""
+    from nanospec_fx import calibration
+
+    calibration.calibrate.cache_clear()
+    yield calibration
+    calibration.calibrate.cache_clear()
+
+
+def test_explain_calibrated_says_where_its_constants_come_from(monkeypatch, fresh_calibration):
     """Which constants the report uses and where they come from. The measurement is replaced by plausible constants:
     real timings of a 16-wide head depend on the machine's load (two blocks timed alike give an implausible slope,
     which calibrate refuses: the next test), and no test here may depend on load."""
-    from nanospec_fx import calibration
-
+    calibration = fresh_calibration
     measured = calibration.MachineConstants(4096, 0.8, 2.0, 2e10, "measured on this machine")
     monkeypatch.setattr(calibration, "measure", lambda *a: measured)
-    calibration.calibrate.cache_clear()
     model = TinyDrafter(500, 16, head="linear", returns="logits").eval()
     compiled = compile_nanospec(model, capacity=64)
     with torch.no_grad():
@@ -111,15 +120,13 @@ def test_explain_calibrated_says_where_its_constants_come_from(monkeypatch):
     assert "cost model: constants measured on this machine" in text and "GB/s" in text
 
 
-def test_implausible_calibration_is_refused_and_explain_keeps_the_fitted_constants(monkeypatch):
+def test_implausible_calibration_is_refused_and_explain_keeps_the_fitted_constants(monkeypatch, fresh_calibration):
     """Timings on a busy machine (two blocks timed alike: a zero slope) gave 786432 GB/s and a dense head at 0.00,
     said as measured: calibrate now measures again, then refuses, and explain warns and uses the fitted constants."""
-    from nanospec_fx import calibration
-
+    calibration = fresh_calibration
     busy = calibration.MachineConstants(10, 1e-6, 0.5, 7.9e14, "measured on this machine")
     attempts = []
     monkeypatch.setattr(calibration, "measure", lambda *a: attempts.append(a) or busy)
-    calibration.calibrate.cache_clear()
     with pytest.raises(calibration.CalibrationError, match=r"bandwidth = 7.9e\+14, outside"):
         calibration.calibrate(24)
     assert len(attempts) == calibration.ATTEMPTS
@@ -130,7 +137,6 @@ def test_implausible_calibration_is_refused_and_explain_keeps_the_fitted_constan
     with pytest.warns(nanospec_fx.NanoSpecWarning, match="implausible constants"):
         text = str(nanospec_fx.explain(compiled, calibrate=True, quiet=True))
     assert "calibration was implausible" in text and "GB/s" not in text
-    calibration.calibrate.cache_clear()
 
 
 def test_explain_names_the_kernels_and_predicts_for_them(use_kernels):
