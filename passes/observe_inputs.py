@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns, transforms
+from . import effects, patterns, projections, transforms, vocab_views
 from .contract import DenseFallback, ObserveInto, StateNodes
 from .graph import ancestors, describe, downstream, precedes, where
 from .lookups import Lookup, sharded_token_lookups, table_lookups, token_id_lookups
@@ -302,7 +302,7 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
             scored = [proj]
             rest = _positions_left_out(graph, proj) if observe_prompt else None
             if rest is not None:
-                x = patterns.match_projection(proj)[0]
+                x = projections.match_projection(proj)[0]
                 scored.append(graph.node_copy(proj, lambda n: rest if n is x else n))
                 set_example_value(scored[-1])
             for logits in scored:
@@ -316,12 +316,12 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
 
 def _positions_left_out(graph: fx.Graph, proj: fx.Node) -> fx.Node | None:
     """For a head input ``h[:, start:]`` (last dim whole), a new node ``h[:, :start]``; else None."""
-    x = patterns.match_projection(proj)[0]
+    x = projections.match_projection(proj)[0]
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem):
         return None
     h, index = x.args
     shape = patterns.tensor_shape(h)
-    if shape is None or len(shape) < 2 or not patterns.view_keeps_vocab(x, h, shape[-1]):
+    if shape is None or len(shape) < 2 or not vocab_views.view_keeps_vocab(x, h, shape[-1]):
         return None
     index = list(index) if isinstance(index, tuple) else [index]
     seq_dim = len(shape) - 2
