@@ -195,6 +195,11 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
                                "nanospec cannot prove that each of its rows depends only on the same row of stored "
                                "tensors (elementwise ops, per-row scales, reductions over the last axis): it is not "
                                "rewritten"))
+    unread = [(n, reason) for n in gm.graph.nodes if (reason := projections.unmatched_reason(n))
+              and (shape := patterns.tensor_shape(n)) and isinstance(shape[-1], int)
+              and (shape[-1] in vocabularies or not vocabularies) and reaches_output(n, shape[-1])]
+    if unread and notes is not None:  # an addmm / baddbmm onto the vocabulary with a bias or scales not read
+        notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
     if heads:
         return heads
     if vocabularies:

@@ -1,12 +1,14 @@
 """Which calls project a hidden state onto a weight: the LM head's candidates, in every spelling Dynamo records.
 
 ``linear``/``F.linear`` (bias optional), ``matmul``/``@``/``mm`` against a transposed 2-D weight, ``addmm`` with a
-bias per output, a head ``einsum``, and the same with a parameter stored [H, N] (``x @ W``, ``F.linear(x, W.t())``).
+bias per output (scaled by ``alpha``/``beta`` or not), ``bmm``/``baddbmm`` with the weight broadcast along the
+batch, a head ``einsum``, and the same with a parameter stored [H, N] (``x @ W``, ``F.linear(x, W.t())``).
 The weight returned is always the stored tensor's node: the state is keyed on it (a view is a new object every
 call), and :func:`projection_transposed` says whether its columns are the head's rows.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -103,15 +105,13 @@ def _match_projection(node: fx.Node) -> tuple | None:
             return x, w, b if isinstance(b, fx.Node) else None, False
         return None
     if is_call(node, MATMUL_TARGETS | {torch.mm}, {"matmul", "__matmul__", "mm"}) and len(node.args) == 2:
-        w = transposed_weight(node.args[1])
-        if w is not None:
-            return node.args[0], w, None, False
-        w, x_shape, w_shape = node.args[1], tensor_shape(node.args[0]), tensor_shape(node.args[1])
-        if _stored(w) and w_shape is not None and len(w_shape) == 2 and x_shape and len(x_shape) >= 1 \
-                and known_equal(x_shape[-1], w_shape[0]):  # x @ W, W [H, N]
-            return node.args[0], w, None, True
+        return _match_matmul(node.args[0], node.args[1])
+    if is_call(node, BMM_TARGETS, {"bmm"}) and len(node.args) == 2:  # bmm(x, W.t().expand(B, H, N))
+        return _match_matmul(node.args[0], _unbatched(node.args[1]))
     if is_call(node, ADDMM_TARGETS, {"addmm"}):
         return _match_addmm(node)
+    if is_call(node, BADDBMM_TARGETS, {"baddbmm"}):
+        return _match_addmm(node, batched=True)
     if node.op == "call_function" and node.target in EINSUM_TARGETS and node.args and isinstance(node.args[0], str):
         operands = node.args[1:]
         if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
@@ -124,23 +124,91 @@ def _match_projection(node: fx.Node) -> tuple | None:
 
 
 ADDMM_TARGETS = {torch.addmm}
+BADDBMM_TARGETS = {torch.baddbmm}
+BMM_TARGETS = {torch.bmm}
 
 
-def _match_addmm(node: fx.Node) -> tuple | None:
-    """``torch.addmm(b, x, W.t())`` (``b.addmm(x, W.t())``): ``x @ W.t() + b`` with ``alpha = beta = 1`` and a bias of
-    one value per output ([N]); or ``addmm(b, x, W)`` with a stored ``W`` [H, N]."""
-    b, x, m2 = call_arg(node, 0, "input"), call_arg(node, 1, "mat1"), call_arg(node, 2, "mat2")
-    if any(call_arg(node, 99, k, 1) != 1 for k in ("alpha", "beta")) or not isinstance(m2, fx.Node):
+def _match_matmul(x: Any, m2: Any) -> tuple | None:
+    """``x @ m2`` as a projection: ``m2`` a transposed 2-D weight (``W.t()``), or a stored ``W`` [H, N]."""
+    if not isinstance(m2, fx.Node):
         return None
-    w, transposed = transposed_weight(m2), False
-    if w is None and _stored(m2) and tensor_shape(m2) is not None and len(tensor_shape(m2)) == 2:
-        w, transposed = m2, True
-    if w is None:
+    w = transposed_weight(m2)
+    if w is not None:
+        return x, w, None, False
+    x_shape, w_shape = tensor_shape(x), tensor_shape(m2)
+    if _stored(m2) and w_shape is not None and len(w_shape) == 2 and x_shape and len(x_shape) >= 1 \
+            and known_equal(x_shape[-1], w_shape[0]):  # x @ W, W [H, N]
+        return x, m2, None, True
+    return None
+
+
+def _unbatched(node: Any) -> fx.Node | None:
+    """``M`` when ``node`` is the 2-D ``M`` broadcast along a new leading batch axis (``M.expand(B, H, N)``,
+    ``M[None].expand(B, -1, -1)``, ``M.unsqueeze(0).expand(...)``, ``torch.broadcast_to``): every batch entry of a
+    ``bmm``/``baddbmm`` operand is then ``M`` itself, so the batched product is ``x @ M``."""
+    if not isinstance(node, fx.Node) or node_name(node) not in ("expand", "broadcast_to") or not node.args:
         return None
+    src, out = node.args[0], tensor_shape(node)
+    shape = tensor_shape(src)
+    if isinstance(src, fx.Node) and shape is not None and len(shape) == 3 and shape[0] == 1 and src.args and (
+            node_name(src) == "unsqueeze" and call_arg(src, 1, "dim") == 0
+            or node_name(src) == "getitem" and src.args[1] in ((None,), None, (None, Ellipsis))):
+        src = src.args[0]
+        shape = tensor_shape(src)
+    if shape is None or len(shape) != 2 or out is None or len(out) != 3 or tuple(out[1:]) != tuple(shape):
+        return None
+    return src
+
+
+def _scale(value: Any) -> bool:
+    """A finite number ``alpha``/``beta`` can be (a symbolic one is not read)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def projection_scales(node: fx.Node) -> tuple:
+    """``(alpha, beta)`` of an ``addmm``/``baddbmm`` projection, ``alpha * (x @ W.t()) + beta * b``; ``(1, 1)`` for
+    every other projection. The rewrite scales the compact head's input by ``alpha`` and its bias by ``beta``."""
+    if is_call(node, ADDMM_TARGETS | BADDBMM_TARGETS, {"addmm", "baddbmm"}):
+        return call_arg(node, 99, "alpha", 1), call_arg(node, 99, "beta", 1)
+    return 1, 1
+
+
+def _match_addmm(node: fx.Node, batched: bool = False) -> tuple | None:
+    """``torch.addmm(b, x, W.t(), beta=, alpha=)`` (``b.addmm(...)``): ``alpha * (x @ W.t()) + beta * b`` with
+    numbers ``alpha``/``beta`` and a bias of one value per output ([N]; any ``b`` when ``beta == 0``: torch ignores
+    it); or ``addmm(b, x, W)`` with a stored ``W`` [H, N]. ``batched``: ``torch.baddbmm`` over ``x`` [B, n, H]
+    with the weight broadcast along the batch (:func:`_unbatched`)."""
+    b, x, m2 = (call_arg(node, 0, "input"), call_arg(node, 1, "batch1" if batched else "mat1"),
+                call_arg(node, 2, "batch2" if batched else "mat2"))
+    alpha, beta = projection_scales(node)
+    if not (_scale(alpha) and _scale(beta)):
+        return None
+    m = _match_matmul(x, _unbatched(m2) if batched else m2)
+    if m is None:
+        return None
+    w, transposed = m[1], m[3]
+    if beta == 0:
+        return x, w, None, transposed
     width = tensor_shape(w)[1 if transposed else 0]
     if not isinstance(b, fx.Node) or tensor_shape(b) != (width,):
         return None  # a bias per row of x, or a broadcast scalar: not a head bias
     return x, w, b, transposed
+
+
+def unmatched_reason(node: fx.Node) -> str | None:
+    """Why an ``addmm``/``baddbmm`` onto a weight is no projection nanospec rewrites (its bias or scales), for the
+    warning of a head left dense; None for any other node."""
+    if not is_call(node, ADDMM_TARGETS | BADDBMM_TARGETS, {"addmm", "baddbmm"}) or _match_projection(node):
+        return None
+    batched = node_name(node) == "baddbmm"
+    m2 = call_arg(node, 2, "batch2" if batched else "mat2")
+    if _match_matmul(call_arg(node, 1, "batch1" if batched else "mat1"), _unbatched(m2) if batched else m2) is None:
+        return None
+    alpha, beta = projection_scales(node)
+    if not (_scale(alpha) and _scale(beta)):
+        return f"its {node_name(node)} scales the product or the bias by a value known only at run time ({alpha}, {beta})"
+    return (f"its {node_name(node)} adds a tensor that is not one bias value per output token (a [V] vector): "
+            "nanospec cannot gather it at the active tokens")
 
 
 def _head_operands(equation: str, a: Any, b: Any) -> tuple:

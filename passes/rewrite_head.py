@@ -29,6 +29,8 @@ run later (and other heads' rewrites) see correct shapes.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -66,6 +68,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
             cache_w = gathered_rows(graph, rows, state.cache_w, safe_ids, state.ids)
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
+        x, cache_b = _scaled_operands(graph, proj, x, cache_b)
         compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
     stands_for(compact, proj)
     compact.meta.update(
@@ -164,6 +167,21 @@ def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab:
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)
     graph.erase_node(compact)
+
+
+def _scaled_operands(graph: fx.Graph, proj: fx.Node, x, cache_b):
+    """``alpha * x`` and ``beta * cache_b`` for an ``addmm``/``baddbmm`` head (``alpha * (x @ W.t()) + beta * b``, the
+    same values up to the rounding of one product); no bias when ``beta == 0`` (torch ignores it then)."""
+    alpha, beta = projections.projection_scales(proj)
+    if beta == 0:
+        cache_b = None
+    scaled = []
+    for t, by in ((x, alpha), (cache_b, beta)):
+        if t is not None and by != 1:
+            t = stands_for(graph.call_function(operator.mul, (t, by)), proj)
+            set_example_value(t)
+        scaled.append(t)
+    return tuple(scaled)
 
 
 def _autocast_operands(graph: fx.Graph, proj: fx.Node, x, cache_w, cache_b):

@@ -52,6 +52,11 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
         shape = patterns.tensor_shape(w)
         if not shape or not all(isinstance(d, int) for d in shape) or not is_weight_like(w, example_of.get(w)):
             continue
+        if projections.projection_scales(node) != (1, 1):  # the collapsed projection would lose alpha / beta
+            if notes is not None:
+                notes.append(f"the projection {node.name} onto {parameter_name(w)} scales its product or bias "
+                             "(addmm/baddbmm alpha, beta): not taken as a vocabulary-parallel head")
+            continue
         gather = match_dtensor(node) or match_gather(node)
         sharded = gather if isinstance(gather, ShardedOutput) else None
         if (gather is None or sharded) and exchanges:
