@@ -12,6 +12,7 @@ In stage order (each imports only the ones above it; ``tests/test_layout.py`` re
 * ``projections``       - which calls project a hidden state onto a weight (linear, matmul, addmm, einsum)
 * ``vocab_views``       - views, reshapes and permutations that keep every token's column whole
 * ``transforms``        - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
+* ``lora_delta``        - a LoRA delta on a head (``W(h) + s * B(A(h))``): one head over one set, not two heads
 * ``lookups``           - which table rows a graph reads by integer ids (token embeddings, unreadable lookups)
 * ``row_weight``        - a head weight computed row by row (quantised, parametrised): only the active rows
 * ``find_head``         - which projection is the LM head

@@ -19,6 +19,7 @@ import torch.fx as fx
 from . import patterns, projections, vocab_views
 from .contract import DenseHead
 from .graph import node_name, where
+from .lora_delta import lora_deltas
 from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
 
@@ -159,7 +160,7 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
       hidden-state projection is narrower or is not alone); several wider projections reaching the output:
       none, with a note saying why (nothing says which is a head and which a hidden-state projection).
     """
-    groups = _projection_groups(gm, example_inputs)
+    groups, deltas = _without_lora_deltas(gm.graph, _projection_groups(gm, example_inputs))
     if head is not None:
         chosen = [g for g in groups if name_matches(head, g.name, g.module_path)]
         if vocab_size is not None:
@@ -186,7 +187,7 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
     if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
         widest = max(h.vocab_size for h in heads)
         heads = [h for h in heads if h.vocab_size == widest]
-    grouped = {n for g in groups for n in g.nodes}
+    grouped = {n for g in groups for n in g.nodes} | deltas
     computed = [n for n in gm.graph.nodes if (shape := projections.projection_shape(n)) and shape[0] in vocabularies
                 and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
     if computed and notes is not None:
@@ -292,6 +293,16 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
         if reach == "logits" or (reach and not match.reach):
             match.reach = reach
     return list(groups.values())
+
+
+def _without_lora_deltas(graph: fx.Graph, groups: list[HeadMatch]) -> tuple[list[HeadMatch], set[fx.Node]]:
+    """``groups`` less every group whose projections are all LoRA deltas of another group's (``lora_deltas``): they
+    are read over that head's set (the rewrite gathers their rows), not heads of their own; and those projections."""
+    found = set()
+    for g in groups:
+        found.update(*lora_deltas(graph, g.nodes, g.vocab_size, g.hidden_size).values())
+    merged = [d for d in groups if d.nodes and set(d.nodes) <= found]
+    return [g for g in groups if g not in merged], {n for d in merged for n in d.nodes}
 
 
 def name_matches(wanted: str, weight_name: str, mod_path: str | None) -> bool:

@@ -288,7 +288,7 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     return taken
 
 
-def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto,
+def insert_topk_observers(graph: fx.Graph, head_nodes: list[fx.Node], k: int, into: ObserveInto,
                           observe_prompt: bool = False) -> int:
     """After each head projection, observe the top-k token ids at every scored position.
 
@@ -297,7 +297,7 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
     - the prompt at prefill - so their top-k is observed too. Nothing is left out at decode and
     verification steps, so that extra pass is empty there.
     """
-    for proj in projections:
+    for proj in head_nodes:
         with graph.inserting_before(proj.next):  # a fixed anchor keeps the new nodes in order
             scored = [proj]
             rest = _positions_left_out(graph, proj) if observe_prompt else None
@@ -311,7 +311,7 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
                 set_example_value(topk)
                 set_example_value(indices)
                 insert_observe(graph, indices, into)
-    return len(projections)
+    return len(head_nodes)
 
 
 def _positions_left_out(graph: fx.Graph, proj: fx.Node) -> fx.Node | None:

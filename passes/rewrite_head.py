@@ -42,20 +42,26 @@ from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
 from .grad_mode import stands_for
 from .graph import describe, where
+from .lora_delta import delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
 
 
+DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
+
+
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
+    deltas = lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)  # read over this head's set
+    own = [*head.nodes, *[d for ds in deltas.values() for d in ds]]
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, head.nodes)
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas[proj])
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list) -> None:
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list, deltas: list) -> None:
     x, w, _ = projections.match_projection(proj)
     derived = _value_downstream(proj)
     foreign = _other_heads_logits(graph, own, state, vocab)
@@ -83,9 +89,12 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
     region.derived = derived | {compact}
     region.foreign = foreign
     region.members[compact] = Member(compact)
+    roots = [compact] + [_compact_delta(region, d) for d in deltas]
     nodes = list(graph.nodes)
     erased: set[fx.Node] = set()
-    for n in nodes[nodes.index(compact) + 1:]:
+    for n in nodes[min(nodes.index(r) for r in roots) + 1:]:
+        if n in roots:
+            continue
         if n in erased:
             continue
         for a in list(n.all_input_nodes):  # uses of an already materialised class read its [..., V] tensor
@@ -150,7 +159,7 @@ def _other_heads_logits(graph: fx.Graph, own: list, state: StateNodes, vocab: in
     others = [n for n in graph.nodes if n not in own and (
         (is_op(n, "compact_logits") or is_op(n, "head_logits")) and op_arg(n, "cursor") is not state.cursor
         or projections.match_projection(n) is not None and patterns.tensor_shape(n)
-        and patterns.tensor_shape(n)[-1] == vocab)]
+        and patterns.tensor_shape(n)[-1] == vocab and n.meta.get(DELTA_OF) is not state.cursor)]
     if not others:
         return set()
     sources = heads_meet.logits_sources(graph, [list(own), others])
@@ -167,6 +176,36 @@ def _fuse_plain_head(graph: fx.Graph, compact: fx.Node, scatter: fx.Node, vocab:
     scatter.replace_all_uses_with(fused)
     graph.erase_node(scatter)
     graph.erase_node(compact)
+
+
+def _compact_delta(region: Region, delta: fx.Node) -> fx.Node:
+    """A LoRA delta's projection ``B(a)`` over the head's set: ``linear(a, B[ids], b[ids])`` ``[..., C]``, the rows of
+    ``B`` (and of its bias) gathered at the head's slots on every call (``lora_delta``); a root of the region. It
+    and its steps (``* scaling``) move right before the ``add`` onto the head's logits, after the head's
+    ``compact_logits``: an observe placed before that reads the set for both (``snapshot_state_reads`` keeps both
+    on one slot table)."""
+    graph, state = region.graph, region.state
+    a, w, b = projections.match_projection(delta)
+    steps, add = delta_steps(delta)
+    with graph.inserting_before(add):
+        ids = region.tag(graph.call_function(torch.clamp, (state.ids,), {"min": 0}))
+        rows = [region.tag(graph.call_function(torch.index_select, (t, 0, ids))) if t is not None else None
+                for t in (w, b)]
+        compact = region.tag(graph.call_function(torch._C._nn.linear, (a, *rows)))
+    compact.meta[DELTA_OF] = state.cursor  # this head's, whatever its width (not another head's logits)
+    for n in (ids, *[r for r in rows if r is not None], compact):
+        stands_for(n, delta)
+        set_example_value(n)
+    for r in rows:
+        if r is not None:
+            r.meta["nanospec_active_rows"] = True  # reads rows of the active set: no token lookup to observe
+    delta.replace_all_uses_with(compact)
+    graph.erase_node(delta)
+    for step in steps:  # each reads only the one before it and numbers: valid anywhere before the add
+        add.prepend(step)
+    region.members[compact] = Member(compact)
+    region.derived |= _value_downstream(compact) | {compact}
+    return compact
 
 
 def _scaled_operands(graph: fx.Graph, proj: fx.Node, x, cache_b):

@@ -46,6 +46,8 @@ HEADS = (
     "addmm",           # torch.addmm(self.b, h2d, self.W.t()) on the flattened positions (torch.mm without a bias)
     "addmm_scaled",    # torch.addmm(self.b, h2d, self.W.t(), beta=0.5, alpha=2.0) (without a bias: beta=0 over zeros)
     "baddbmm",         # torch.baddbmm(self.b, h3d, self.W.t().unsqueeze(0).expand(B, -1, -1), alpha=1.5) (bmm without)
+    # -- issue 40 item 2: a LoRA delta on the head is one head of one set
+    "lora",            # self.lm_head(h) + self.lora_B(self.lora_A(h)) * 0.5 (rank 2; trainable in the grad modes)
     "einsum_wh",       # torch.einsum("vh,...h->...v", self.W, h): the weight first
     "attr_tensor",     # F.linear(h, self.W) with self.W a plain tensor attribute (no Parameter, no buffer)
 )
@@ -308,7 +310,13 @@ class FuzzDrafter(nn.Module):
             self.pre = nn.Linear(H, H)
         w = randn(Vh, H, scale=H**-0.5 * 2)
         b = randn(Vh) if r.head_bias else None
-        if r.head == "linear":
+        if r.head == "lora":
+            self.lora_A = nn.Linear(H, 2, bias=False)
+            self.lora_B = nn.Linear(2, Vh, bias=False)
+            with torch.no_grad():
+                self.lora_A.weight.copy_(randn(2, H, scale=H**-0.5))
+                self.lora_B.weight.copy_(randn(Vh, 2))
+        if r.head in ("linear", "lora"):
             self.lm_head = nn.Linear(H, Vh, bias=r.head_bias)
             with torch.no_grad():
                 self.lm_head.weight.copy_(w)
@@ -388,7 +396,7 @@ class FuzzDrafter(nn.Module):
     # ----------------------------------------------------------------- pieces
     def head_weight(self) -> torch.Tensor | None:
         r = self.recipe
-        if r.head in ("linear", "linear_tied"):
+        if r.head in ("linear", "linear_tied", "lora"):
             return self.lm_head.weight
         if r.head == "functional_tied":
             return self.embed.weight
@@ -428,6 +436,8 @@ class FuzzDrafter(nn.Module):
         r = self.recipe
         if r.head in ("linear", "linear_tied"):
             return self.lm_head(h)
+        if r.head == "lora":
+            return self.lm_head(h) + self.lora_B(self.lora_A(h)) * 0.5
         if r.head == "functional_tied":
             return F.linear(h, self.embed.weight)
         if r.head == "matmul_bias":
