@@ -37,9 +37,10 @@ from nanospec_fx.passes import (
     grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads,
     unobserved_lookup,
 )
-from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
+from nanospec_fx.passes import effects, patterns, transforms
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.lookups import embedding_lookups, one_hot_internals, token_id_lookups
+from nanospec_fx.passes.vocab_parallel import heads as vocab_parallel_heads
 from nanospec_fx.prefill import RecordingCall
 from nanospec_fx import prefill as prefill_ids
 from nanospec_fx.lookup import head_parameters, registered_states, unwrap

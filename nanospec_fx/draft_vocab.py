@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from nanospec_fx.passes import patterns
+from nanospec_fx.passes import patterns, projections
 from nanospec_fx.passes.find_head import parameter_name, projections_reaching_output, token_tables
 
 
@@ -26,7 +26,7 @@ def draft_vocab_hint(gm: fx.GraphModule, example_inputs: list) -> str | None:
         return None
     vocab = max(tables.values())
     widths = sorted({shape[0] for n in projections_reaching_output(gm)
-                     if (shape := patterns.projection_shape(n)) and isinstance(shape[0], int) and shape[0] < vocab})
+                     if (shape := projections.projection_shape(n)) and isinstance(shape[0], int) and shape[0] < vocab})
     for rows in widths:
         for name, buffer in _buffers(gm, example_inputs):
             if _maps_rows(buffer, rows, vocab):

@@ -14,8 +14,11 @@ import torch
 
 from nanospec_fx import consensus
 from nanospec_fx.collectives import VocabShard, local_shard
-from nanospec_fx.passes import insert_topk_observers, vocab_parallel, vocab_parallel_heads, vocab_parallel_topk
-from nanospec_fx.passes.vocab_parallel_observe import shard_observers
+from nanospec_fx.passes import insert_topk_observers
+from nanospec_fx.passes.vocab_parallel import gather as vocab_parallel
+from nanospec_fx.passes.vocab_parallel import heads as vocab_parallel_heads
+from nanospec_fx.passes.vocab_parallel import topk as vocab_parallel_topk
+from nanospec_fx.passes.vocab_parallel.observe import shard_observers
 from nanospec_fx.sharded_state import ShardedActiveVocab, fetch_observed, sharded_state_for, write_observed
 from nanospec_fx.state import ActiveVocab, state_for
 
@@ -85,7 +88,7 @@ class ShardedHeadKind(DenseHeadKind):
         return sharded_state_for(weight, bias, config, shard, name=head.name)
 
     def remap(self, builder, head):
-        return vocab_parallel_heads.remap(builder.graph, head, builder.node_map)
+        return vocab_parallel_heads.collapsed(builder.graph, head, builder.node_map)
 
     def add_state(self, builder, state, weight, bias):
         if weight is None:  # a target observer: the drafter's head shard (a DTensor's local tensor) as inputs
@@ -106,7 +109,7 @@ class ShardedHeadKind(DenseHeadKind):
             builder.graph, slices, opts.observe_topk, into, head.world_size, head.group_name, head.shard_rows)
 
     def finish_observers(self, builder, state, into, head=None, observers: int = 0) -> None:
-        """Every observer of the state becomes a checked row fetch (``passes/vocab_parallel_observe.py``); a
+        """Every observer of the state becomes a checked row fetch (``passes/vocab_parallel/observe.py``); a
         drafter's head records how many and their ids' shapes for :meth:`agree`."""
         zero = builder.add_inputs(state.graph_input_names())
         builder.set_input_values(zero, state.graph_inputs())
@@ -144,7 +147,7 @@ DENSE = DenseHeadKind()
 
 def kind_of_head(head) -> DenseHeadKind:
     """The kind of a head the passes found: a gathered vocabulary-parallel head, or an ordinary one."""
-    return ShardedHeadKind(head.group_name) if isinstance(head, vocab_parallel.GatheredHead) else DENSE
+    return ShardedHeadKind(head.group_name) if isinstance(head, vocab_parallel_heads.GatheredHead) else DENSE
 
 
 def kind_of_state(state: ActiveVocab) -> DenseHeadKind:

@@ -10,7 +10,7 @@ before a collective (a refresh) is agreed first (:mod:`nanospec_fx.consensus`).
 Rows are inserted in plain torch (``kernels/`` has no "insert ids with these rows" op): ``nanospec.observe`` does
 the slot bookkeeping with a stride-0 zero table as its weight (no ``[V, H]`` memory), then the fetched rows are
 written to the slots of the observed ids (:func:`fetch_observed`, :func:`write_observed`). The same two functions
-run eagerly here and traced into a compiled graph (``passes/vocab_parallel_observe.py``).
+run eagerly here and traced into a compiled graph (``passes/vocab_parallel/observe.py``).
 """
 from __future__ import annotations
 

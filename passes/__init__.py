@@ -1,24 +1,30 @@
 """FX graph passes of nanospec: find the LM head, rewrite it, observe token inputs.
 
-In stage order (each imports only the ones above it):
+In stage order (each imports only the ones above it; ``tests/test_layout.py`` reads this list and checks it):
 
-* ``graph``          - helpers every pass shares: ``call_arg`` (one index convention), ``node_name``, ``where``
-* ``contract``       - what the passes and the backend hand each other: ``DenseFallback``, ``StateNodes``,
+* ``graph``             - helpers every pass shares: ``call_arg`` (one index convention), ``node_name`` (the one way
+  an op is named), ``where``, ``map_nodes`` (what a pass found, remapped into a copy of the graph, every field)
+* ``contract``          - what the passes and the backend hand each other: ``DenseFallback``, ``StateNodes``,
   ``RewriteReport``, ``ObserveInto``
-* ``patterns``       - what is matched and why (projections, post-ops, views, consumers)
-* ``lookups``        - which table rows a graph reads by integer ids (token embeddings, unreadable lookups)
-* ``find_head``      - which projection is the LM head
-* ``row_weight``     - a head weight computed row by row (quantised, parametrised): only the active rows
-* ``rewrite_head``   - head -> compact logits -> post-ops -> scatter
-* ``observe_inputs`` - token ids fed to the drafter, and the target's top-k, join the active vocabulary
-* ``graph_position`` - whether a graph is a whole call or a piece of one split by graph breaks
-* ``heads_meet``     - where the logits of two heads meet in one op (no one active set is exact there)
-* ``grad_mode``      - whether autograd records where the head runs; inserted ops kept in the mode eager ran them
-* ``effects``        - what a node writes and may alias (op schemas); which nodes are known pure
-* ``transforms``     - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
-* ``vocab_parallel`` - vocabulary-parallel heads: the gather of the logits recognised and collapsed
-* ``vocab_parallel_select`` - a local max/top-k whose (value, id) candidates are exchanged: a top-k of the full logits
-* ``vocab_parallel_heads`` - the vocabulary-parallel heads of a graph (either form), collapsed for ``rewrite_head``
+* ``grad_mode``         - whether autograd records where the head runs; inserted ops kept in the mode eager ran them
+* ``effects``           - what a node writes and may alias (op schemas); which nodes are known pure
+* ``patterns``          - what is matched and why: node values, post-ops, consumers, writes
+* ``projections``       - which calls project a hidden state onto a weight (linear, matmul, addmm, bmm, einsum)
+* ``vocab_views``       - views, reshapes and permutations that keep every token's column whole
+* ``transforms``        - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
+* ``lora_delta``        - a LoRA delta on a head (``W(h) + s * B(A(h))``): one head over one set, not two heads
+* ``lookups``           - which table rows a graph reads by integer ids (token embeddings, unreadable lookups)
+* ``row_weight``        - a head weight computed row by row (quantised, parametrised): only the active rows
+* ``find_head``         - which projection is the LM head
+* ``graph_position``    - whether a graph is a whole call or a piece of one split by graph breaks
+* ``heads_meet``        - where the logits of two heads meet in one op (no one active set is exact there)
+* ``region``            - the compact part of a head's vocabulary region, and its materialisation
+* ``compact_consumers`` - top-k / argmax read straight from the compact logits
+* ``chain_walk``        - one step of the rewrite's walk: what a use of a chain value becomes
+* ``rewrite_head``      - head -> compact logits -> post-ops -> scatter
+* ``observe_inputs``    - token ids fed to the drafter, and the target's top-k, join the active vocabulary
+* ``vocab_parallel``    - vocabulary-parallel heads (a package, its own stage list): gathers and exchanges of the
+  logits recognised and collapsed into one projection for ``rewrite_head``
 
 The contract these passes implement (README, "The contract"):
 

@@ -29,6 +29,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from .graph import node_name
+
 log = logging.getLogger(__name__)
 
 # Python operators: in-place ones write (and return) their first operand; getitem returns a view
@@ -76,19 +78,6 @@ SCHEMA_NAMESPACES = {
 }
 
 
-def _op_name(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            return target._schema.name.split("::")[-1]
-        if isinstance(target, torch._ops.OpOverloadPacket):
-            return target._qualified_op_name.split("::")[-1]
-        return getattr(target, "__name__", None)
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def _schemas(name: str) -> tuple:
     try:
@@ -100,7 +89,7 @@ def _schemas(name: str) -> tuple:
 def _node_schemas(node: fx.Node) -> tuple:
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         return (node.target._schema,)
-    name = _op_name(node)
+    name = node_name(node)
     return _schemas(name) if name else ()
 
 
@@ -178,9 +167,9 @@ def unknown_call(node: fx.Node) -> bool:
     if getattr(target, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):  # ``torch.Tensor.add_``
         return not _schemas(target.__name__)
     module = getattr(target, "__module__", None) or ""
-    if module.startswith(("torch._C._functorch", "torch._functorch")) and _op_name(node) in FUNCTORCH_WRAPPERS:
+    if module.startswith(("torch._C._functorch", "torch._functorch")) and node_name(node) in FUNCTORCH_WRAPPERS:
         return False
-    return not (module in SCHEMA_NAMESPACES and _schemas(_op_name(node) or ""))
+    return not (module in SCHEMA_NAMESPACES and _schemas(node_name(node) or ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,7 +221,7 @@ def is_pure(node: fx.Node) -> bool:
         return not _in_place_flag(node)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return not mutated_inputs(node)  # FX checked the schema, the registered effects and the random tag
-    return (getattr(target, "__module__", None) in SCHEMA_NAMESPACES and _schema_pure(node, _op_name(node))
+    return (getattr(target, "__module__", None) in SCHEMA_NAMESPACES and _schema_pure(node, node_name(node))
             and not _in_place_flag(node))
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from . import patterns
+from . import patterns, projections, vocab_views
 from .contract import DenseHead
-from .graph import where
+from .graph import node_name, where
+from .lora_delta import lora_deltas
 from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
 
@@ -69,7 +70,7 @@ def module_path(node: fx.Node) -> str | None:
 _MODULE_ATTRIBUTE = re.compile(r"^[LG]\['[^']+'\](\._modules\['[^']+'\])*\.[A-Za-z_]\w*$")  # an object's tensor
 
 
-def _is_weight_like(node: fx.Node, example: object) -> bool:
+def is_weight_like(node: fx.Node, example: object) -> bool:
     """A parameter or buffer (fixed across calls), or a plain tensor attribute of the module (``self.W =
     torch.randn(V, H)``, which ``active_vocab`` accepts too: ``module_heads.module_tensors``), not an arbitrary tensor
     argument."""
@@ -99,11 +100,11 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                 continue
             if cur in carriers and (
                 patterns.elementwise_operands_ok(user, cur, vocab_size, carriers)
-                or patterns.view_keeps_vocab(user, cur, vocab_size)
-                or patterns.is_reshape_or_permute(user)
+                or vocab_views.view_keeps_vocab(user, cur, vocab_size)
+                or vocab_views.is_reshape_or_permute(user)
                 or patterns.is_call(user, patterns.SOFTMAX_FUNCTIONS, patterns.SOFTMAX_METHODS)
                 or patterns.is_call(user, patterns.JOIN_FUNCTIONS)
-                or patterns.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
+                or vocab_views.is_basic_indexing(user, cur)  # incl. ``z[..., :V']`` of a padded head
                 or (patterns.is_write_like(user) and user.args[0] is cur)  # a ban: ``z.scatter(-1, ids, -inf)``
             ):
                 out = user.kwargs.get("out")  # ``torch.tanh(z, out=buf)``: buf carries the logits on
@@ -111,7 +112,7 @@ def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
                     if node not in carriers:
                         carriers.add(node)
                         stack.append(node)
-            elif patterns.match_projection(user) is None:  # computed from the logits (a selection, an entropy)
+            elif projections.match_projection(user) is None:  # computed from the logits (a selection, an entropy)
                 if user not in derived:
                     derived.add(user)
                     stack.append(user)
@@ -136,7 +137,7 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     if not found and notes is not None:
         for lk, selection in rows_chosen_in_graph(gm.graph)[:1]:
             notes.append(f"the rows of the token table {parameter_name(lk.table)} are read at ids chosen in this graph "
-                         f"by {patterns._call_name(selection)} ({where(lk.node)}): a head whose rows are chosen in the "
+                         f"by {node_name(selection, attribute=True)} ({where(lk.node)}): a head whose rows are chosen in the "
                          "graph (a centroid or cluster selection of the table's rows), which nanospec does not "
                          "rewrite; it runs unchanged and exact")
     return found
@@ -159,9 +160,9 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
       hidden-state projection is narrower or is not alone); several wider projections reaching the output:
       none, with a note saying why (nothing says which is a head and which a hidden-state projection).
     """
-    groups = _projection_groups(gm, example_inputs)
+    groups, deltas = _without_lora_deltas(gm.graph, _projection_groups(gm, example_inputs))
     if head is not None:
-        chosen = [g for g in groups if _name_matches(head, g.name, g.module_path)]
+        chosen = [g for g in groups if name_matches(head, g.name, g.module_path)]
         if vocab_size is not None:
             chosen = [g for g in chosen if g.vocab_size == vocab_size]
         if not chosen:
@@ -175,7 +176,7 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
         return [g for g in reaching if g.vocab_size == vocab_size]
     tables = token_tables(gm)
     tied = [g for g in reaching if tables.get(g.weight) == g.vocab_size or g.transposed and any(
-        patterns.transposed_weight(t) is g.weight for t in tables)]  # F.embedding(ids, W.t()) with the head h @ W
+        projections.transposed_weight(t) is g.weight for t in tables)]  # F.embedding(ids, W.t()) with the head h @ W
     vocabularies = set(tables.values())
     # Every projection onto the token vocabulary is a head (Medusa heads, MTP depths with their own heads): tied to
     # the embedding, or as wide as a table the graph looks token ids up in. Each has its own state (one per weight).
@@ -186,8 +187,8 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
     if heads:  # as wide as the largest such table: a small one (token types, segments) is no vocabulary of a head
         widest = max(h.vocab_size for h in heads)
         heads = [h for h in heads if h.vocab_size == widest]
-    grouped = {n for g in groups for n in g.nodes}
-    computed = [n for n in gm.graph.nodes if (shape := patterns.projection_shape(n)) and shape[0] in vocabularies
+    grouped = {n for g in groups for n in g.nodes} | deltas
+    computed = [n for n in gm.graph.nodes if (shape := projections.projection_shape(n)) and shape[0] in vocabularies
                 and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
     if computed and notes is not None:
         notes.append(DenseHead(module_path(computed[0]) or computed[0].name,
@@ -195,6 +196,11 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
                                "nanospec cannot prove that each of its rows depends only on the same row of stored "
                                "tensors (elementwise ops, per-row scales, reductions over the last axis): it is not "
                                "rewritten"))
+    unread = [(n, reason) for n in gm.graph.nodes if (reason := projections.unmatched_reason(n))
+              and (shape := patterns.tensor_shape(n)) and isinstance(shape[-1], int)
+              and (shape[-1] in vocabularies or not vocabularies) and reaches_output(n, shape[-1])]
+    if unread and notes is not None:  # an addmm / baddbmm onto the vocabulary with a bias or scales not read
+        notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
     if heads:
         return heads
     if vocabularies:
@@ -228,7 +234,7 @@ def projections_reaching_output(gm: fx.GraphModule) -> list[fx.Node]:
     output: what could be a head."""
     found = []
     for node in gm.graph.nodes:
-        shape = patterns.projection_shape(node)
+        shape = projections.projection_shape(node)
         if shape and isinstance(shape[0], int) and shape[0] > shape[1] \
                 and reaches_output(node, shape[0]):
             found.append(node)
@@ -236,7 +242,7 @@ def projections_reaching_output(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _weight_op(node: fx.Node) -> str:
-    w = patterns.match_projection(node)[1]
+    w = projections.match_projection(node)[1]
     return f"{w.target if isinstance(w.target, str) else getattr(w.target, '__name__', w.target)}"
 
 
@@ -260,18 +266,18 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
     groups: dict[tuple, HeadMatch] = {}
     lookups = {lookup for lookup, _, _, _ in embedding_lookups(gm.graph)}  # ``one_hot(ids) @ E`` reads rows of E
     for node in gm.graph.nodes:
-        m = patterns.match_projection(node) if node not in lookups else None
+        m = projections.match_projection(node) if node not in lookups else None
         if m is None:
             continue
         x, w, b = m
-        transposed = patterns.projection_transposed(node)
-        w_shape, out_shape = patterns.projection_shape(node), patterns.tensor_shape(node)
+        transposed = projections.projection_transposed(node)
+        w_shape, out_shape = projections.projection_shape(node), patterns.tensor_shape(node)
         if w_shape is None or out_shape is None or not all(isinstance(d, int) for d in w_shape):
             continue  # V and H must be static
         n_out, hidden = w_shape
-        if not _is_weight_like(w, example_of.get(w)):
+        if not is_weight_like(w, example_of.get(w)):
             rows = row_weight(w, n_out) if not transposed else None  # quantised / parametrised: computed per row
-            if rows is None or not _is_weight_like(rows.base, example_of.get(rows.base)):
+            if rows is None or not is_weight_like(rows.base, example_of.get(rows.base)):
                 continue
             w, sources = rows.base, [n for n in rows.leaves if n is not rows.base]
         else:
@@ -289,7 +295,17 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
     return list(groups.values())
 
 
-def _name_matches(wanted: str, weight_name: str, mod_path: str | None) -> bool:
+def _without_lora_deltas(graph: fx.Graph, groups: list[HeadMatch]) -> tuple[list[HeadMatch], set[fx.Node]]:
+    """``groups`` less every group whose projections are all LoRA deltas of another group's (``lora_deltas``): they
+    are read over that head's set (the rewrite gathers their rows), not heads of their own; and those projections."""
+    found = set()
+    for g in groups:
+        found.update(*lora_deltas(graph, g.nodes, g.vocab_size, g.hidden_size).values())
+    merged = [d for d in groups if d.nodes and set(d.nodes) <= found]
+    return [g for g in groups if g not in merged], {n for d in merged for n in d.nodes}
+
+
+def name_matches(wanted: str, weight_name: str, mod_path: str | None) -> bool:
     names = {weight_name, weight_name.rsplit(".", 1)[0]}
     if mod_path:
         names.add(mod_path)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from . import effects, patterns
+from . import effects, patterns, vocab_views
 from .graph import call_arg, describe, node_name, where
 
 _KEEP_APART_FUNCTIONS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.hstack, torch.vstack}
@@ -129,7 +129,7 @@ def _keeps_apart(n: fx.Node, inputs: list[fx.Node], carries: dict, stacked: set)
         return True  # an index into a stacked value (``logits[0]``)
     if not all(a in stacked for a in inputs) or len({carries[a] for a in inputs}) != 1:
         return False  # two values each from their own head(s): combined
-    if patterns.is_elementwise(n) or patterns.is_comparison(n) or patterns.is_reshape_or_permute(n):
+    if patterns.is_elementwise(n) or patterns.is_comparison(n) or vocab_views.is_reshape_or_permute(n):
         return True  # position by position on aligned stacked values (``stacked - lse``), or a view
     if len(inputs) != 1 or not n.args or n.args[0] is not inputs[0]:
         return False

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from . import effects, patterns
-from .graph import call_arg, describe, downstream, where
+from . import effects, patterns, projections, vocab_views
+from .graph import call_arg, describe, downstream, node_name, where
 
 
 @dataclass
@@ -178,7 +178,7 @@ def _offset_ids(ids: fx.Node) -> fx.Node | None:
     for _ in range(8):
         if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
             return None
-        name = cur.target if cur.op == "call_method" else getattr(cur.target, "__name__", None)
+        name = node_name(cur)
         args = cur.args
         if name == "where" and len(args) == 3:
             tensors = [a for a in args[1:] if isinstance(a, fx.Node) and _is_int_tensor(a) and not _scalar(a)]
@@ -245,7 +245,7 @@ def unobserved_lookup(graph: fx.Graph, head) -> str | None:
       be read, so they would not join the set.
     """
     params = {head.weight, *(b for b in head.biases if b is not None)}
-    params |= {n for n in graph.nodes if patterns.transposed_weight(n) in params}  # W.t() of a [H, V] head: W itself
+    params |= {n for n in graph.nodes if projections.transposed_weight(n) in params}  # W.t() of a [H, V] head: W itself
     for node in graph.nodes:
         written = set(effects.mutated_inputs(node)) & params
         if written and effects.unknown_call(node):
@@ -321,7 +321,7 @@ def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     if any(isinstance(d, int) and d == vocab for d in shape):
         return True
     source = node
-    while source.op in ("call_function", "call_method") and patterns.is_reshape_or_permute(source) and source.args:
+    while source.op in ("call_function", "call_method") and vocab_views.is_reshape_or_permute(source) and source.args:
         source = source.args[0]
     weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
         isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in patterns.source_name(source)))

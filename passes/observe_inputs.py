@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from . import effects, patterns, transforms
+from . import effects, patterns, projections, transforms, vocab_views
 from .contract import DenseFallback, ObserveInto, StateNodes
 from .graph import ancestors, describe, downstream, precedes, where
 from .lookups import Lookup, sharded_token_lookups, table_lookups, token_id_lookups
@@ -288,7 +288,7 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     return taken
 
 
-def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, into: ObserveInto,
+def insert_topk_observers(graph: fx.Graph, head_nodes: list[fx.Node], k: int, into: ObserveInto,
                           observe_prompt: bool = False) -> int:
     """After each head projection, observe the top-k token ids at every scored position.
 
@@ -297,12 +297,12 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
     - the prompt at prefill - so their top-k is observed too. Nothing is left out at decode and
     verification steps, so that extra pass is empty there.
     """
-    for proj in projections:
+    for proj in head_nodes:
         with graph.inserting_before(proj.next):  # a fixed anchor keeps the new nodes in order
             scored = [proj]
             rest = _positions_left_out(graph, proj) if observe_prompt else None
             if rest is not None:
-                x = patterns.match_projection(proj)[0]
+                x = projections.match_projection(proj)[0]
                 scored.append(graph.node_copy(proj, lambda n: rest if n is x else n))
                 set_example_value(scored[-1])
             for logits in scored:
@@ -311,17 +311,17 @@ def insert_topk_observers(graph: fx.Graph, projections: list[fx.Node], k: int, i
                 set_example_value(topk)
                 set_example_value(indices)
                 insert_observe(graph, indices, into)
-    return len(projections)
+    return len(head_nodes)
 
 
 def _positions_left_out(graph: fx.Graph, proj: fx.Node) -> fx.Node | None:
     """For a head input ``h[:, start:]`` (last dim whole), a new node ``h[:, :start]``; else None."""
-    x = patterns.match_projection(proj)[0]
+    x = projections.match_projection(proj)[0]
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem):
         return None
     h, index = x.args
     shape = patterns.tensor_shape(h)
-    if shape is None or len(shape) < 2 or not patterns.view_keeps_vocab(x, h, shape[-1]):
+    if shape is None or len(shape) < 2 or not vocab_views.view_keeps_vocab(x, h, shape[-1]):
         return None
     index = list(index) if isinstance(index, tuple) else [index]
     seq_dim = len(shape) - 2

@@ -1,5 +1,8 @@
 """What the nanospec passes match, and why, in one place.
 
+Projections are matched in ``projections.py``, the views that keep the vocabulary axis in ``vocab_views.py``;
+this module holds the node values every matcher reads, the post-ops, the consumers and the writes.
+
 All matchers work on Dynamo-level FX graphs (``torch.compile`` backends receive those):
 parameters are placeholders, an ``nn.Linear`` is ``torch._C._nn.linear(x, w, b)``, and
 ``x @ W.t()`` is ``operator.matmul(x, t)`` with ``t = W.t()`` (or ``.T``, ``.transpose``).
@@ -64,7 +67,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import call_arg
+from .graph import call_arg, node_name
 
 LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -107,7 +110,7 @@ def is_elementwise(node: fx.Node) -> bool:
         return True
     if node.op not in ("call_function", "call_method"):
         return False
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    name = node_name(node)
     value = example_value(node)
     if not isinstance(name, str) or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return False
@@ -136,7 +139,7 @@ def is_comparison(node: fx.Node) -> bool:
                                                       operator.ne, operator.and_, operator.or_, operator.xor,
                                                       operator.invert, operator.not_):
         return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    name = node_name(node)
     return isinstance(name, str) and _aten_pointwise(name)
 
 
@@ -196,174 +199,6 @@ def is_call(node: fx.Node, functions: set, methods: set = frozenset()) -> bool:
             or (node.op == "call_method" and node.target in methods))
 
 
-# The 2-D transposes, however Dynamo spells them: a Tensor method (``call_method``), a torch function, a
-# Tensor method used as a function (``torch.Tensor.t``), an aten op (torch >= 2.14 records ``W.T`` / ``W.mT``
-# as ``aten.numpy_T`` / ``aten.mT``), or an attribute read (``getattr(W, "T")``). Names only; the arguments
-# are checked below.
-_SWAP_ALL = {"t", "T", "mT", "numpy_T", "t_copy"}  # of a 2-D tensor: swap both axes, no arguments
-_SWAP_DIMS = {"transpose", "transpose_copy", "swapaxes", "swapdims"}  # (dim0, dim1)
-_PERMUTE = {"permute", "permute_copy"}  # (dims...) or ((dims),)
-
-
-def _op_name(node: fx.Node) -> str | None:
-    """The op's bare name (``"t"``, ``"numpy_T"``, ``"transpose"``, ...) for a call of a method, a function
-    or an aten overload, or the attribute name of a ``getattr``; None for anything else."""
-    target = node.target
-    if node.op == "call_method":
-        return target
-    if node.op != "call_function":
-        return None
-    if target is getattr:
-        return node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else None
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.__name__.split(".")[0]  # aten.numpy_T.default -> numpy_T
-    if target in (getattr(torch, n, None) for n in (*_SWAP_ALL, *_SWAP_DIMS, *_PERMUTE)) or \
-            target in (getattr(torch.Tensor, n, None) for n in (*_SWAP_ALL, *_SWAP_DIMS, *_PERMUTE)):
-        return target.__name__
-    return None
-
-
-def transposed_weight(node: Any) -> fx.Node | None:
-    """``W`` when ``node`` is ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` (``swapaxes``, negative dims),
-    ``W.permute(1, 0)`` of a 2-D ``W``, in any of the spellings :func:`_op_name` reads."""
-    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    name, args = (_op_name(node),
-                  node.args[2:] if node.op == "call_function" and node.target is getattr else node.args[1:])
-    src = node.args[0]
-    if name in _SWAP_ALL:
-        ok = not args and not node.kwargs
-    elif name in _SWAP_DIMS:
-        dims = [node.kwargs.get(k, a) for k, a in zip(("dim0", "dim1"), list(args) + [None] * 2)]
-        ok = all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]
-    elif name in _PERMUTE:
-        dims = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
-        dims = node.kwargs.get("dims", dims)
-        ok = all(isinstance(d, int) for d in dims) and tuple(d % 2 for d in dims) == (1, 0)
-    else:
-        ok = False
-    if ok and tensor_shape(src) is not None and len(tensor_shape(src)) == 2:
-        return src
-    return None
-
-
-def match_projection(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """``(x, weight, bias)`` when ``node`` projects x [..., H] with a 2-D weight: stored [N, H] (``F.linear(x, W)``,
-    ``x @ W.t()``) or, see :func:`projection_transposed`, a parameter/buffer stored [H, N] (``x @ W``,
-    ``torch.matmul(x, W)``, ``F.linear(x, W.t())`` in any spelling of the transpose). ``weight`` is the stored
-    tensor's node: the state is keyed on it (a view is a new object every call)."""
-    m = _match_projection(node)
-    return m[:3] if m is not None else None
-
-
-def projection_transposed(node: fx.Node) -> bool:
-    """Whether the weight :func:`match_projection` returns for ``node`` is stored [H, N] (its columns are the
-    head's rows)."""
-    m = _match_projection(node)
-    return m is not None and m[3]
-
-
-def projection_shape(node: fx.Node) -> tuple | None:
-    """``(N, H)`` of the projection ``node`` (outputs, inputs), whatever its weight's layout."""
-    m = _match_projection(node)
-    shape = tensor_shape(m[1]) if m is not None else None
-    if shape is None or len(shape) != 2:
-        return None
-    return (shape[1], shape[0]) if m[3] else tuple(shape)
-
-
-def _stored(node: Any) -> bool:
-    """A tensor the graph receives (parameter, buffer, input), not one it computes."""
-    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
-
-
-def _match_projection(node: fx.Node) -> tuple | None:
-    """``(x, weight, bias, transposed)``: :func:`match_projection` and :func:`projection_transposed` in one."""
-    if node.op == "call_function" and node.target in LINEAR_TARGETS:
-        args = list(node.args) + [None] * 3
-        x = node.kwargs.get("input", args[0])
-        w = node.kwargs.get("weight", args[1])
-        b = node.kwargs.get("bias", args[2])
-        if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
-            stored = transposed_weight(w)
-            if _stored(stored):  # F.linear(x, W.t()): W [H, N]
-                return x, stored, b if isinstance(b, fx.Node) else None, True
-            return x, w, b if isinstance(b, fx.Node) else None, False
-        return None
-    if is_call(node, MATMUL_TARGETS | {torch.mm}, {"matmul", "__matmul__", "mm"}) and len(node.args) == 2:
-        w = transposed_weight(node.args[1])
-        if w is not None:
-            return node.args[0], w, None, False
-        w, x_shape, w_shape = node.args[1], tensor_shape(node.args[0]), tensor_shape(node.args[1])
-        if _stored(w) and w_shape is not None and len(w_shape) == 2 and x_shape and len(x_shape) >= 1 \
-                and _known_equal(x_shape[-1], w_shape[0]):  # x @ W, W [H, N]
-            return node.args[0], w, None, True
-    if is_call(node, ADDMM_TARGETS, {"addmm"}):
-        return _match_addmm(node)
-    if node.op == "call_function" and node.target in EINSUM_TARGETS and node.args and isinstance(node.args[0], str):
-        operands = node.args[1:]
-        if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
-            operands = tuple(operands[0])
-        if len(operands) == 2:
-            x, w = _head_operands(node.args[0], *operands)
-            if isinstance(w, fx.Node) and tensor_shape(w) is not None and len(tensor_shape(w)) == 2:
-                return x, w, None, False
-    return None
-
-
-ADDMM_TARGETS = {torch.addmm}
-
-
-def _match_addmm(node: fx.Node) -> tuple | None:
-    """``torch.addmm(b, x, W.t())`` (``b.addmm(x, W.t())``): ``x @ W.t() + b`` with ``alpha = beta = 1`` and a bias of
-    one value per output ([N]); or ``addmm(b, x, W)`` with a stored ``W`` [H, N]."""
-    b, x, m2 = call_arg(node, 0, "input"), call_arg(node, 1, "mat1"), call_arg(node, 2, "mat2")
-    if any(call_arg(node, 99, k, 1) != 1 for k in ("alpha", "beta")) or not isinstance(m2, fx.Node):
-        return None
-    w, transposed = transposed_weight(m2), False
-    if w is None and _stored(m2) and tensor_shape(m2) is not None and len(tensor_shape(m2)) == 2:
-        w, transposed = m2, True
-    if w is None:
-        return None
-    width = tensor_shape(w)[1 if transposed else 0]
-    if not isinstance(b, fx.Node) or tensor_shape(b) != (width,):
-        return None  # a bias per row of x, or a broadcast scalar: not a head bias
-    return x, w, b, transposed
-
-
-def _head_operands(equation: str, a: Any, b: Any) -> tuple:
-    """``(x, W)`` of a head einsum in either operand order (``"...h,vh->...v"`` with ``(h, W)``, or
-    ``"vh,...h->...v"`` with ``(W, h)``), ``(None, None)`` when it is none."""
-    eq = equation.replace(" ", "")
-    if _is_head_equation(eq):
-        return a, b
-    if eq.count("->") == 1 and eq.count(",") == 1:
-        lhs, out = eq.split("->")
-        first, second = lhs.split(",")
-        if _is_head_equation(f"{second},{first}->{out}"):
-            return b, a
-    return None, None
-
-
-EINSUM_TARGETS = {torch.einsum, torch.functional.einsum}
-
-
-def _is_head_equation(equation: str) -> bool:
-    """``"...h,vh->...v"`` / ``"bth,vh->btv"``: x's last axis contracted with W's second, W's first appended."""
-    eq = equation.replace(" ", "")
-    if eq.count("->") != 1 or eq.count(",") != 1:
-        return False
-    lhs, out = eq.split("->")
-    a, b = lhs.split(",")
-    if len(b) != 2 or not a or b[1] != a[-1] or b[0] == b[1] or b[0] in a:
-        return False
-    return out == a[:-1] + b[0]
-
-
-def _last_dim(shape: tuple | None) -> Any:
-    return shape[-1] if shape else None
-
-
 def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: int, region: set) -> bool:
     """Whether ``node`` is a post-op of ``logits`` (one node or several) that can run on compact logits.
 
@@ -394,55 +229,6 @@ def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: i
         if len(shape) and shape[-1] not in (1, vocab_size):
             return False
     return True
-
-
-def view_keeps_vocab(node: fx.Node, logits: fx.Node, vocab_size: int) -> bool:
-    """Whether ``node`` is a view of ``logits`` that leaves the last (vocabulary) axis whole."""
-    shape = tensor_shape(logits)
-    if shape is None or node.args[0] is not logits:
-        return False
-    ndim = len(shape)
-    if node.op == "call_function" and node.target is operator.getitem:
-        idx = node.args[1]
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        if any(i is Ellipsis or i is None or isinstance(i, fx.Node) and tensor_shape(i) is not None for i in idx):
-            return False
-        if not all(isinstance(i, (int, slice, fx.Node)) for i in idx):
-            return False
-        return len(idx) < ndim or (len(idx) == ndim and idx[-1] == slice(None))
-    if node.op == "call_method" and node.target in ("view", "reshape"):
-        dims = node.args[1:]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = tuple(dims[0])
-        return (len(dims) > 0 and dims[-1] == vocab_size and tensor_shape(node) is not None
-                and _last_dim(tensor_shape(node)) == vocab_size)
-    if node.op == "call_method" and node.target in ("squeeze", "unsqueeze") and len(node.args) == 2:
-        d = node.args[1]
-        return isinstance(d, int) and 0 <= d < ndim - (node.target == "squeeze")
-    return False
-
-
-def is_basic_indexing(node: fx.Node, logits: fx.Node) -> bool:
-    """``logits[...]`` with ints, slices, ``...`` and ``None`` only (a view, any axis)."""
-    if not (node.op == "call_function" and node.target is operator.getitem and node.args[0] is logits):
-        return False
-    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return all(i is Ellipsis or i is None or isinstance(i, (int, slice)) or
-               (isinstance(i, fx.Node) and tensor_shape(i) is None) for i in idx)
-
-
-def reads_row_size(node: fx.Node, logits: fx.Node) -> bool:
-    """``logits.size(d)`` / ``sym_size(logits, d)`` for a non-vocabulary dim d (same in compact space)."""
-    shape = tensor_shape(logits)
-    if shape is None:
-        return False
-    is_size = (node.op == "call_method" and node.target == "size") or (
-        node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
-    )
-    if not is_size or len(node.args) < 2 or not isinstance(node.args[1], int):
-        return False
-    d = node.args[1] % len(shape)
-    return d != len(shape) - 1
 
 
 # ---------------------------------------------------------------------------- compact consumers
@@ -495,19 +281,8 @@ def match_softmax(user: fx.Node, logits: fx.Node) -> bool:
     return shape is not None and dtype is None and _is_last_dim(call_arg(user, 1, "dim"), len(shape))
 
 
-# ---------------------------------------------------------------------------- column-keeping views
-# Views and reshapes that keep every token's column whole: the vocabulary axis survives as one axis
-# of the result (maybe at another position), in order. Elementwise steps after them are still steps
-# of the logits chain; anything else reading them ends the chain.
-RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "detach",
-                   "expand", "expand_as", "view_as", "reshape_as"}
-RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.detach}
-PERMUTE_METHODS = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t"}
-PERMUTE_FUNCTIONS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.permute, torch.movedim, torch.moveaxis,
-                     torch.t}
-
-
-def _known_equal(a: Any, b: Any) -> bool:
+def known_equal(a: Any, b: Any) -> bool:
+    """Sizes provably equal (symbolic ones compared without adding a guard)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
@@ -518,128 +293,6 @@ def _known_equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _product(dims) -> Any:
-    out = 1
-    for d in dims:
-        out = out * d
-    return out
-
-
-def _call_name(node: fx.Node) -> str | None:
-    """:func:`_op_name`, or the bare name of any other called function (``torch.movedim``)."""
-    return _op_name(node) or (getattr(node.target, "__name__", None) if node.op == "call_function" else None)
-
-
-def _ints(args) -> list | None:
-    if len(args) == 1 and isinstance(args[0], (tuple, list)):
-        args = tuple(args[0])
-    return list(args) if all(isinstance(a, int) for a in args) else None
-
-
-def _permutation(node: fx.Node, ndim: int) -> list[int] | None:
-    """``perm`` with ``out axis i = in axis perm[i]`` when ``node`` only permutes axes, else None."""
-    name = _call_name(node)
-    args = node.args[1:]
-    if node.op == "call_function" and node.target is getattr:
-        attr = node.args[1]
-        if attr in ("T", "H"):
-            return list(reversed(range(ndim)))
-        if attr in ("mT", "mH") and ndim >= 2:
-            return list(range(ndim - 2)) + [ndim - 1, ndim - 2]
-        return None
-    if name in ("numpy_T",):
-        return list(reversed(range(ndim)))
-    if name in ("mT", "mH", "adjoint") and ndim >= 2:
-        return list(range(ndim - 2)) + [ndim - 1, ndim - 2]
-    if not is_call(node, PERMUTE_FUNCTIONS, PERMUTE_METHODS):
-        return None
-    if name == "t":
-        return list(reversed(range(ndim))) if ndim <= 2 else None
-    if name in ("transpose", "swapaxes", "swapdims"):
-        dims = _ints(args[:2])
-        if dims is None or len(dims) != 2:
-            return None
-        a, b = (d % ndim for d in dims)
-        perm = list(range(ndim))
-        perm[a], perm[b] = perm[b], perm[a]
-        return perm
-    if name == "permute":
-        dims = _ints(args)
-        return [d % ndim for d in dims] if dims is not None and len(dims) == ndim else None
-    if name in ("movedim", "moveaxis") and len(args) == 2:
-        src, dst = ([a] if isinstance(a, int) else list(a) if isinstance(a, (tuple, list)) else None for a in args)
-        if src is None or dst is None or len(src) != len(dst):
-            return None
-        src, dst = [s % ndim for s in src], [d % ndim for d in dst]
-        perm: list = [None] * ndim
-        for s, d in zip(src, dst):
-            perm[d] = s
-        rest = iter(i for i in range(ndim) if i not in src)
-        return [p if p is not None else next(rest) for p in perm]
-    return None
-
-
-def _index_axis(index: Any, in_shape: tuple, axis: int) -> int | None:
-    """Where basic indexing ``x[index]`` puts ``x``'s axis ``axis`` (None: it is selected or cut)."""
-    idx = index if isinstance(index, tuple) else (index,)
-    if not all(i is Ellipsis or i is None or isinstance(i, (int, slice)) or
-               (isinstance(i, fx.Node) and tensor_shape(i) is None) for i in idx):
-        return None  # a tensor index: advanced indexing copies and reorders
-    consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
-    in_dim = out_dim = 0
-    for i in idx:
-        if i is None:
-            out_dim += 1
-        elif i is Ellipsis:
-            n = len(in_shape) - consumed
-            if in_dim <= axis < in_dim + n:
-                return out_dim + axis - in_dim
-            in_dim, out_dim = in_dim + n, out_dim + n
-        elif isinstance(i, slice):
-            if in_dim == axis:
-                return out_dim if i == slice(None) else None
-            in_dim, out_dim = in_dim + 1, out_dim + 1
-        else:  # an int (or a SymInt): selects one entry of this axis
-            if in_dim == axis:
-                return None
-            in_dim += 1
-    return out_dim + axis - in_dim if axis >= in_dim else None
-
-
-def vocab_axis_after(node: fx.Node, src: fx.Node, axis: int) -> int | None:
-    """The axis of ``node`` that holds axis ``axis`` of ``src`` whole and in order, when ``node`` is a
-    view, reshape or permutation of ``src`` (its first argument) that keeps each column of that axis."""
-    in_shape, out_shape = tensor_shape(src), tensor_shape(node)
-    if in_shape is None or out_shape is None or not node.args or node.args[0] is not src or not in_shape:
-        return None
-    axis %= len(in_shape)
-    if node.op == "call_function" and node.target is operator.getitem:
-        return _index_axis(node.args[1], in_shape, axis)
-    perm = _permutation(node, len(in_shape))
-    if perm is not None:
-        return perm.index(axis) if sorted(perm) == list(range(len(in_shape))) else None
-    if node.op == "call_function" and node.target is getattr and node.args[1] == "data":
-        return axis
-    if not is_call(node, RESHAPE_FUNCTIONS, RESHAPE_METHODS):
-        return None
-    if _call_name(node) in ("expand", "expand_as"):
-        shift = len(out_shape) - len(in_shape)
-        return axis + shift if shift >= 0 and _known_equal(out_shape[axis + shift], in_shape[axis]) else None
-    prefix = _product(in_shape[:axis])
-    for k, d in enumerate(out_shape):
-        if _known_equal(d, in_shape[axis]) and _known_equal(_product(out_shape[:k]), prefix):
-            return k
-    return None
-
-
-def is_reshape_or_permute(node: fx.Node) -> bool:
-    """A view, reshape or permutation of its first argument (``x.T``/``x.mT`` included)."""
-    if node.op == "call_function" and node.target is getattr:
-        return node.args[1] in ("T", "mT", "H", "mH")
-    return is_call(node, RESHAPE_FUNCTIONS | PERMUTE_FUNCTIONS, RESHAPE_METHODS | PERMUTE_METHODS) or \
-        _op_name(node) in ("numpy_T", "mT", "mH", "adjoint")
-
-
 # Writes of values at positions, returned as a new tensor (``z.scatter(-1, ids, -inf)``, ``z.index_fill(-1, ids, 0)``):
 # each entry keeps its column, so on logits they are steps of the chain (bans), like their in-place forms.
 WRITE_LIKE = {"scatter", "scatter_add", "scatter_reduce", "index_fill", "index_put", "index_add", "index_copy",
@@ -648,5 +301,4 @@ WRITE_LIKE = {"scatter", "scatter_add", "scatter_reduce", "index_fill", "index_p
 
 def is_write_like(node: fx.Node) -> bool:
     """An out-of-place positional write of its first argument (its result has the argument's shape)."""
-    name = _call_name(node) if node.op in ("call_function", "call_method") else None
-    return name in WRITE_LIKE and bool(node.args) and tensor_shape(node) is not None
+    return node_name(node, attribute=True) in WRITE_LIKE and bool(node.args) and tensor_shape(node) is not None

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from . import effects, patterns
+from .graph import node_name
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "norm", "vector_norm", "logsumexp", "std", "var"}
 _KEEP = {"contiguous", "clone", "detach"}
@@ -110,7 +111,7 @@ _RANDOM = {"rrelu", "bernoulli", "dropout", "alpha_dropout", "feature_alpha_drop
 
 
 def _op_kind(node: fx.Node, inputs: dict, shape, rows: int) -> str | None:
-    name = patterns._call_name(node) or ""
+    name = node_name(node, attribute=True) or ""
     if shape is None or name.rstrip("_") in _RANDOM:  # rrelu is pointwise, but not the same twice
         return None
     kinds = set(inputs.values())
@@ -146,7 +147,7 @@ def _scalar(node) -> bool:
 
 def _column_of(node: fx.Node) -> bool:
     """``v[:, None]``, ``v.unsqueeze(1 | -1)``, ``v.view(-1, 1)`` / ``reshape``: a [V] vector as [V, 1]."""
-    name = patterns._call_name(node)
+    name = node_name(node, attribute=True)
     args = node.args[1:]
     if node.op == "call_function" and node.target is operator.getitem:
         idx = node.args[1]

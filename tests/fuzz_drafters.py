@@ -44,6 +44,10 @@ HEADS = (
     "param_colnorm",   # nn.Linear behind parametrize: W / W.norm(dim=0, keepdim=True) (mixes rows: dense)
     # -- issue 40 item 6 / issue 45 item 4: heads found by their algebra
     "addmm",           # torch.addmm(self.b, h2d, self.W.t()) on the flattened positions (torch.mm without a bias)
+    "addmm_scaled",    # torch.addmm(self.b, h2d, self.W.t(), beta=0.5, alpha=2.0) (without a bias: beta=0 over zeros)
+    "baddbmm",         # torch.baddbmm(self.b, h3d, self.W.t().unsqueeze(0).expand(B, -1, -1), alpha=1.5) (bmm without)
+    # -- issue 40 item 2: a LoRA delta on the head is one head of one set
+    "lora",            # self.lm_head(h) + self.lora_B(self.lora_A(h)) * 0.5 (rank 2; trainable in the grad modes)
     "einsum_wh",       # torch.einsum("vh,...h->...v", self.W, h): the weight first
     "attr_tensor",     # F.linear(h, self.W) with self.W a plain tensor attribute (no Parameter, no buffer)
 )
@@ -306,7 +310,13 @@ class FuzzDrafter(nn.Module):
             self.pre = nn.Linear(H, H)
         w = randn(Vh, H, scale=H**-0.5 * 2)
         b = randn(Vh) if r.head_bias else None
-        if r.head == "linear":
+        if r.head == "lora":
+            self.lora_A = nn.Linear(H, 2, bias=False)
+            self.lora_B = nn.Linear(2, Vh, bias=False)
+            with torch.no_grad():
+                self.lora_A.weight.copy_(randn(2, H, scale=H**-0.5))
+                self.lora_B.weight.copy_(randn(Vh, 2))
+        if r.head in ("linear", "lora"):
             self.lm_head = nn.Linear(H, Vh, bias=r.head_bias)
             with torch.no_grad():
                 self.lm_head.weight.copy_(w)
@@ -318,7 +328,7 @@ class FuzzDrafter(nn.Module):
             if b is not None:
                 with torch.no_grad():
                     self.lm_head.bias.copy_(b)
-        elif r.head in ("matmul_bias", "matmul_T", "einsum", "addmm", "einsum_wh"):
+        elif r.head in ("matmul_bias", "matmul_T", "einsum", "addmm", "einsum_wh", "addmm_scaled", "baddbmm"):
             self.W = nn.Parameter(w)
             self.b = nn.Parameter(b) if b is not None else None
         elif r.head == "attr_tensor":
@@ -386,12 +396,12 @@ class FuzzDrafter(nn.Module):
     # ----------------------------------------------------------------- pieces
     def head_weight(self) -> torch.Tensor | None:
         r = self.recipe
-        if r.head in ("linear", "linear_tied"):
+        if r.head in ("linear", "linear_tied", "lora"):
             return self.lm_head.weight
         if r.head == "functional_tied":
             return self.embed.weight
-        if r.head in ("matmul_bias", "matmul_T", "einsum", "matmul_hv", "linear_hv", "addmm", "einsum_wh",
-                      "attr_tensor"):
+        if r.head in ("matmul_bias", "matmul_T", "einsum", "matmul_hv", "linear_hv", "addmm", "einsum_wh", "addmm_scaled",
+                      "baddbmm", "attr_tensor"):
             return self.W
         if r.head == "buffer":
             return self.head_buf
@@ -426,6 +436,8 @@ class FuzzDrafter(nn.Module):
         r = self.recipe
         if r.head in ("linear", "linear_tied"):
             return self.lm_head(h)
+        if r.head == "lora":
+            return self.lm_head(h) + self.lora_B(self.lora_A(h)) * 0.5
         if r.head == "functional_tied":
             return F.linear(h, self.embed.weight)
         if r.head == "matmul_bias":
@@ -442,6 +454,16 @@ class FuzzDrafter(nn.Module):
         if r.head == "addmm":
             flat = h.reshape(-1, h.shape[-1])
             z = torch.addmm(self.b, flat, self.W.t()) if self.b is not None else torch.mm(flat, self.W.t())
+            return z.view(*h.shape[:-1], z.shape[-1])
+        if r.head == "addmm_scaled":
+            flat = h.reshape(-1, h.shape[-1])
+            bias = self.b if self.b is not None else flat.new_zeros(())
+            z = torch.addmm(bias, flat, self.W.t(), beta=0.5 if self.b is not None else 0, alpha=2.0)
+            return z.view(*h.shape[:-1], z.shape[-1])
+        if r.head == "baddbmm":
+            h3 = h if h.dim() == 3 else h.reshape(1, -1, h.shape[-1])
+            w3 = self.W.t().unsqueeze(0).expand(h3.shape[0], -1, -1)
+            z = torch.baddbmm(self.b, h3, w3, alpha=1.5) if self.b is not None else torch.bmm(h3, w3)
             return z.view(*h.shape[:-1], z.shape[-1])
         if r.head == "einsum_wh":
             z = torch.einsum("vh,...h->...v", self.W, h)

@@ -47,9 +47,10 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 
 def test_passes_and_kernels_import_nothing_else_of_nanospec_fx():
     for package in ("passes", "kernels"):
-        for path in sorted((ROOT / package).glob("*.py")):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            depth = len(path.relative_to(ROOT / package).parts)  # 1 for a module of the package, 2 in a subpackage
             for module, level in _imports(path):
-                assert level <= 1, f"{path.name}: a relative import leaves {package}/"
+                assert level <= depth, f"{path.name}: a relative import leaves {package}/"
                 # passes/ builds its op calls from the ops' declaration (kernels/schema.py), nothing else of kernels/
                 allowed = (f"nanospec_fx.{package}",) + (("nanospec_fx.kernels.schema",) if package == "passes" else ())
                 if module.split(".")[0] == "nanospec_fx":
@@ -63,7 +64,7 @@ def test_the_runtime_never_imports_the_evaluation():
         for p in sorted((ROOT / "nanospec_fx").rglob("*.py"))
         if "eval" not in p.relative_to(ROOT / "nanospec_fx").parts
     ]
-    runtime += sorted((ROOT / "passes").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    runtime += sorted((ROOT / "passes").rglob("*.py")) + sorted((ROOT / "kernels").rglob("*.py"))
     assert len(runtime) > 15
     for path in runtime:
         for module, _ in _imports(path):
@@ -188,14 +189,33 @@ def test_a_top_level_kernels_import_from_the_checkout_is_never_our_package():
         assert out[0] == str(ROOT / "kernels" / "__init__.py")
 
 
-# The passes in stage order: shared helpers and types, the matching rules, the lookup analysis, then the stages
-# themselves (find the head, rewrite it, observe the ids). A module imports only modules before it.
-PASS_STAGES = ["graph", "contract", "effects", "patterns", "transforms", "lookups", "row_weight", "find_head",
-               "rewrite_head", "observe_inputs"]
+def _stage_list(package: Path) -> list[str]:
+    """The stage list a package's ``__init__`` docstring gives (its ``* ``name`` - ...`` lines), in order."""
+    import re
+
+    return re.findall(r"^\* ``(\w+)``", ast.get_docstring(ast.parse((package / "__init__.py").read_text())), re.M)
+
+
+# The passes in stage order, as passes/__init__.py states it: every module of passes/ is listed (a subpackage as one
+# stage), and a module imports only modules listed before it (a subpackage's own list likewise).
+PASS_STAGES = _stage_list(ROOT / "passes")
+
+
+def test_the_stage_lists_name_every_module():
+    for package in (ROOT / "passes", *[p.parent for p in (ROOT / "passes").glob("*/__init__.py")]):
+        modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+        modules |= {p.parent.name for p in package.glob("*/__init__.py")}
+        assert sorted(_stage_list(package)) == sorted(modules), package
 
 
 def test_the_passes_import_only_earlier_stages():
     graph = _import_graph()
-    for i, stage in enumerate(PASS_STAGES):
-        later = {f"nanospec_fx.passes.{s}" for s in PASS_STAGES[i + 1:]}
-        assert not graph[f"nanospec_fx.passes.{stage}"] & later, f"{stage} imports a later stage"
+    for package, name in ((ROOT / "passes", "nanospec_fx.passes"),
+                          *[(p.parent, f"nanospec_fx.passes.{p.parent.name}") for p in (ROOT / "passes").glob("*/__init__.py")]):
+        stages = _stage_list(package)
+        assert len(stages) > 5, package
+        for i, stage in enumerate(stages):
+            later = {f"{name}.{s}" for s in stages[i + 1:]}
+            reads = set().union(*(v for k, v in graph.items() if k == f"{name}.{stage}" or k.startswith(f"{name}.{stage}.")))
+            later_reached = {m for m in reads if any(m == x or m.startswith(x + ".") for x in later)}
+            assert not later_reached, f"{stage} imports a later stage: {sorted(later_reached)}"

@@ -142,7 +142,7 @@ def test_ids_packed_into_a_dtype_that_cannot_hold_them_stay_dense(fake_group, co
 
 def test_exact_integers_of_each_dtype():
     """The largest id range a float dtype carries exactly (every integer up to 2 ** (mantissa bits + 1))."""
-    from nanospec_fx.passes.vocab_parallel_select import exact_integers, ids_round_trip
+    from nanospec_fx.passes.vocab_parallel.id_dtypes import exact_integers, ids_round_trip
 
     assert [exact_integers(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)] == \
         [2 ** 53, 2 ** 24, 2 ** 11, 2 ** 8]

@@ -246,7 +246,7 @@ def sharded_target(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from nanospec_fx.passes.vocab_parallel_topk import sharded_topk_ids
+    from nanospec_fx.passes.vocab_parallel.topk import sharded_topk_ids
 
     report = {}
     warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # an unobserved target would warn

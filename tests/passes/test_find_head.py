@@ -187,7 +187,7 @@ def _spelling_id(spelling) -> str:
 
 @pytest.mark.parametrize("spelling", TRANSPOSE_SPELLINGS, ids=_spelling_id)
 def test_transposed_weight_reads_every_spelling(spelling):
-    from nanospec_fx.passes.patterns import match_projection, transposed_weight
+    from nanospec_fx.passes.projections import match_projection, transposed_weight
 
     x, w, t, mm = _transpose_graph(*spelling)
     assert transposed_weight(t) is w
@@ -199,14 +199,14 @@ def test_transposed_weight_reads_every_spelling(spelling):
     ("call_function", getattr, "shape"), ("call_function", torch.ops.aten.clone.default),
 ])
 def test_not_a_transpose_is_not_read_as_one(spelling):
-    from nanospec_fx.passes.patterns import match_projection, transposed_weight
+    from nanospec_fx.passes.projections import match_projection, transposed_weight
 
     _, _, t, mm = _transpose_graph(*spelling)
     assert transposed_weight(t) is None and match_projection(mm) is None
 
 
 def test_transpose_of_a_3d_weight_is_not_a_head_weight():
-    from nanospec_fx.passes.patterns import transposed_weight
+    from nanospec_fx.passes.projections import transposed_weight
 
     _, _, t, _ = _transpose_graph("call_method", "transpose", 1, 2, shape=(4, 97, 8))
     assert transposed_weight(t) is None

@@ -160,7 +160,7 @@ def test_another_projection_written_into_the_logits_ends_the_chain_there():
 class LoraDelta(nn.Module):
     """``lm_head(h) + B(A(h)) * s``, written out."""
 
-    def __init__(self, rank: int = 2, scale: float = 0.5):
+    def __init__(self, rank: int = 2, scale: float = 0.5, delta_read_too: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(V, H)
@@ -168,10 +168,13 @@ class LoraDelta(nn.Module):
         self.lora_A = nn.Linear(H, rank, bias=False)
         self.lora_B = nn.Linear(rank, V, bias=False)
         self.scale = scale
+        self.delta_read_too = delta_read_too
 
     def forward(self, ids):
         h = torch.tanh(self.embed(ids))
-        return self.lm_head(h) + self.lora_B(self.lora_A(h)) * self.scale
+        delta = self.lora_B(self.lora_A(h))
+        z = self.lm_head(h) + delta * self.scale
+        return (z, delta) if self.delta_read_too else z
 
 
 class PeftStyleLoraLinear(nn.Module):
@@ -207,8 +210,19 @@ class PeftDrafter(nn.Module):
 
 
 @pytest.mark.parametrize("make", [LoraDelta, PeftDrafter], ids=["written out", "peft-style lora.Linear"])
-def test_a_lora_delta_on_the_head_runs_dense_saying_why_and_how_to_merge(make):
+def test_a_lora_delta_on_the_head_is_one_head_of_one_set(make):
+    """(``test_lora_heads.py`` covers more forms.)"""
     model = make().eval()
+    out, expected, warned = _call(model)
+    assert not warned, warned
+    (state,) = registered_states(model).values()  # one set: the head weight's
+    active = state.contains(torch.arange(V))
+    torch.testing.assert_close(out, expected.masked_fill(~active, float("-inf")))
+
+
+def test_a_low_rank_projection_read_on_its_own_too_runs_dense_saying_why_and_how_to_merge():
+    """Its logits are an output of their own: no delta of the head, a second head whose logits meet the first's."""
+    model = LoraDelta(delta_read_too=True).eval()
     out, expected, warned = _call(model)
     assert len(warned) == 1, warned
     assert "the logits of two heads are combined" in warned[0]

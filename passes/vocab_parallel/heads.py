@@ -1,15 +1,33 @@
 """The vocabulary-parallel heads of a graph: projections whose slices are gathered into ``[..., V]``
-(:mod:`vocab_parallel`) or selected from and exchanged as (value, id) candidates (:mod:`vocab_parallel_select`),
-found in Dynamo's graph and collapsed in the backend's copy into plain ``[..., V]`` projections for
-``rewrite_head``."""
+(:mod:`.gather`) or selected from and exchanged as (value, id) candidates (:mod:`.exchange`), found in Dynamo's
+graph and collapsed in the backend's copy into plain ``[..., V]`` projections for ``rewrite_head``."""
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import patterns
-from .find_head import HeadMatch, _is_weight_like, module_path, parameter_name, reaches_output
-from .vocab_parallel import Gather, GatheredHead, ShardedOutput, collapse_gather, match_dtensor, match_gather
-from .vocab_parallel_select import Exchange, collapse_exchange, match_exchange, remapped
+from .. import patterns, projections
+from ..find_head import HeadMatch, is_weight_like, module_path, name_matches, parameter_name, reaches_output
+from ..graph import map_nodes
+from .collapse import collapse_exchange, collapse_gather
+from .exchange import match_exchange
+from .exchange_values import Exchange
+from .gather import Gather, ShardedOutput, match_dtensor, match_gather
+
+
+@dataclass(eq=False)
+class GatheredHead(HeadMatch):
+    """A vocabulary-parallel head: ``weight`` is this rank's shard ``[V / tp, H]``, ``nodes`` the local projections,
+    ``vocab_size`` the whole vocabulary V."""
+
+    world_size: int = 1
+    group_name: str = ""
+    shard_rows: int = 0
+    exchanges: dict = field(default_factory=dict)  # projection -> its Exchange (a selection, not a gather)
+
+    __hash__ = object.__hash__
 
 
 def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = None,
@@ -19,20 +37,25 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
     output is gathered into ``[..., V]`` (see :func:`match_gather`) and reaches the graph output. A gather that
     cannot be followed adds a note (the head then runs dense with a warning). ``head`` keeps the one it names.
     With ``exchanges``, a slice read by a local selection whose candidates are exchanged
-    (:mod:`vocab_parallel_select`) is such a head too. With ``sharded_outputs`` (a target observer, which only
+    (:mod:`.exchange`) is such a head too. With ``sharded_outputs`` (a target observer, which only
     reads the slice), a DTensor head whose output stays ``Shard(-1)`` is one whatever reads its slice: the DTensor
     layout says which tokens its columns are. ``exchanges`` maps each such projection to its
-    :class:`~vocab_parallel_select.Exchange` or :class:`~vocab_parallel.ShardedOutput`."""
+    :class:`.Exchange` or :class:`.ShardedOutput`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example_of = dict(zip(placeholders, example_inputs))
     found: dict[fx.Node, GatheredHead] = {}
     for node in gm.graph.nodes:
-        m = patterns.match_projection(node)
+        m = projections.match_projection(node)
         if m is None:
             continue
         x, w, b = m
         shape = patterns.tensor_shape(w)
-        if not shape or not all(isinstance(d, int) for d in shape) or not _is_weight_like(w, example_of.get(w)):
+        if not shape or not all(isinstance(d, int) for d in shape) or not is_weight_like(w, example_of.get(w)):
+            continue
+        if projections.projection_scales(node) != (1, 1):  # the collapsed projection would lose alpha / beta
+            if notes is not None:
+                notes.append(f"the projection {node.name} onto {parameter_name(w)} scales its product or bias "
+                             "(addmm/baddbmm alpha, beta): not taken as a vocabulary-parallel head")
             continue
         gather = match_dtensor(node) or match_gather(node)
         sharded = gather if isinstance(gather, ShardedOutput) else None
@@ -78,9 +101,7 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
             match.exchanges[node] = gather
     heads = list(found.values())
     if head is not None:
-        from .find_head import _name_matches
-
-        heads = [h for h in heads if _name_matches(head, h.name, h.module_path)]
+        heads = [h for h in heads if name_matches(head, h.name, h.module_path)]
     return heads
 
 
@@ -91,11 +112,13 @@ def sliced_logits(selection: Exchange | ShardedOutput) -> fx.Node:
     return selection.prefix[-1] if selection.prefix else selection.local
 
 
-def remap(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
+def collapsed(graph: fx.Graph, head: GatheredHead, node_map: dict[fx.Node, fx.Node]) -> HeadMatch:
     """``head`` (found in Dynamo's graph) in the backend's copy ``graph``, with every gather collapsed: a plain
-    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is."""
-    nodes = [collapse_exchange(graph, remapped(head.exchanges[n], node_map)) if n in head.exchanges
-             else collapse_gather(graph, node_map[n]) for n in head.nodes]
-    weight, bias = patterns.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
-    return HeadMatch(weight, nodes, head.name, head.vocab_size, head.hidden_size, [bias] * len(nodes),
-                     head.module_path)
+    HeadMatch over ``[..., V]`` projections that ``rewrite_head`` takes as it is, every other field of the head
+    kept (mapped by :func:`~nanospec_fx.passes.graph.map_nodes`)."""
+    mapped = map_nodes(head, node_map)
+    nodes = [collapse_exchange(graph, mapped.exchanges[n]) if n in mapped.exchanges else collapse_gather(graph, n)
+             for n in mapped.nodes]
+    weight, bias = projections.match_projection(nodes[0])[1:]  # a DTensor head's: its to_local() shards
+    plain = {f.name: getattr(mapped, f.name) for f in dataclasses.fields(HeadMatch)}
+    return HeadMatch(**{**plain, "weight": weight, "nodes": nodes, "biases": [bias] * len(nodes)})

@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
-from .contract import ObserveInto
-from .patterns import example_value, set_example_value
+from ..contract import ObserveInto
+from ..patterns import example_value, set_example_value
 
 
 def shard_observers(graph: fx.Graph, into: ObserveInto, zero: list[fx.Node], fetch: Callable,

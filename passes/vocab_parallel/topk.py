@@ -21,11 +21,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import patterns
-from .contract import ObserveInto
-from .observe_inputs import insert_observe
-from .patterns import set_example_value
-from .vocab_parallel_select import group_rank, ids_round_trip
+from .. import patterns
+from ..contract import ObserveInto
+from ..observe_inputs import insert_observe
+from ..patterns import set_example_value
+from .collectives import group_rank
+from .id_dtypes import ids_round_trip
 
 C10D = torch.ops._c10d_functional
 
