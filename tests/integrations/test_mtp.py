@@ -52,8 +52,9 @@ class GreedyDraftCheck:
         return ids, logits, loss
 
 
-def check_greedy_drafts(state):
-    """Install :class:`GreedyDraftCheck` on every greedy MTP generator the next ``generate`` calls build."""
+def check_greedy_drafts(state, vocab: int = V):
+    """``(checks, spy)``: set ``spy`` as ``MTPCandidateGenerator.get_candidates`` to put a :class:`GreedyDraftCheck`
+    on every greedy MTP generator the next ``generate`` calls build (collected in ``checks``)."""
     from nanospec_fx.mtp import MtpTokens
 
     checks = []
@@ -61,7 +62,7 @@ def check_greedy_drafts(state):
 
     def spy(self, *a, **k):
         if isinstance(self.mtp_model, MtpTokens):
-            checks.append(GreedyDraftCheck(self.mtp_model, state, V))
+            checks.append(GreedyDraftCheck(self.mtp_model, state, vocab))
             self.mtp_model = checks[-1]
         return original(self, *a, **k)
 
