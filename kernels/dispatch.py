@@ -44,13 +44,21 @@ def _triton_ops():
     return triton_kernels
 
 
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """``fake_tensor.is_fake``, answered without its walk for a plain tensor (the per-call case: ~3 us saved)."""
+    if (type(tensor) is torch.Tensor and not torch._is_functional_tensor(tensor)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)):
+        return False  # no subclass, no functional or functorch wrapper: nothing that can hold a fake tensor
+    return torch._subclasses.fake_tensor.is_fake(tensor)
+
+
 def _host_readable(tensor: torch.Tensor) -> bool:
     """A real CPU tensor outside any tracing: its data can be read on the host."""
     return (
         tensor.device.type == "cpu"
-        and not torch._subclasses.fake_tensor.is_fake(tensor)
         and _get_current_dispatch_mode() is None
         and not torch.compiler.is_compiling()
+        and not _is_fake(tensor)
     )
 
 
@@ -67,7 +75,7 @@ def path_for(device: torch.device | str) -> str:
 
 def implementation_for(op: str, tensor: torch.Tensor) -> Callable:
     """The function that runs ``op`` for a call whose main tensor is ``tensor``."""
-    mode = kernel_mode(tensor.device.type)
+    mode = current_config(tensor.device.type).kernels
     if mode in ("auto", "host") and _host_readable(tensor):
         return getattr(host, op)
     if mode in ("reference", "host") or (mode == "auto" and tensor.device.type != "cuda"):

@@ -7,7 +7,9 @@ count are -inf, top-k pads with the smallest inactive ids); only the work inside
 
 * the head multiplies ``x`` by the first :func:`bucket` ``(count)`` cached rows, not all C (a few
   sizes per octave, so the matrix shapes repeat; ~25% at most computed past the count);
-* scatter, top-k and argmax read the ``count`` active slots only;
+* scatter, top-k and argmax read the ``count`` active slots only; top-k and argmax select (``torch.topk``) rather
+  than sort: one partial selection when no tie decides the order, else one over int64 keys that carry the tie
+  rule (``k < count``; padding and float64 keep the stable sort);
 * ``observe`` de-duplicates, renews and allocates in Python over the call's few ids and moves the
   data with a handful of tensor ops (the reference needs ~70 small ones to stay on the device).
 
@@ -45,8 +47,8 @@ def bucket(count: int, capacity: int) -> int:
 
 
 def active_count(cursor: torch.Tensor, capacity: int) -> int:
-    """How many slots are active: ``min(cursor, C)``, read on the host."""
-    return min(int(cursor.reshape(())), capacity)
+    """How many slots are active: ``min(cursor, C)``, read on the host (``cursor``: one element)."""
+    return min(int(cursor.item()), capacity)
 
 
 # ----------------------------------------------------------------------------- observe
@@ -148,9 +150,7 @@ def compact_logits(
     n = active_count(cursor, capacity)
     rows = bucket(n, capacity)
     part = F.linear(x, cache_w[:rows], None if cache_b is None else cache_b[:rows])
-    out = part.new_full((*part.shape[:-1], capacity), float("-inf"))
-    out[..., :n] = part[..., :n]
-    return out
+    return F.pad(part[..., :n], (0, capacity - n), value=float("-inf"))  # one op: -inf past the count
 
 
 def scatter_logits(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor, vocab_size: int,
@@ -192,6 +192,12 @@ def compact_topk(
     if rows is not None:
         return _topk_rows(compact, ids, cursor, k, largest, rows)
     n = active_count(cursor, ids.numel())
+    if k < n:  # the common case (a draft loop's top-1 .. top-10): a partial selection, no sort, no padding
+        picked = _topk_untied(compact[..., :n], ids[:n], k, largest)
+        if picked is None and compact.dtype in _KEYED:
+            picked = _topk_keyed(compact[..., :n], ids[:n], k, largest)
+        if picked is not None:
+            return picked
     tokens, by_id = torch.sort(ids[:n])  # active ids are distinct
     vals, order = torch.sort(compact[..., :n].index_select(-1, by_id), dim=-1, descending=largest, stable=True)
     found = min(k, n)
@@ -204,6 +210,37 @@ def compact_topk(
         vals = torch.cat([vals, vals.new_full(shape, float("-inf") if largest else float("inf"))], -1)
         tokens = torch.cat([tokens, pad.expand(shape)], -1)
     return vals, tokens
+
+
+def _topk_untied(values: torch.Tensor, tokens: torch.Tensor, k: int, largest: bool):
+    """The rule's top-``k`` of the active ``values [..., n]`` (``k < n``) from one ``torch.topk`` of ``k + 1``, when
+    that is exact: the ``k + 1`` picked values strictly ordered in every row (no NaN, no tie among the first ``k``
+    nor with the next one, so no tie rule applies and the ``k`` are the only ones). None otherwise (a tie, a NaN,
+    -0.0 beside 0.0): the caller applies the tie rule."""
+    vals, slots = values.topk(k + 1, dim=-1, largest=largest)
+    head, after = vals[..., :k], vals[..., 1:]
+    if not bool(((head > after) if largest else (head < after)).all()):
+        return None
+    return head.contiguous(), tokens[slots[..., :k]]
+
+
+# Floats whose order a float32 copy keeps exactly (the keyed selection's domain; float64 takes the sort).
+_KEYED = (torch.float32, torch.float16, torch.bfloat16)
+_LOW = (1 << 32) - 1
+
+
+def _topk_keyed(values: torch.Tensor, tokens: torch.Tensor, k: int, largest: bool):
+    """The rule's top-``k`` (``k < n``) with ties: one ``torch.topk`` over int64 keys that hold the value's order in
+    the high half (its float32 bits made monotone; every NaN one positive NaN, above +inf; -0.0 as 0.0, equal to
+    it) and the tie break in the low half (the smaller token id wins either way). Exact for 16- and 32-bit floats
+    and ids below 2^32; values are read back at the picked slots (their own bits)."""
+    w = values.float()
+    w = torch.where(w.isnan(), float("nan"), w + 0.0)  # canonical NaN; -0.0 + 0.0 is 0.0
+    bits = w.view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # sign-magnitude -> two's complement order
+    key = (bits << 32) | ((_LOW - tokens) if largest else tokens)
+    slots = key.topk(k, dim=-1, largest=largest).indices
+    return values.gather(-1, slots), tokens[slots]
 
 
 def compact_argmax(compact: torch.Tensor, ids: torch.Tensor, cursor: torch.Tensor,

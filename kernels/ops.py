@@ -30,6 +30,7 @@ weights), so a frozen head trains the body (see the end of this file); per-reque
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import warnings
 from typing import Callable
@@ -38,7 +39,7 @@ import torch
 
 from . import reference
 from .dispatch import implementation_for
-from .selection import triton_op_choice
+from .selection import current_config, triton_op_choice
 from .schema import arguments, check_num_pinned, mutated, schema_of
 from .state_lock import serialised_op
 
@@ -87,7 +88,40 @@ def _register(name: str, body: Callable, fake: Callable):
             return body(*args, **kwargs)
     op = torch.library.custom_op(qualname, mutates_args=mutates_args, schema=schema)(opaque)
     op.register_fake(fake)
+    _CPU_LIB.impl(name, _cpu_kernel(body), "CPU")
     return op
+
+
+# The opaque ops' CPU kernel, registered on the CPU key itself (issue 39). custom_op's kernel sits on
+# CompositeExplicitAutograd behind a torch._disable_dynamo frame, checks the result's aliasing and enters
+# ``direct_launch`` on every call: about half of a ~30 us call on a tiny CPU state, whose body takes a few us. The
+# CPU key wins over CompositeExplicitAutograd for CPU tensors, so this kernel runs the same body with less around
+# it: ``direct_launch`` only where a CPU call can launch Triton (``kernels="triton"``, through the interpreter), and
+# Dynamo's frame hook unset around the body as torch._dynamo.disable does, without its Python frames. The outputs
+# are fresh tensors (opcheck's schema test checks they alias no input). Every other key (fake, autograd, autocast,
+# functionalisation, other devices) is unchanged (tests/kernels/test_opcheck.py checks the ops as registered).
+_CPU_LIB = torch.library.Library("nanospec", "IMPL")
+
+
+try:  # what torch._dynamo.disable does around a call (callback None under every stance), without its Python frames
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # pragma: no cover - a torch without it: the public wrapper
+    _set_eval_frame = None
+
+
+def _cpu_kernel(body: Callable) -> Callable:
+    def kernel(*args):
+        prior = _set_eval_frame(None)  # Dynamo never compiles the body's frames, as under custom_op's kernel
+        try:
+            if current_config("cpu").kernels == "triton":  # the one CPU choice that launches Triton kernels
+                from .triton_util import direct_launch
+
+                with direct_launch():
+                    return body(*args)
+            return body(*args)
+        finally:
+            _set_eval_frame(prior)
+    return kernel if _set_eval_frame is not None else torch._disable_dynamo(kernel)
 
 
 # ----------------------------------------------------------------------------- bodies
@@ -225,17 +259,20 @@ for _name in ("compact_logits", "head_logits"):
 # what they do for this op - bump the version counters of the five mutated state tensors (so autograd still sees
 # a saved cache that an observe overwrote) - and dispatches straight to the backend kernel below them.
 _OBSERVE = torch.ops.nanospec.observe.default
-_MUTATED = tuple(arguments("observe").index(name) for name in mutated("observe"))
+_MUTATED = operator.itemgetter(*(arguments("observe").index(name) for name in mutated("observe")))
 
 
 def _observe_autograd(keyset, *args):
-    for i in _MUTATED:
-        torch.autograd.graph.increment_version(args[i])
+    torch.autograd.graph.increment_version(_MUTATED(args))  # the five state tensors, one call
     with torch._C._AutoDispatchBelowADInplaceOrView():
         return _OBSERVE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
 
 
 _AUTOCAST_LIB.impl("observe", _observe_autograd, "Autograd", with_keyset=True)
+# Under ``torch.inference_mode`` (how a decode loop runs) the Autograd key is skipped and custom_op's Python
+# ADInplaceOrView kernel ran instead (``fill_defaults`` over the schema per call: ~30 us of an ~75 us eager observe
+# on the CPU host path); the same kernel does its work (bump the mutated tensors' versions, dispatch below).
+_AUTOCAST_LIB.impl("observe", _observe_autograd, "ADInplaceOrView", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------- autograd

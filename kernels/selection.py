@@ -14,6 +14,12 @@ change per scope.
 type (``"cpu"``, ``"cuda"``); blocks nest (inner wins), and the overrides live in a
 :class:`contextvars.ContextVar`, so threads and asyncio tasks do not see each other's.
 
+Every op call asks for its config (issue 39: that lookup was ~6 of the ~30 us of Python around a tiny CPU op), so
+it is resolved once per scope and device type: each ``use_kernels`` block is a new :class:`_Scope` holding the
+configs resolved under it, a block's exit restores the enclosing scope (a switch takes effect at the next call),
+and a resolved config is kept only with the defaults it was resolved from. The read-once check of the environment
+compares os.environ's own stored bytes (a dict lookup, not a decode per variable per call).
+
 What traced code depends on: an opaque op (CPU machines, ``TRITON_INTERPRET=1``, ``NANOSPEC_TRITON_OP=0``)
 chooses its kernels when it runs, so a compiled function follows the config of each call. A ``triton_op``
 (CUDA with triton) is traced into: the kernels and tile settings in effect when it is COMPILED are baked
@@ -86,32 +92,57 @@ class KernelConfig:
         object.__setattr__(self, "head_config", _check_head_config(self.head_config, "head_config"))
 
 
-# The environment as read once: (raw values, default config); None until the first kernel call.
-_defaults: tuple[tuple, KernelConfig] | None = None
+class _Scope:
+    """The overrides in effect in one ``use_kernels`` block (``((device type or None for all devices, fields), ...)``,
+    innermost last) and the configs resolved under them: ``configs[device_type] = (defaults, config)``."""
+
+    __slots__ = ("overrides", "configs")
+
+    def __init__(self, overrides: tuple) -> None:
+        self.overrides = overrides
+        self.configs: dict[str | None, tuple] = {}
+
+
+# The environment as read once: (its fingerprint, raw values, default config); None until the first kernel call.
+_defaults: tuple[tuple, tuple, KernelConfig] | None = None
 _triton_op: str | None = None  # NANOSPEC_TRITON_OP as read at the ops' registration
 _defaults_lock = threading.Lock()
 _warned: set[tuple] = set()
-# Overrides in effect: ((device type or None for all devices, fields), ...), innermost last.
-_overrides: contextvars.ContextVar[tuple] = contextvars.ContextVar("nanospec_kernel_overrides", default=())
+_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("nanospec_kernel_scope", default=_Scope(()))
+
+
+# The two variables' keys as os.environ stores them (bytes on POSIX, upper-case on Windows); None: no such mapping.
+_ENV_KEYS = tuple(map(os.environ.encodekey, _ENV[:2])) if hasattr(os.environ, "encodekey") else None
 
 
 def _read_env() -> tuple:
     return tuple(os.environ.get(name) for name in _ENV[:2])
 
 
-def _load() -> tuple[tuple, KernelConfig]:
+def _env_fingerprint() -> tuple:
+    """The two variables as ``os.environ`` stores them (its encoded mapping, where it has one: two dict lookups
+    instead of two decodes); equal fingerprints mean equal :func:`_read_env` values."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict) or _ENV_KEYS is None:
+        return _read_env()
+    return (data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]))
+
+
+def _load() -> tuple[tuple, tuple, KernelConfig]:
     global _defaults
     with _defaults_lock:
         if _defaults is None:
-            raw = _read_env()
+            fingerprint, raw = _env_fingerprint(), _read_env()
             config = KernelConfig(_check_kernels(raw[0] or "auto", "NANOSPEC_KERNELS"),
                                   _check_head_config(raw[1] or "default", "NANOSPEC_HEAD_CONFIG"))
-            _defaults = (raw, config)
+            _defaults = (fingerprint, raw, config)
         return _defaults
 
 
-def _check_unchanged(raw: tuple) -> None:
+def _check_unchanged(fingerprint: tuple, raw: tuple, stacklevel: int) -> None:
     """Warn once per changed value: the environment was read at the first kernel call, a change is ignored."""
+    if _env_fingerprint() == fingerprint:
+        return
     now = _read_env()
     if now == raw:
         return
@@ -121,13 +152,13 @@ def _check_unchanged(raw: tuple) -> None:
             warnings.warn(
                 f"{name} changed from {was!r} to {is_!r} after the kernels read it; the change has no effect "
                 "(the variables are process defaults, read once). Use nanospec_fx.kernels.use_kernels(...) to "
-                "switch kernels inside a process.", KernelSelectionWarning, stacklevel=4)
+                "switch kernels inside a process.", KernelSelectionWarning, stacklevel=stacklevel)
 
 
 def default_config() -> KernelConfig:
     """The process defaults (from the environment, read on the first call)."""
-    raw, config = _defaults or _load()
-    _check_unchanged(raw)
+    fingerprint, raw, config = _defaults or _load()
+    _check_unchanged(fingerprint, raw, stacklevel=4)  # the caller of default_config
     return config
 
 
@@ -146,8 +177,16 @@ def triton_op_choice() -> str:
 
 def current_config(device_type: str | None = None) -> KernelConfig:
     """The config in effect for a call on ``device_type`` (the defaults, then every enclosing override that
-    covers this device type, innermost last)."""
-    return _resolve(default_config(), _overrides.get(), device_type)
+    covers this device type, innermost last), resolved once per scope and device type."""
+    defaults = _defaults or _load()
+    _check_unchanged(defaults[0], defaults[1], stacklevel=3)  # the caller of current_config
+    scope = _scope.get()
+    hit = scope.configs.get(device_type)
+    if hit is not None and hit[0] is defaults:
+        return hit[1]
+    config = _resolve(defaults[2], scope.overrides, device_type)
+    scope.configs[device_type] = (defaults, config)
+    return config
 
 
 @functools.lru_cache(maxsize=256)
@@ -176,18 +215,18 @@ def use_kernels(kernels: str | None = None, *, device: str | None = None,
         import torch
 
         device_type = torch.device(device).type
-    token = _overrides.set((*_overrides.get(), (device_type, tuple(sorted(fields.items())))))
+    token = _scope.set(_Scope((*_scope.get().overrides, (device_type, tuple(sorted(fields.items()))))))
     try:
         yield
     finally:
-        _overrides.reset(token)
+        _scope.reset(token)
 
 
 def cache_key() -> str:
     """The effective config as a string, for compile caches: the defaults with every override in effect
     (all of them, whatever device they name) and ``NANOSPEC_TRITON_OP``."""
     parts = [f"default={default_config()}"]
-    parts += [f"{device or 'all'}:{list(fields)}" for device, fields in _overrides.get()]
+    parts += [f"{device or 'all'}:{list(fields)}" for device, fields in _scope.get().overrides]
     return f"nanospec-kernels({'; '.join(parts)}; triton_op={triton_op_choice()})"
 
 

@@ -19,11 +19,20 @@ is compiled with the nanospec backend is the module whose call reads the shared 
   sequence) are observed before each drafting step.
 
 Each ``generate`` call builds a new candidate generator: the set is reset then (one call, one request).
+
+Greedy MTP drafting picks tokens only: transformers' assisted loop reads the drafted logits for sampling or for
+``assistant_ensemble_weight``, and for nothing else. There the generator calls :class:`MtpTokens` instead: the same
+MTP layers compiled a second time with the logits dropped, so the graph's only reader of the head is the argmax,
+taken on the compact logits with the ids mapped back (``compact_argmax``): no ``[V]`` row is written while drafting.
+Its ids are those of the argmax over ``[V]`` logits with the inactive tokens at -inf (ties: the smaller id, as
+``torch.argmax`` returns the first maximum). Sampling and ensembles keep the layers that return the ``[V]`` logits.
 """
 from __future__ import annotations
 
+import operator
 import threading
 
+import torch
 import torch.nn as nn
 
 _LOCK = threading.Lock()
@@ -45,6 +54,46 @@ class SharedHead(nn.Module):
         return self.head(hidden)
 
 
+class MtpTokens(nn.Module):
+    """``mtp``'s drafting call without its logits: ``(drafted ids, None, loss)``. Compiled with nanospec apart from
+    ``mtp`` (whose own call returns the logits), so the head's only reader in this graph is the argmax and the
+    pass takes it on the compact logits. ``mtp``'s uncompiled call path (hooks included) is what it traces."""
+
+    def __init__(self, mtp: nn.Module):
+        super().__init__()
+        self.mtp = mtp
+
+    def forward(self, *args, **kwargs):
+        ids, _, loss = self.mtp._call_impl(*args, **kwargs)
+        return ids, None, loss
+
+
+# Ops that write nothing: unused, they can go. (A whitelist: Dynamo's graph holds in-place method calls - cache
+# writes - that fx's own dead-code elimination would take for pure.)
+_PURE_FUNCTIONS = (operator.getitem, torch.cat, torch.stack)
+_PURE_METHODS = ("to", "float", "unsqueeze", "view", "reshape", "contiguous")
+
+
+def without_dead_reads(gm, example_inputs, **kwargs):
+    """The nanospec backend on Dynamo's graph less its unused pure ops: MtpModel's loop still builds the logits it
+    returns (``logits[:, None, :]`` into a list, ``torch.cat``) after :class:`MtpTokens` dropped them, and Dynamo
+    keeps those dead nodes; left in, they read the head's ``[..., V]`` output and it would be materialised for them.
+    """
+    from torch._dynamo import lookup_backend
+
+    removed = True
+    while removed:
+        removed = False
+        for node in reversed(list(gm.graph.nodes)):
+            pure = ((node.op == "call_function" and node.target in _PURE_FUNCTIONS)
+                    or (node.op == "call_method" and node.target in _PURE_METHODS))
+            if pure and not node.users:
+                gm.graph.erase_node(node)
+                removed = True
+    gm.recompile()
+    return lookup_backend("nanospec")(gm, example_inputs, **kwargs)
+
+
 def is_dflash_drafter(drafter: nn.Module) -> bool:
     """A drafter that transformers runs with ``speculation_type="dflash"``: no head of its own, a block of
     ``block_size`` positions drafted from the target's hidden states at ``target_layer_ids``."""
@@ -62,8 +111,12 @@ def mtp_pair(target: nn.Module, state, mtp: nn.Module | None = None, *, observe_
     The head is found from the model, not by a name: the module of the MTP layers whose weight is the target's
     output embedding (transformers' ``shared_head``, tied to the token embedding or not), see :func:`mtp_head`."""
     mtp = mtp_layers(target, mtp)
-    mtp.compile(backend="nanospec", options={**vocab_options, "inductor": inductor, "head": mtp_head(mtp, target)})
-    _drafters(target)["mtp"] = (mtp, state, observe_topk)
+    head = mtp_head(mtp, target)
+    options = {**vocab_options, "inductor": inductor}
+    mtp.compile(backend="nanospec", options={**options, "head": head})
+    tokens = MtpTokens(mtp)  # greedy drafting: compiled at its first call
+    tokens.compile(backend=without_dead_reads, options={**options, "head": f"mtp.{head}"})
+    _drafters(target)["mtp"] = (mtp, state, observe_topk, tokens)
     target._nanospec_mtp = mtp
     return state
 
@@ -192,12 +245,21 @@ def _candidate_generator(target, original, args, kwargs):
                 MtpModel.from_pretrained = builder
     dflash = drafters.get("dflash")
     if mtp is not None and getattr(generator, "mtp_model", None) is mtp[0]:
+        if _picks_tokens_only(generator, args, kwargs):
+            generator.mtp_model = mtp[3]
         _observe_before_drafting(generator, mtp[1], mtp[2], fed=False)
     elif (dflash is not None and getattr(generator, "assistant_model", None) is dflash[0]
           and hasattr(generator, "main_model_output_embeddings")):
         generator.main_model_output_embeddings = dflash[1]
         _observe_before_drafting(generator, dflash[2], dflash[3], fed=True)
     return generator
+
+
+def _picks_tokens_only(generator, args, kwargs) -> bool:
+    """Whether transformers' assisted loop will read only the drafted ids of this generate call: greedy
+    (``do_sample`` off) and no ``assistant_ensemble_weight`` (both read the drafted logits)."""
+    config = kwargs.get("generation_config", args[0] if args else None)
+    return not getattr(generator, "do_sample", True) and getattr(config, "assistant_ensemble_weight", None) is None
 
 
 def _observe_before_drafting(generator, state, observe_topk: int, fed: bool) -> None:

@@ -2,13 +2,18 @@
 plain greedy, sampling that keeps the target's distribution (chi-square), a reset set per request."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from transformers.generation import LogitsProcessorList  # noqa: E402
+from transformers.generation.candidate_generator import MTPCandidateGenerator  # noqa: E402
 from transformers.modeling_layers import MtpModel  # noqa: E402
 
 import nanospec_fx  # noqa: E402
+from nanospec_fx import pass_reports  # noqa: E402
 from nanospec_fx.eval.loaders import tiny_mtp_checkpoint  # noqa: E402
 from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
 from nanospec_fx.testing import chi_square_test, sequence_distribution  # noqa: E402
@@ -16,8 +21,59 @@ from nanospec_fx.testing import chi_square_test, sequence_distribution  # noqa: 
 V = 500
 
 
+class MaskInactive:
+    """A logits processor: -inf at every token outside ``active`` (the dense oracle of a compact head)."""
+
+    def __init__(self, active: torch.Tensor, vocab: int):
+        self.keep = torch.zeros(vocab, dtype=torch.bool)
+        self.keep[active] = True
+
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(~self.keep, float("-inf"))
+
+
+class GreedyDraftCheck:
+    """Stands in for the generator's greedy MTP call (:class:`nanospec_fx.mtp.MtpTokens`): runs it, then the same
+    layers uncompiled on a copy of the MTP cache, their logits masked to the set as the call left it (the drafted
+    ids can only have joined it: each was the best of the set before), and records both drafts."""
+
+    def __init__(self, tokens, state, vocab: int):
+        self.tokens, self.state, self.vocab = tokens, state, vocab
+        self.drafts = []
+
+    def __call__(self, **kwargs):
+        cache = copy.deepcopy(kwargs["mtp_cache"])
+        ids, logits, loss = self.tokens(**kwargs)
+        mask = MaskInactive(self.state.token_ids(), self.vocab)
+        oracle = dict(kwargs, mtp_cache=cache, logits_processor=LogitsProcessorList([*(kwargs["logits_processor"] or []),
+                                                                                       mask]))
+        want, _, _ = self.tokens.mtp._call_impl(**oracle)
+        self.drafts.append((ids.clone(), want.clone(), logits))
+        return ids, logits, loss
+
+
+def check_greedy_drafts(state, vocab: int = V):
+    """``(checks, spy)``: set ``spy`` as ``MTPCandidateGenerator.get_candidates`` to put a :class:`GreedyDraftCheck`
+    on every greedy MTP generator the next ``generate`` calls build (collected in ``checks``)."""
+    from nanospec_fx.mtp import MtpTokens
+
+    checks = []
+    original = MTPCandidateGenerator.get_candidates
+
+    def spy(self, *a, **k):
+        if isinstance(self.mtp_model, MtpTokens):
+            checks.append(GreedyDraftCheck(self.mtp_model, state, vocab))
+            self.mtp_model = checks[-1]
+        return original(self, *a, **k)
+
+    return checks, spy
+
+
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
-def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path):
+def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path, monkeypatch):
+    """Greedy: equal to plain greedy; the MTP layers draft the argmax over the set (the dense oracle: their logits
+    over [V] with -inf outside it) in a graph that builds no [V] row (compact argmax, ids mapped back: the pass's
+    report of that graph), and hand transformers no logits (greedy reads none)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -27,31 +83,22 @@ def test_mtp_pair_drafts_compact_and_keeps_greedy_output(kind, tmp_path):
             plain = target.generate(ids, max_new_tokens=10, do_sample=False)
             mtp_dense = target.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=True)
         state = nanospec_fx.speculative_pair(target, mtp=True, capacity=64, inductor=False)
-        drafts = []
-        original = transformers.generation.candidate_generator.MTPCandidateGenerator.get_candidates
-
-        def spy(self, *a, **k):
-            out = original(self, *a, **k)
-            if out[1] is not None:
-                drafts.append((out[1].clone(), state.token_ids().clone()))
-            return out
-
-        transformers.generation.candidate_generator.MTPCandidateGenerator.get_candidates = spy
-        try:
-            with torch.inference_mode():
-                first = target.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=True)
-                size = len(state)
-                second = target.generate(ids[:, :5], max_new_tokens=6, do_sample=False, use_mtp=True)
-        finally:
-            transformers.generation.candidate_generator.MTPCandidateGenerator.get_candidates = original
+        checks, spy = check_greedy_drafts(state)
+        monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", spy)
+        with torch.inference_mode():
+            first = target.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=True)
+            size = len(state)
+            second = target.generate(ids[:, :5], max_new_tokens=6, do_sample=False, use_mtp=True)
         assert torch.equal(first, plain) and torch.equal(mtp_dense, plain)
         with torch.inference_mode():
             assert torch.equal(second, target.generate(ids[:, :5], max_new_tokens=6, do_sample=False))
-        assert drafts, "the MTP layers drafted"
-        for logits, active in drafts:
-            finite = torch.isfinite(logits[0, 0])
-            assert 0 < int(finite.sum()) <= 64 < V, "the drafting head is compact"
-            assert set(finite.nonzero().flatten().tolist()) <= set(active.tolist())
+        drafts = [d for c in checks for d in c.drafts]
+        assert len(checks) == 2 and drafts, "each greedy generate call drafted with the token-only MTP call"
+        for got, want, logits in drafts:
+            assert torch.equal(got, want) and logits is None
+        graphs = pass_reports.reports(state)
+        assert graphs and all(r.consumers and not r.exits and not r.materialised for r in graphs), \
+            "the drafting graphs read the head only through a compact selection: no [V] row"
         assert 0 < len(state) <= size, "the second request started from a reset set"
         nanospec_fx.detach(target)
         assert "_get_candidate_generator" not in vars(target)

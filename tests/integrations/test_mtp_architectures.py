@@ -12,8 +12,10 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import MTPCandidateGenerator  # noqa: E402
 
 import nanospec_fx  # noqa: E402
+from nanospec_fx import pass_reports  # noqa: E402
 from nanospec_fx.state import registered_state  # noqa: E402
 import mtp_architectures as arch  # noqa: E402 - beside this file
+from test_mtp import check_greedy_drafts  # noqa: E402 - beside this file
 
 V, CAPACITY = 96, 32
 
@@ -60,27 +62,19 @@ def test_mtp_pair_finds_the_head_of_every_architecture(kind, tied, depth, from_c
         assert all(torch.equal(loaded[k], v) for k, v in written.items())
     assert layers.shared_head is head and len(layers.layers) == depth
 
-    drafts = []
-    original = MTPCandidateGenerator.get_candidates
-
-    def spy(self, *a, **k):
-        out = original(self, *a, **k)
-        if out[1] is not None:
-            drafts.append((out[1].clone(), state.token_ids().clone()))
-        return out
-
+    checks, spy = check_greedy_drafts(state, V)
     monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", spy)
     with torch.inference_mode():
         out = target.generate(ids, max_new_tokens=8, do_sample=False, use_mtp=True)
     assert torch.equal(out, plain)
-    assert drafts, "the MTP layers drafted"
-    for logits, active in drafts:
-        assert logits.shape[1] == depth
-        for step in range(depth):
-            finite = torch.isfinite(logits[0, step])
-            assert 0 < int(finite.sum()) <= CAPACITY < V, "every MTP depth's head is compact"
-            assert set(finite.nonzero().flatten().tolist()) <= set(active.tolist())
-    assert "1 head(s) rewritten" in str(nanospec_fx.explain(layers))
+    drafts = [d for c in checks for d in c.drafts]
+    assert drafts, "the MTP layers drafted (greedy: the token-only call)"
+    for got, want, logits in drafts:  # every MTP depth's draft: the argmax over the set, no logits handed out
+        assert got.shape[1] == depth and torch.equal(got, want) and logits is None
+    graphs = pass_reports.reports(state)
+    assert graphs and all(r.consumers and not r.exits and not r.materialised for r in graphs), \
+        "every MTP depth's head is read through a compact selection: no [V] row"
+    assert "1 head(s) rewritten" in str(nanospec_fx.explain(target._nanospec_drafters["mtp"][3]))
     nanospec_fx.detach(target)
 
 

@@ -364,6 +364,28 @@ def test_gpu_check_fails_loudly_when_steps_break(tmp_path):
     assert checks["logits_match_dense_rows1"].startswith("FAIL")
 
 
+def test_gpu_check_runs_nothing_past_its_budget(tmp_path):
+    """The whole check's budget (GPU_CHECK_TOTAL_S) bounds every step: with none left, the first command that
+    could take time is not run, and the check fails saying so (a device session's time is fixed)."""
+    proc, _ = _gpu_check(tmp_path, GPU_CHECK_TOTAL_S="0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "no time left of the 0s budget: not run:" in out and "torch with CUDA and triton are needed" in out, out
+
+
+def test_gpu_check_worst_case_fits_a_device_session():
+    """On a GPU the defaults bound the whole check at 9 minutes or less (15 of device time, start-up included):
+    the budget every step is cut to, read from the script as it runs them."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    gpu = script.split("else\n    TOTAL=", 1)[1].split("\nfi", 1)[0]
+    total = int(re.match(r"\$\{GPU_CHECK_TOTAL_S:-(\d+)\}", gpu).group(1))
+    assert total <= 9 * 60
+    # every command that can take time goes through the budget: the one `timeout` is limited()'s own
+    assert len(re.findall(r"^\s*(?:\w+=\S+ )*timeout ", script, re.M)) == 1
+
+
 # --------------------------------------------------------------------------- 8. the request axis (rows given)
 class NoHostReads(TorchDispatchMode):
     """Fails on any read of tensor data by the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``)."""

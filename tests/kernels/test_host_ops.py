@@ -157,3 +157,26 @@ def test_compiled_op_calls_run_the_host_path(monkeypatch, use_kernels):
     x = torch.randn(1, 4)
     torch.testing.assert_close(fn(x), R.compact_logits(x, cache_w, None, cursor))
     assert called
+
+
+def test_observe_under_inference_mode_bumps_the_state_versions():
+    """A decode loop runs under ``torch.inference_mode``, where observe dispatches through its ADInplaceOrView kernel:
+    the state ends as in grad mode, every mutated state tensor's version moves (a result saved for backward from the
+    old cache is refused, not silently wrong)."""
+    from nanospec_fx.kernels import ops  # noqa: F401 - registers the ops
+
+    w = torch.randn(50, 6)
+    ids = torch.tensor([3, 7, 7, 41, 12, 3])
+    states = [new_state(50, 6, 8, torch.float32, "cpu") for _ in range(2)]
+    x = torch.randn(2, 6, requires_grad=True)
+    torch.ops.nanospec.observe(torch.tensor([1, 2]), w, None, *states[0], 0)
+    torch.ops.nanospec.observe(torch.tensor([1, 2]), w, None, *states[1], 0)
+    saved = torch.ops.nanospec.compact_logits(x, states[0][3], None, states[0][2])  # saves the cache for backward
+    before = [t._version for t in states[0]]
+    with torch.inference_mode():
+        torch.ops.nanospec.observe(ids, w, None, *states[0], 0)
+    torch.ops.nanospec.observe(ids, w, None, *states[1], 0)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert all(t._version > v for t, v in zip(states[0], before))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()

@@ -184,3 +184,72 @@ def test_the_environment_sets_a_fresh_process_defaults():
         print(path_for("cpu"), current_config("cuda").head_config)
     """, env={"NANOSPEC_KERNELS": "reference", "NANOSPEC_HEAD_CONFIG": "c64_w8"}, timeout=300)
     assert proc.stdout.split()[-2:] == ["reference", "c64_w8"], proc.stderr[-3000:]
+
+
+def _count_calls(monkeypatch, name):
+    """Wrap ``name`` in the host and reference modules: the list of which of the two each op call ran."""
+    ran = []
+    for module, tag in ((host, "host"), (reference, "reference")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _tag=tag: ran.append(_tag) or _real(*a))
+    return ran
+
+
+def test_a_switch_inside_a_loop_takes_effect_at_the_next_op_call(monkeypatch):
+    """The config is resolved once per scope and device type and kept (issue 39): entering or leaving a block, even
+    a device-only one, still switches the very next op call, in eager calls under inference_mode as a decode
+    loop makes them."""
+    from nanospec_fx.kernels import ops  # noqa: F401 - registers the ops
+
+    ran = _count_calls(monkeypatch, "compact_topk")
+    ids, cursor = torch.tensor([4, 9, 1, 7]), torch.tensor([3])
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    want = []
+    with torch.inference_mode(), use_kernels("host"):
+        for i in range(6):
+            if i % 3 == 0:
+                values, tokens = torch.ops.nanospec.compact_topk(logits, ids, cursor, 2)
+                want.append("host")
+            elif i % 3 == 1:
+                with use_kernels("reference", device="cpu"):
+                    values, tokens = torch.ops.nanospec.compact_topk(logits, ids, cursor, 2)
+                    want.append("reference")
+                    with use_kernels("host", device="cuda"):  # another device's block: CPU calls keep "reference"
+                        torch.ops.nanospec.compact_topk(logits, ids, cursor, 2)
+                        want.append("reference")
+            else:
+                with use_kernels("reference"), use_kernels("host"):  # the inner block wins
+                    values, tokens = torch.ops.nanospec.compact_topk(logits, ids, cursor, 2)
+                    want.append("host")
+            assert tokens.tolist() == [[9, 1]] and values.tolist() == [[2.0, 1.0]]
+    assert ran == want
+
+
+def test_a_thread_resolves_its_own_config_while_another_holds_a_block(monkeypatch):
+    """Resolved configs are kept per scope: a thread that starts with no block runs the defaults' path even after
+    the main thread resolved a block's config, and the main thread's next call after the block runs the defaults."""
+    from nanospec_fx.kernels import ops  # noqa: F401 - registers the ops
+
+    ran = _count_calls(monkeypatch, "compact_argmax")
+    ids, cursor, logits = torch.tensor([4, 9]), torch.tensor([2]), torch.tensor([[0.5, 2.0]])
+    default = "reference" if dispatch.path_for("cpu") == "reference" else "host"
+    with use_kernels("reference" if default == "host" else "host"):
+        assert torch.ops.nanospec.compact_argmax(logits, ids, cursor).tolist() == [9]
+        thread = threading.Thread(target=lambda: torch.ops.nanospec.compact_argmax(logits, ids, cursor))
+        thread.start()
+        thread.join(30)
+    torch.ops.nanospec.compact_argmax(logits, ids, cursor)
+    assert ran[1:] == [default, default] and ran[0] != default
+
+
+def test_the_opaque_ops_run_their_own_cpu_kernel():
+    """On CPU the opaque ops dispatch to a kernel on the CPU key (issue 39: not custom_op's generic one behind
+    CompositeExplicitAutograd); the fake, autograd and composite registrations stay in place."""
+    from nanospec_fx.kernels import ops
+
+    for name in ("observe", "compact_logits", "scatter_logits", "head_logits", "compact_topk", "compact_argmax"):
+        qualname = f"nanospec::{name}"
+        if ops.USES_TRITON_OP and name != "observe":
+            continue  # a triton_op is traced into by inductor: torch owns its kernels
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd"), name

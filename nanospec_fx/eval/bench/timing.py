@@ -73,15 +73,17 @@ def device_timings(fn: Callable[[], object], iters: int, warmup: int = 3, before
     return [s.elapsed_time(e) / 1e3 for s, e in events]
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of each function, calls interleaved so that load changes hit every variant alike."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds of each function, calls interleaved so that load changes hit every variant alike
+    (``clock=time.process_time``: this process's CPU time, as :func:`time_call`)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(time_call(fn))
+            times[name].append(time_call(fn, clock))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
