@@ -207,9 +207,6 @@ def _run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
                 p.kill()
             pytest.fail(f"{scenario}: the ranks did not finish within {timeout} s (a hang)")
     for rank, (p, out) in enumerate(zip(procs, outputs)):
-        if p.returncode == -6 and "malloc()" in out:  # a known open defect (issue 40), said as such, never a pass
-            pytest.xfail(f"{scenario}: rank {rank} aborted in the allocator (heap corruption, intermittent since the "
-                         "merge of the TP check-in and the fused observe; open, issue 40):\n" + out[-1000:])
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
     return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
 
