@@ -3,6 +3,7 @@ tests compare across ranks. A hang ends in a failure at the timeout, never in a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -15,11 +16,13 @@ TP = 2
 
 def run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
     """Both ranks of ``scenario`` (tp_worker.py) as subprocesses, meeting at a file store; fails (never hangs) past
-    ``timeout``."""
+    ``timeout``. A rank killed by a signal (an allocator abort) prints every thread's Python stack first
+    (``PYTHONFAULTHANDLER``), and the failure shows it."""
     worker = Path(__file__).with_name("tp_worker.py")
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
-        procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), store],
+        procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(TP), store], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(TP)]
         outputs = []
         try:

@@ -275,3 +275,25 @@ def test_a_rank_that_recompiles_or_refreshes_alone_ends_in_the_same_error_not_a_
     store, rank 0 in its step's collective; both raise the message rank 1 left, neither hangs nor aborts."""
     first, second = run_ranks(scenario, timeout=240)
     assert first == second and cause in first["error"]
+
+
+@pytest.mark.slow
+def test_a_check_in_costs_three_store_calls():
+    """See tp_worker.check_in_cost: a compiled draft step and an eager observe of a vocabulary-parallel head each
+    meet the other ranks in the store with one multi_set, one multi_get and one delete_key (before: 5 + world calls:
+    a check, two sets, a wait, a get per rank, a delete)."""
+    first, second = run_ranks("check_in_cost", timeout=300)
+    assert first == second == {what: {"delete_key": 1.0, "multi_get": 1.0, "multi_set": 1.0}
+                               for what in ("compiled", "observe")}
+
+
+@pytest.mark.slow
+def test_a_rank_that_runs_the_drafter_eagerly_ends_in_one_error_on_every_rank():
+    """See tp_worker.eager_rank (a 15 s collective and store timeout): rank 1 runs the drafter eagerly while rank 0
+    calls the compiled one. Both raise the same nanospec error within the timeout: rank 1 named with its last step
+    (rank 0 waited in the store, not in a collective), or the two steps side by side when rank 1's next nanospec
+    call meets rank 0 still waiting."""
+    first, second = run_ranks("eager_rank", timeout=240)
+    assert first == second, (first, second)
+    assert ("rank(s) [1] did not within 15 s" in first["error"] and "rank 1: check-in 1, compiled draft step"
+            in first["error"]) or "rank 0: compiled draft step; rank 1: observe" in first["error"], first

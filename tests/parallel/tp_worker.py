@@ -627,6 +627,92 @@ def spmd_breaks(rank: int, world: int) -> dict:
     return report
 
 
+class CountingStore:
+    """A store that counts the calls made through it (and through its clones), by method, and the waits that ran
+    out (a reader polling for a rank that had not come yet): each call is one round trip to the store."""
+
+    def __init__(self, store, counts: dict):
+        self.store, self.counts = store, counts
+
+    def clone(self):
+        self.counts["clone"] = self.counts.get("clone", 0) + 1
+        return CountingStore(self.store.clone(), self.counts)
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+        if not callable(method) or name in ("timeout", "set_timeout"):  # local: no round trip
+            return method
+
+        def counted(*args, **kwargs):
+            try:
+                result = method(*args, **kwargs)
+            except RuntimeError:
+                self.counts["waits_ran_out"] = self.counts.get("waits_ran_out", 0) + 1
+                raise
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return result
+        return counted
+
+    @property
+    def timeout(self):
+        return self.store.timeout
+
+
+def check_in_cost(rank: int, world: int) -> dict:
+    """The store calls of a compiled draft step and of an eager observe of a vocabulary-parallel head (counted
+    through the store the check-in uses, after a warm-up call): each check-in is three calls (publish, read the
+    others, delete the one before), whatever the number of ranks; waits that ran out (a rank that came later than
+    the poll) are counted apart."""
+    from torch.distributed import distributed_c10d
+
+    import nanospec_fx.consensus as consensus
+
+    model, compiled = _compiled_drafter(rank, world)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        compiled(ids)  # compile (its exchanges) and a first check-in, uncounted
+    store = distributed_c10d._get_process_group_store(dist.group.WORLD)
+    report = {}
+    original = distributed_c10d._get_process_group_store
+    for what, call, calls in (("compiled", lambda: compiled(ids), 10),
+                              ("observe", lambda: nanospec_fx.active_vocab(model).observe(ids), 5)):
+        counts: dict = {}
+        proxy = CountingStore(store, counts)
+        distributed_c10d._get_process_group_store = lambda group, proxy=proxy: proxy
+        consensus._clients.clear()  # the next meeting clones the counting store (one clone, counted apart)
+        try:
+            with torch.no_grad():
+                for _ in range(calls):
+                    call()
+        finally:
+            distributed_c10d._get_process_group_store = original
+        counts.pop("clone", None)
+        counts.pop("waits_ran_out", None)  # how often one rank waited longer than a poll: load, not cost
+        report[what] = {name: n / calls for name, n in sorted(counts.items())}
+    consensus._clients.clear()
+    return report
+
+
+def eager_rank(rank: int, world: int) -> dict:
+    """Rank 1 calls the drafter eagerly (its head never compiled, as in a frame Dynamo skipped) while rank 0 calls
+    the compiled drafter: rank 0 waits in its check-in at most the store's timeout, then raises naming rank 1 and
+    its last step and leaves that message; rank 1's gather fails when rank 0 leaves the group's collectives, and
+    its next nanospec call raises the same message."""
+    model, compiled = _compiled_drafter(rank, world)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        compiled(ids)
+        if rank == 0:
+            return {"error": _raised(lambda: compiled(ids), RuntimeError)}
+        try:
+            model(ids)  # the dense head's gather: rank 0 never joins it
+        except RuntimeError:
+            pass  # gloo's error (its timeout), not nanospec's
+        else:
+            raise AssertionError("rank 1's gather returned without rank 0")
+        return {"error": _raised(lambda: nanospec_fx.active_vocab(model).observe(ids), RuntimeError)}
+
+
 def _raised_plain(call, kind) -> None:
     try:
         call()
@@ -638,9 +724,10 @@ def _raised_plain(call, kind) -> None:
 SCENARIOS = {"exact": exact, "disagree": disagree, "exchange": exchange, "embedding": embedding,
              "sharded_target": sharded_target, "requests": requests, "vllm_head": vllm_head, "diverge": diverge,
              "recompile_alone": recompile_alone, "stale_alone": stale_alone, "id_counts": id_counts,
-             "spmd_breaks": spmd_breaks}
+             "spmd_breaks": spmd_breaks, "check_in_cost": check_in_cost, "eager_rank": eager_rank}
 # Scenarios that must end in an error, never a hang: a short collective and store timeout (seconds)
-SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20, "id_counts": 20, "spmd_breaks": 15}
+SHORT_TIMEOUT = {"diverge": 30, "recompile_alone": 20, "stale_alone": 20, "id_counts": 20, "spmd_breaks": 15,
+                 "eager_rank": 15}
 
 
 def main() -> None:
