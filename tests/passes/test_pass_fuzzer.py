@@ -39,7 +39,7 @@ import nanospec_fx  # noqa: E402
 from fuzz_drafters import (  # noqa: E402
     GRAD_MODES, FuzzDrafter, Recipe, bad_inputs, compute_dtype, make_inputs, recipes,
 )
-from nanospec_fx.backend import NanoSpecWarning  # noqa: E402
+from nanospec_fx.warning import NanoSpecWarning  # noqa: E402
 from nanospec_fx import pass_reports
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
