@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from nanospec_fx.compiler import decisions, find
-from nanospec_fx.compiler.head_kind import DenseHeadKind, gathered_heads, kind_of_head
+from nanospec_fx.compiler.head_kind import DENSE, DenseHeadKind, gathered_heads, kind_of_head
 from nanospec_fx.compiler.options import NanoSpecOptions, mode_config, option_error
 from nanospec_fx.passes import DenseHead, HeadMatch, find_heads, graph_position
 from nanospec_fx.passes.graph_position import GraphPosition
@@ -101,10 +101,6 @@ def warnings(plan: CompilePlan) -> list[str]:
     return [*plan.notes, *(w for h in plan.heads for w in h.warnings)]
 
 
-def rewrites(plan: CompilePlan) -> list[HeadPlan]:
-    return [h for h in plan.heads if isinstance(h.decision, Rewrite)]
-
-
 def with_dense(plan: CompilePlan, head: HeadMatch, reason: str) -> CompilePlan:
     """``plan`` with ``head`` dense after all (its rewrite or observers found it unsound)."""
     heads = tuple(dataclasses.replace(h, decision=Dense(reason), warnings=(*h.warnings, _runs_dense(h.name, reason)))
@@ -121,12 +117,12 @@ def _drafter_heads(gm, example_inputs, name: str | None, width: int | None, obse
     """A drafter's heads (``options['head']`` ``name``, of ``width`` outputs), each rewritten or dense, and the
     graph's notes."""
     heads, notes = find.drafter_heads(gm, example_inputs, head=name, width=width)
+    # a projection onto the vocabulary the finder cannot take as a head (passes' DenseHead note): dense, its reason
+    refused = [HeadPlan(n.head, None, DENSE, Dense(str(n)), (_runs_dense(n.head, n),))
+               for n in notes if isinstance(n, DenseHead)]
     if not heads:
-        dense = [HeadPlan(n.head, None, kind_of_head(None), Dense(str(n)), (_runs_dense(n.head, n),))
-                 for n in notes if isinstance(n, DenseHead)]  # a head the finder cannot take: its reason
-        return dense, find.headless_notes(gm, notes, position)
-    # beside the heads found, a projection onto the vocabulary that nanospec cannot take says so
-    said = [_runs_dense(n.head, n) if isinstance(n, DenseHead) else f"nanospec: {n}" for n in notes]
+        return refused, find.headless_notes(gm, notes, position)
+    said = [f"nanospec: {n}" for n in notes if not isinstance(n, DenseHead)]
     real = decisions.real_tensors(gm, example_inputs)
     met: dict[HeadMatch, str] = {}
     told: dict[HeadMatch, list[str]] = {h: [] for h in heads}
@@ -148,7 +144,7 @@ def _drafter_heads(gm, example_inputs, name: str | None, width: int | None, obse
         else:
             decision = Rewrite(real[head.weight], decisions.bias_tensor(head, real))
         plans.append(HeadPlan(head.name, head, kind, decision, tuple(told[head])))
-    return plans, said
+    return [*plans, *refused], said
 
 
 def _target_heads(gm, example_inputs, name: str | None, width: int | None) -> tuple[list[HeadPlan], list[str]]:
