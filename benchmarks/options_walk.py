@@ -4,9 +4,10 @@ comes back to one it left (issue 41's measure of back and forth in the compile p
 One drafter with one head is compiled by the nanospec backend (inductor off: the walk is nanospec's, not
 inductor's). A profiler records every call of a nanospec function (``nanospec_fx.*``, passes and kernels included)
 that holds the options in its arguments, or that a function holding them (in its arguments or variables) makes:
-the path the options take, where they go and what the functions holding them call: the parsed ``NanoSpecOptions``, or an object (a plan, a builder, a list)
-holding them one level down. A *stay* is a run of such calls in one module; a *return* is a stay in a module an
-earlier stay already left. A count, not a timing: it does not depend on the machine's load.
+the path the options take, where they go and what the functions holding them call. "Them": the parsed
+``NanoSpecOptions``, the plan, a head's plan, or an object (a builder, a list) holding one of them one level down.
+A *stay* is a run of such calls in one module; a *return* is a stay in a module an earlier stay already left.
+A count, not a timing: it does not depend on the machine's load.
 
     python benchmarks/options_walk.py [--out benchmarks/results/options_walk.json]
 

@@ -62,7 +62,8 @@ def headless_notes(gm: fx.GraphModule, notes: list[str], position) -> list[str]:
             + ("" if position.whole_call else f"; {position.describe()}") + "); this graph runs unchanged. "
             "If the head is in it, pass options={'vocab_size': V} or {'head': '<weight name>'}."
         )
-    if position.eager_caller and not said and not dense_heads and token_tables(gm):  # ids the eager caller embeds are never seen
+    # ids the eager caller embeds are never seen
+    if position.eager_caller and not said and not dense_heads and token_tables(gm):
         said.append(f"nanospec: this graph looks up token ids but is one piece of a call ({position.describe()}): "
                     "the ids that code embeds are not observed, so the model's head may read an active set "
                     "without them. Move the graph break out of the loop Dynamo skipped, or feed the set with "

@@ -53,8 +53,8 @@ def recording_prefill(gm: fx.GraphModule, example_inputs: list, inductor: bool, 
         extra.append(ids)
     out.args = (tuple(outputs) + tuple(extra),)
     builder.gm.recompile()
-    recording = RecordingCall(lowering.compile_graph(builder.gm, example_inputs, inductor, patches), len(outputs), tables,
-                              weight_positions(gm, example_inputs))
+    compiled = lowering.compile_graph(builder.gm, example_inputs, inductor, patches)
+    recording = RecordingCall(compiled, len(outputs), tables, weight_positions(gm, example_inputs))
     return counted(recording, gm, example_inputs)
 
 

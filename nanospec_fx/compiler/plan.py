@@ -159,6 +159,6 @@ def _target_heads(gm, example_inputs, name: str | None, width: int | None) -> tu
     for head in heads:
         transform = decisions.transform_at(gm.graph, head)
         reason = decisions.inside_transform(transform) if transform else None
-        plans.append(HeadPlan(head.name, head, kind_of_head(head), Dense(reason) if reason else Observe(),
-                              (f"nanospec: the target's head {head.name} is not observed: {reason}",) if reason else ()))
+        said = (f"nanospec: the target's head {head.name} is not observed: {reason}",) if reason else ()
+        plans.append(HeadPlan(head.name, head, kind_of_head(head), Dense(reason) if reason else Observe(), said))
     return plans, []

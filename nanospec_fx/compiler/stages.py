@@ -26,8 +26,8 @@ from nanospec_fx.compiler.head_kind import DenseHeadKind, Observers
 from nanospec_fx.compiler.lowering import GraphCopy
 from nanospec_fx.compiler.runtime import DrafterBinding, StatefulCall, weight_positions
 from nanospec_fx.passes import (
-    DenseFallback, HeadMatch, ObserveInto, RewriteReport, grad_enabled_at, grad_modes, insert_input_observers, keep_grad_modes,
-    rewrite_head, snapshot_state_reads,
+    DenseFallback, HeadMatch, ObserveInto, RewriteReport, grad_enabled_at, grad_modes, insert_input_observers,
+    keep_grad_modes, rewrite_head, snapshot_state_reads,
 )
 from nanospec_fx.passes.find_head import token_tables
 from nanospec_fx.passes.graph_position import GraphPosition
@@ -88,7 +88,8 @@ def shard_observers(builder: GraphCopy, work: HeadWork) -> None:
 
 def snapshot(builder: GraphCopy, work: HeadWork) -> None:
     graph = builder.graph
-    snapshot_state_reads(graph, work.into.state, grad=grad_enabled_at(graph, list(graph.nodes), torch.is_grad_enabled()))
+    grad = grad_enabled_at(graph, list(graph.nodes), torch.is_grad_enabled())
+    snapshot_state_reads(graph, work.into.state, grad=grad)
 
 
 HEAD_STAGES: tuple[tuple[str, Callable[[GraphCopy, HeadWork], None]], ...] = (
