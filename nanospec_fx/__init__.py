@@ -4,7 +4,7 @@
     nanospec_fx.active_vocab(drafter)   # the ActiveVocab of its LM head
 
 The pass lives in ``nanospec_fx.passes``, the kernels in ``nanospec_fx.kernels``, the state
-in ``nanospec_fx.state`` and the backend in ``nanospec_fx.backend``; the evaluation (CLI,
+in ``nanospec_fx.state`` and the backend in ``nanospec_fx.compiler``; the evaluation (CLI,
 benchmarks) in ``nanospec_fx.eval``, which the runtime never imports.
 
 Importing the package is cheap: the names below load their module on first use (the backend
@@ -21,9 +21,9 @@ _EXPORTS = {
     "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.lookup",
     "RequestVocabs": "nanospec_fx.request_vocab",
     "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
-    "BACKEND_NAME": "nanospec_fx.backend", "NanoSpecWarning": "nanospec_fx.backend",
-    "nanospec_backend": "nanospec_fx.backend",
-    "NanoSpecOptions": "nanospec_fx.options", "OptionError": "nanospec_fx.options",
+    "BACKEND_NAME": "nanospec_fx.compiler.backend", "NanoSpecWarning": "nanospec_fx.warning",
+    "nanospec_backend": "nanospec_fx.compiler.backend",
+    "NanoSpecOptions": "nanospec_fx.compiler.options", "OptionError": "nanospec_fx.compiler.options",
     "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
     "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
     "detach": "nanospec_fx.integrations",
@@ -32,16 +32,17 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from nanospec_fx.backend import BACKEND_NAME, NanoSpecWarning, nanospec_backend
+    from nanospec_fx.compiler.backend import BACKEND_NAME, nanospec_backend
+    from nanospec_fx.compiler.options import NanoSpecOptions, OptionError
     from nanospec_fx.cost_model import HeadCost
     from nanospec_fx.explain import explain
     from nanospec_fx.integrations import attach, detach, speculative_pair
     from nanospec_fx.kernels.selection import KernelConfig, use_kernels
     from nanospec_fx.lookup import active_vocab
-    from nanospec_fx.options import NanoSpecOptions, OptionError
     from nanospec_fx.policies import FrequencyTable
     from nanospec_fx.request_vocab import RequestVocabs
     from nanospec_fx.state import ActiveVocab
+    from nanospec_fx.warning import NanoSpecWarning
     from nanospec_fx.vocab_config import DEFAULT_CAPACITY, POLICIES, VocabConfig
 
 
@@ -68,7 +69,7 @@ def compile(model, options: dict | None = None, *, in_place: bool = False, **key
     (:func:`nanospec_fx.integrations.compile`). The backend's options may also be given as keywords
     (``nanospec_fx.compile(m, capacity=1024)``, as ``attach`` takes them); other keywords go to torch.compile."""
     from nanospec_fx.integrations import compile as compile_checked
-    from nanospec_fx.options import split_keywords
+    from nanospec_fx.compiler.options import split_keywords
 
     options, keywords = split_keywords(options, keywords)
     return compile_checked(model, options, in_place=in_place, **keywords)
@@ -82,7 +83,7 @@ def register() -> None:
     """
     from torch._dynamo import list_backends, register_backend
 
-    from nanospec_fx.backend import BACKEND_NAME, nanospec_backend
+    from nanospec_fx.compiler.backend import BACKEND_NAME, nanospec_backend
 
     if BACKEND_NAME not in list_backends(exclude_tags=()):
         register_backend(compiler_fn=nanospec_backend, name=BACKEND_NAME)

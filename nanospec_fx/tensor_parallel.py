@@ -12,7 +12,7 @@ the *same* active set and *all* active rows, and computes the whole compact head
 * :mod:`nanospec_fx.sharded_state`: the replicated states (:class:`ShardedActiveVocab`,
   :class:`ShardedRequestVocabs`);
 * ``passes/vocab_parallel/observe.py``: a compiled graph's observers of such a state, as row fetches;
-* :mod:`nanospec_fx.head_kind`: what the backend does for such a head, in one place.
+* :mod:`nanospec_fx.compiler.head_kind`: what the backend does for such a head, in one place.
 """
 from __future__ import annotations
 

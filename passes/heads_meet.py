@@ -6,7 +6,7 @@ combines them (``za + zb``, ``za - zb``, ``torch.maximum``, ``torch.logaddexp``,
 has no one set on which a rewritten chain is exact: continuing one head's chain through it masks the result
 with that head's set alone (``maximum`` is then ``-inf`` where only the other head is active), and ending both
 chains there gives an answer that depends on the spelling. So the backend runs every head of such a group dense,
-with one warning naming them all (``nanospec_fx/backend.py``), and the rewrite stops a chain at any op whose
+with one warning naming them all (``nanospec_fx/compiler/plan.py``), and the rewrite stops a chain at any op whose
 other operand comes from another vocabulary projection (``rewrite_head._chain_operands_ok``).
 
 Projections of one head weight read one state: their meeting is no meeting here (the chain is exact on that set).

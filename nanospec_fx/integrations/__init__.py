@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from nanospec_fx import diagnosis
 from nanospec_fx.lookup import head_parameters
-from nanospec_fx.options import NanoSpecOptions, with_mode
+from nanospec_fx.compiler.options import NanoSpecOptions, with_mode
 from nanospec_fx.state import ActiveVocab, state_for
 
 

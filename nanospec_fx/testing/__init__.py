@@ -201,7 +201,7 @@ class _Backend:
         self.options, self.compiles = dict(options), 0
 
     def __call__(self, gm, example_inputs, **_):
-        from nanospec_fx.backend import nanospec_backend
+        from nanospec_fx.compiler.backend import nanospec_backend
 
         self.compiles += 1
         return nanospec_backend(gm, example_inputs, options=self.options)

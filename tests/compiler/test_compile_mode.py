@@ -8,19 +8,19 @@ import torch._dynamo
 import torch.nn as nn
 
 import nanospec_fx
-from nanospec_fx import backend
+from nanospec_fx.compiler import backend
 
 V, H = 50, 8
 
 
 def test_mode_with_nanospec_options_reaches_the_backend_merged(monkeypatch):
     seen = []
-    real = backend._compile_drafter
+    real = backend.execute
 
-    def spy(gm, example_inputs, opts, config_patches):
-        seen.append((opts, config_patches))
-        return real(gm, example_inputs, opts, config_patches)
-    monkeypatch.setattr(backend, "_compile_drafter", spy)
+    def spy(plan):
+        seen.append((plan.options, plan.patches))
+        return real(plan)
+    monkeypatch.setattr(backend, "execute", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(V, H), nn.Linear(H, V, bias=False)).eval()
     compiled = nanospec_fx.compile(model, capacity=16, mode="max-autotune-no-cudagraphs", inductor=False)
@@ -34,7 +34,7 @@ def test_mode_with_nanospec_options_reaches_the_backend_merged(monkeypatch):
 
 
 def test_options_given_win_over_the_modes_and_a_bad_mode_says_what_to_write():
-    from nanospec_fx.options import with_mode
+    from nanospec_fx.compiler.options import with_mode
 
     assert with_mode({"capacity": 8, "max_autotune": False}, "max-autotune")["max_autotune"] is False
     assert with_mode({"capacity": 8}, "default") == {"capacity": 8}

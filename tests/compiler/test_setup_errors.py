@@ -31,10 +31,11 @@ def test_compile_in_place_returns_the_module():
     assert sorted(nanospec_fx.active_vocab(model).token_ids().tolist()) == [4, 5]
 
 
-def test_the_old_option_name_still_works_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="'observe_all_positions' is now 'observe_prompt'"):
-        opts = nanospec_fx.NanoSpecOptions.parse({"observe_all_positions": True})
-    assert opts.observe_prompt is True
+def test_the_removed_option_alias_is_an_unknown_option():
+    """``observe_all_positions`` (the pre-release name of ``observe_prompt``) is gone: an unknown key, said so."""
+    with pytest.raises(nanospec_fx.OptionError, match=r"unknown nanospec option\(s\) \['observe_all_positions'\]"):
+        nanospec_fx.NanoSpecOptions.parse({"observe_all_positions": True})
+    assert nanospec_fx.NanoSpecOptions.parse({"observe_prompt": True}).observe_prompt is True
 
 
 def test_a_torch_compile_wrapper_is_refused_with_the_in_place_advice():

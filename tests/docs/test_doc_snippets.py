@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-import nanospec_fx.backend
+import nanospec_fx.compiler.lowering
 from helpers import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_doc_snippet_runs(name, code, monkeypatch):
     assert name is not None, "a ```python block without a <!-- snippet: NAME --> marker"
     if name.startswith("not run:"):
         pytest.skip(name)
-    monkeypatch.setattr(nanospec_fx.backend, "_compile", lambda gm, example_inputs, opts, patches: gm.forward)
+    monkeypatch.setattr(nanospec_fx.compiler.lowering, "compile_graph", lambda gm, example_inputs, inductor, patches: gm.forward)
     ns = setup(name)
     exec(compile(code, name, "exec"), ns)
     for fn in [v for k, v in ns.items() if k.startswith("test_") and callable(v)]:

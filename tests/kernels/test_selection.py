@@ -124,18 +124,17 @@ def test_cache_key_names_the_effective_config():
 
 
 def test_the_backend_compiles_with_the_key_in_inductors_cache_tag(monkeypatch):
-    """backend._compile hands inductor the kernel config as part of torch.compiler.config.cache_key_tag (part of
+    """lowering.compile_graph hands inductor the kernel config as part of torch.compiler.config.cache_key_tag (part of
     the FX-graph and AOTAutograd cache keys)."""
     import torch._inductor.compile_fx as cfx
     import torch.compiler.config as cconfig
 
-    from nanospec_fx import backend
-    from nanospec_fx.options import NanoSpecOptions
+    from nanospec_fx.compiler import lowering
 
     tags = []
     monkeypatch.setattr(cfx, "compile_fx", lambda *a, **k: tags.append(cconfig.cache_key_tag))
     with use_kernels("reference"):
-        backend._compile(None, [], NanoSpecOptions(), {})
+        lowering.compile_graph(None, [], True, {})
         want = selection.cache_key()
     assert tags == [want] and cconfig.cache_key_tag == ""
 
@@ -144,15 +143,14 @@ _CACHE_SCRIPT = r"""
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
-from nanospec_fx.backend import _compile
+from nanospec_fx.compiler.lowering import compile_graph
 from nanospec_fx.kernels.selection import use_kernels
-from nanospec_fx.options import NanoSpecOptions
 
 def fn(x):
     return torch.sin(x) + 1
 
 def backend(gm, example_inputs):  # the nanospec backend's inductor step, on a graph with no head to rewrite
-    return _compile(gm, example_inputs, NanoSpecOptions(), {})
+    return compile_graph(gm, example_inputs, True, {})
 
 def compile_under(mode):
     torch._dynamo.reset()  # the subject: Dynamo compiles fn again, so the graph reaches inductor's caches each time

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-import nanospec_fx.backend as backend
+import nanospec_fx.compiler.lowering as lowering
 
 TP = 2
 
@@ -26,11 +26,11 @@ def fake_group(request):
 def compiled_graphs(monkeypatch):
     """The graphs the backend hands to its compiler (after the rewrite)."""
     graphs = []
-    compile_graph = backend._compile
+    compile_graph = lowering.compile_graph
 
-    def spy(gm, example_inputs, opts, config_patches):
+    def spy(gm, example_inputs, inductor, patches):
         graphs.append(gm.graph)
-        return compile_graph(gm, example_inputs, opts, config_patches)
+        return compile_graph(gm, example_inputs, inductor, patches)
 
-    monkeypatch.setattr(backend, "_compile", spy)
+    monkeypatch.setattr(lowering, "compile_graph", spy)
     return graphs

@@ -490,19 +490,19 @@ def diverge(rank: int, world: int) -> dict:
     with torch.no_grad():
         report["shapes"] = _raised(lambda: compiled(torch.arange(3 + rank).view(1, -1)), RuntimeError)
     # an error other than a dense fallback while one rank rewrites: it still meets the second consensus
-    import nanospec_fx.backend as backend
+    import nanospec_fx.compiler.stages as stages
 
     model, compiled = _compiled_drafter(rank, world)
     if rank == 1:
-        original = backend.snapshot_state_reads
+        original = stages.snapshot_state_reads
 
         def broken(*args, **kwargs):
             raise KeyError("a bug in a pass")
-        backend.snapshot_state_reads = broken
+        stages.snapshot_state_reads = broken
     with torch.no_grad():
         report["rewrite_error"] = _raised(lambda: compiled(torch.tensor([[1, 2, 3]])), Exception)
     if rank == 1:
-        backend.snapshot_state_reads = original
+        stages.snapshot_state_reads = original
     return report
 
 

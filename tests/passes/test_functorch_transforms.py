@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import nanospec_fx
 from helpers import active_mask, compile_nanospec
-from nanospec_fx.backend import NanoSpecWarning
+from nanospec_fx.warning import NanoSpecWarning
 from nanospec_fx import pass_reports
 
 V, H, T = 48, 8, 0.7

@@ -157,7 +157,7 @@ def test_hv_weight_computed_in_the_graph_runs_dense():
 # ----------------------------------------------------------------------------- weight-only quantised heads
 def _graphs_of(model, **options):
     """Compile ``model`` with nanospec, keeping every graph the backend returns (inductor off: FX graphs)."""
-    from nanospec_fx.backend import nanospec_backend
+    from nanospec_fx.compiler.backend import nanospec_backend
 
     graphs = []
 

@@ -240,14 +240,14 @@ def test_inserted_nodes_carry_fake_tensor_metadata():
         seen.append(gm)
         return gm.forward
 
-    import nanospec_fx.backend as backend
+    import nanospec_fx.compiler.lowering as lowering
 
-    original = backend._compile
-    backend._compile = lambda gm, ex, opts, patches: spy(gm, ex)
+    original = lowering.compile_graph
+    lowering.compile_graph = lambda gm, ex, inductor, patches: spy(gm, ex)
     try:
         _run(Direct("log_softmax_topk").eval(), _ids())
     finally:
-        backend._compile = original
+        lowering.compile_graph = original
     nodes = [n for n in seen[-1].graph.nodes if n.op == "call_function" and "nanospec" in str(n.target)]
     assert nodes and all("val" in n.meta and "example_value" in n.meta for n in nodes)
     missing = [

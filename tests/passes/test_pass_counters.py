@@ -13,7 +13,7 @@ import nanospec_fx
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 from nanospec_fx import pass_reports
-from nanospec_fx.backend import NanoSpecWarning
+from nanospec_fx.warning import NanoSpecWarning
 
 V, H = 48, 8
 
@@ -34,7 +34,7 @@ def test_a_rewritten_head_is_counted_with_its_observers_and_reported_beside_its_
     torch.manual_seed(0)
     model = TinyDrafter(97, 8).eval()
     counters.clear()
-    with caplog.at_level(logging.DEBUG, logger="nanospec_fx.backend"), torch.no_grad():
+    with caplog.at_level(logging.DEBUG, logger="nanospec_fx.compiler"), torch.no_grad():
         compile_nanospec(model, capacity=8)(torch.randint(0, 97, (1, 4)))
     seen = counters["nanospec"]
     assert (seen["heads_found"], seen["heads_rewritten"], seen["heads_dense"]) == (1, 1, 0)
@@ -52,7 +52,7 @@ def test_a_dense_head_is_counted_under_its_reason(caplog):
     model = HeadInVmap().eval()
     counters.clear()
     with pytest.warns(NanoSpecWarning, match=r"runs inside torch\.vmap"), \
-            caplog.at_level(logging.DEBUG, logger="nanospec_fx.backend"), torch.no_grad():
+            caplog.at_level(logging.DEBUG, logger="nanospec_fx.compiler"), torch.no_grad():
         compile_nanospec(model)(torch.randint(0, V, (2, 3)))
     seen = counters["nanospec"]
     assert (seen["heads_found"], seen["heads_rewritten"], seen["heads_dense"]) == (1, 0, 1)

@@ -221,7 +221,7 @@ def test_options_are_keyed_by_value_not_by_printout():
 def test_the_check_leaves_dynamo_and_the_users_drafter_alone():
     """No torch._dynamo.reset() behind the user's back: the user's compiled drafter keeps its graph, its
     state and its options while assert_equivalent checks the same drafter with other options."""
-    from nanospec_fx.backend import nanospec_backend
+    from nanospec_fx.compiler.backend import nanospec_backend
 
     compiles = []
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-from nanospec_fx.options import NanoSpecOptions, split_keywords
+from nanospec_fx.compiler.options import NanoSpecOptions, split_keywords
 from nanospec_fx.policies import FrequencyTable, resolve
 from nanospec_fx.state import state_for
 from nanospec_fx.vocab_config import StateConfig, VocabConfig

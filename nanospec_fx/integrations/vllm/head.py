@@ -21,17 +21,12 @@ def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
     """The per-request sets over ``weight`` (its first ``vocab_size`` rows are the vocabulary; under tensor
     parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.tensor_parallel.VocabShard`). The static
     policy gets one frozen row that every request reads."""
+    from nanospec_fx.compiler.head_kind import request_vocabs
     from nanospec_fx.policies import resolve
-    from nanospec_fx.request_vocab import RequestVocabs
 
     state = resolve(settings.vocab).keywords()
     max_requests = 1 if state["policy"] == "static" else settings.max_requests
-    if shard is None:
-        vocabs = RequestVocabs(weight[:vocab_size], None, max_requests, **state)
-    else:
-        from nanospec_fx.tensor_parallel import ShardedRequestVocabs
-
-        vocabs = ShardedRequestVocabs(weight, max_requests, shard=shard, vocab_size=vocab_size, **state)
+    vocabs = request_vocabs(weight, max_requests, vocab_size, shard, **state)  # the head kind's: replicated if sharded
     if state["policy"] == "static":
         vocabs.assign(STATIC_ROW)
     return vocabs

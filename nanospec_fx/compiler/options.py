@@ -9,7 +9,6 @@ go to inductor unchanged; any other key is an error, so a typo never passes sile
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -39,9 +38,6 @@ class OptionError(ValueError, ShortenTraceback):
 def option_error(exc: Exception) -> OptionError:
     """``exc`` (a ValueError or TypeError of an option check) as an :class:`OptionError`."""
     return exc if isinstance(exc, OptionError) else OptionError(str(exc))
-
-
-DEPRECATED = {"observe_all_positions": "observe_prompt"}  # old option name -> its name now
 
 
 @dataclass(frozen=True)
@@ -82,10 +78,6 @@ class NanoSpecOptions:
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict, got {type(options).__name__}")
         options = dict(options or {})
-        for old, new in DEPRECATED.items():
-            if old in options:
-                warnings.warn(f"nanospec option {old!r} is now {new!r}", DeprecationWarning, stacklevel=4)
-                options.setdefault(new, options.pop(old))
         names = option_names()
         ours = {k: options.pop(k) for k in list(options) if k in names}
         unknown = [k for k in options if not _is_inductor_key(k)]
@@ -153,7 +145,7 @@ def with_mode(options: dict | None, mode: str | None) -> dict | None:
 def split_keywords(options: dict | None, keywords: dict) -> tuple[dict | None, dict]:
     """``(options, torch.compile keywords)``: the nanospec options passed as keywords (``capacity=64``, as
     ``attach`` and ``speculative_pair`` take them) joined to ``options``; the other keywords are torch.compile's."""
-    names = option_names() | set(DEPRECATED)
+    names = option_names()
     keywords = dict(keywords)
     ours = {k: keywords.pop(k) for k in list(keywords) if k in names}
     twice = sorted(set(ours) & set(options or {}))
