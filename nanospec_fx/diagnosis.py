@@ -331,7 +331,7 @@ _SKIP_REMEDY = ("A graph break inside a for/while loop (`if (tok == eos).all(): 
 
 def _is_nanospec(fn: Any) -> bool:
     for _ in range(8):
-        if getattr(fn, "nanospec", False) is True:  # nanospec_fx.backend.nanospec_backend, testing's backends
+        if getattr(fn, "nanospec", False) is True:  # nanospec_fx.compiler.backend.nanospec_backend, testing's backends
             return True
         fn = next((n for n in (getattr(fn, a, None) for a in ("_torchdynamo_orig_backend", "compiler_fn"))
                    if n is not None and n is not fn), None)
