@@ -148,12 +148,10 @@ def test_validation_and_token_map(kernels):
     x = torch.randn(1, H)
     finite = torch.isfinite(vocabs.logits(x, vocabs.rows_for([0])))[0]
     assert finite.nonzero().flatten().tolist() == [2, 5]  # head rows (draft ids) of tokens 4 and 10
-    # one meaning per name, as on ActiveVocab: rows = head rows (the last dim of logits), token ids apart
-    assert (vocabs.rows, vocabs.token_vocab_size) == (V, 100)
+    # one meaning per name on both state classes: rows = head rows (the last dim of logits), vocab_size = token ids
+    assert (vocabs.rows, vocabs.vocab_size) == (V, 100)
     active = ActiveVocab(weight, capacity=8, token_to_row=token_to_row_from_d2t(d2t, 100))
     assert (active.rows, active.vocab_size) == (V, 100)
-    with pytest.warns(DeprecationWarning, match="rows"):
-        assert vocabs.vocab_size == V  # the old name keeps its old meaning for one release, with a warning
     assert vocabs.contains(0, [4, 10, 5, 100, -1]).tolist() == [True, True, False, False, False]
 
 
