@@ -33,16 +33,17 @@ from nanospec_fx.head_kind import DenseHeadKind, kind_of_head, kind_of_state
 from nanospec_fx.warning import NanoSpecWarning, warn_once  # noqa: F401 - NanoSpecWarning is re-exported
 from nanospec_fx.options import NanoSpecOptions, OptionError, mode_config, option_error
 from nanospec_fx.passes import (
-    DenseFallback, DenseHead, HeadMatch, HeadSelectionError, ObserveInto, StateNodes, find_heads, find_meetings, grad_enabled_at,
-    grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head, snapshot_state_reads,
-    unobserved_lookup,
+    DenseFallback, DenseHead, HeadMatch, HeadSelectionError, ObserveInto, StateNodes, find_heads, find_meetings,
+    grad_enabled_at, grad_modes, graph_position, insert_input_observers, keep_grad_modes, rewrite_head,
+    snapshot_state_reads, unobserved_lookup,
 )
 from nanospec_fx.passes import effects, patterns, transforms, vocab_parallel_heads
 from nanospec_fx.passes.find_head import projections_reaching_output, token_tables
 from nanospec_fx.passes.lookups import embedding_lookups, one_hot_internals, token_id_lookups
 from nanospec_fx.prefill import RecordingCall
 from nanospec_fx import prefill as prefill_ids
-from nanospec_fx.lookup import head_parameters, registered_states, unwrap
+from nanospec_fx.lookup import head_parameters
+from nanospec_fx.module_heads import registered_states, unwrap
 from nanospec_fx.state import STATE_TENSORS, ActiveVocab, state_for
 from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import StateConfig

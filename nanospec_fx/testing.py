@@ -27,7 +27,8 @@ import torch._dynamo
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from nanospec_fx.lookup import active_vocab, registered_states, unwrap
+from nanospec_fx.lookup import active_vocab
+from nanospec_fx.module_heads import registered_states, unwrap
 from nanospec_fx.state import ActiveVocab
 
 TOLERANCES = {  # (rtol, atol): logits from a compact GEMM round differently from the full one
