@@ -2,8 +2,8 @@
 
 A hand-written vocabulary-parallel head (Megatron style, vLLM's ``ParallelLMHead`` + gather) computes this
 rank's slice of the logits with its shard ``[V / tp, H]`` of the head and all-gathers them. Dynamo turns
-``funcol.all_gather_single`` (and its deprecated alias ``all_gather_tensor``), ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
-collective and the ops that put the slices side by side::
+``funcol.all_gather_single`` (and its deprecated alias ``all_gather_tensor``), ``dist.all_gather_into_tensor`` and
+``dist.all_gather`` into one functional collective and the ops that put the slices side by side::
 
     local = linear(h, W_shard)                                    # [..., V / tp]
     g = wait_tensor(all_gather_into_tensor(local, tp, group))     # [tp * B, ..., V / tp], rank r's rows r*B..
@@ -244,7 +244,8 @@ def _step(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, row
         return held
     if name in ("view", "reshape", "unflatten") and isinstance(held, Stacked) and _same(out, (world,) + tuple(local)):
         return Ranked(0)
-    if name in ("view", "reshape") and isinstance(held, Stacked) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+    if name in ("view", "reshape") and isinstance(held, Stacked) \
+            and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
             and _same(out, tuple(local[:-1]) + (world * local[-1],)):
         return Full()  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
     if isinstance(held, Ranked):
@@ -254,10 +255,12 @@ def _step(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, row
         if name in ("view", "reshape", "flatten") and held.axis == last \
                 and _same(out, tuple(local[:-1]) + (world * local[-1],)):
             return Full()
-    if name == "chunk" and isinstance(held, Stacked) and call_arg(n, 1, "chunks") == world and call_arg(n, 2, "dim", 0) == 0:
+    if name == "chunk" and isinstance(held, Stacked) and call_arg(n, 1, "chunks") == world \
+            and call_arg(n, 2, "dim", 0) == 0:
         return Pieces()
-    if name == "split" and isinstance(held, Stacked) and call_arg(n, 1, "split_size_or_sections", call_arg(n, 1, "split_size")) \
-            == rows and call_arg(n, 2, "dim", 0) == 0:
+    if name == "split" and isinstance(held, Stacked) \
+            and call_arg(n, 1, "split_size_or_sections", call_arg(n, 1, "split_size")) == rows \
+            and call_arg(n, 2, "dim", 0) == 0:
         return Pieces()
     if n.target is operator.getitem and isinstance(held, Pieces) and isinstance(n.args[1], int):
         return Block(n.args[1] % world)
