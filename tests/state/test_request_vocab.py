@@ -296,6 +296,27 @@ def test_arguments_in_the_wrong_places_get_a_clear_error():
     assert vocabs.max_requests == 2 and vocabs.capacity == 8
 
 
+@pytest.mark.parametrize("kind", [ActiveVocab, RequestVocabs])
+def test_both_state_classes_check_their_arguments_alike(kind):
+    """One argument check for every state kind: the same error, naming the class's own signature."""
+    weight = torch.randn(V, H)
+    with pytest.raises(TypeError, match=rf"the second argument is the bias \({kind.__name__}\(weight, bias=None"):
+        kind(weight, 8)
+    with pytest.raises(TypeError, match=rf"capacity must be a positive int, got a tensor: {kind.__name__}\("):
+        kind(weight, capacity=torch.tensor(8))
+    for capacity in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"capacity must be a positive int, got {capacity!r}"):
+            kind(weight, capacity=capacity)
+    with pytest.raises(ValueError, match=r"head weight must be 2-D"):
+        kind(torch.randn(2, V, H))
+    with pytest.raises(ValueError, match=rf"head bias must have shape \({V},\)"):
+        kind(weight, torch.zeros(V + 1))
+    with pytest.raises(ValueError, match=r"num_pinned must be in \[0, capacity=4\), got 4"):
+        kind(weight, capacity=4, num_pinned=4)
+    state = kind(weight, capacity=10 * V)  # clamped to the head's rows
+    assert (state.capacity, state.rows, state.vocab_size) == (V, V, V)
+
+
 def test_explain_of_a_state_says_what_it_takes():
     import nanospec_fx
 
