@@ -119,12 +119,13 @@ def run_variant(variant: str, target: Path, drafter: Path, spec_tokens: int, tok
             "draft_ms_per_step": 1000 * seconds / calls if calls else 0.0,
         }
     if os.environ.get("NANOSPEC_VLLM") == "1":
-        import nanospec_fx.vllm_plugin as plugin
+        from nanospec_fx.integrations.vllm.head import STATIC_ROW
+        from nanospec_fx.integrations.vllm.metrics import heads
 
         # releases the last batch's rows
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1, detokenize=tokenizer))
-        (head,) = plugin.heads()
-        result["mean_active"] = (head.vocabs.active_count(plugin.STATIC_ROW) if head.static else
+        (head,) = heads()
+        result["mean_active"] = (head.vocabs.active_count(STATIC_ROW) if head.static else
                                  sum(head.active_sizes) / len(head.active_sizes))
         result["compact_calls"], result["dense_calls"] = head.compact_calls, head.dense_calls
     return result

@@ -98,7 +98,8 @@ def plan_insertions(
 
 def observe(
     token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
-    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`nanospec_fx.kernels.reference.observe` (fed-id renewal included)."""
     if rows is not None:

@@ -11,8 +11,8 @@ How they are registered:
     (``wrap_triton``) instead of an opaque call (if that registration fails: the opaque op
     below). ``observe`` mutates the state and stays an opaque custom op (see ``_register``).
   * otherwise (CPU machines, ``TRITON_INTERPRET=1``): ``torch.library.custom_op`` with a fake
-    implementation; the body still runs the Triton kernels under ``use_kernels("triton")`` (or ``NANOSPEC_KERNELS=triton``)
-    (on CPU tensors through the interpreter).
+    implementation; the body still runs the Triton kernels under ``use_kernels("triton")`` (or
+    ``NANOSPEC_KERNELS=triton``) (on CPU tensors through the interpreter).
 ``NANOSPEC_TRITON_OP=0`` forces the opaque registration; ``=force`` the triton_op one even
 without CUDA (CPU tensors then take the reference branch, inlined by the compiler). It is read once, at
 registration (:mod:`nanospec_fx.kernels.selection`).
@@ -132,7 +132,8 @@ _BYTE_FLOATS = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "flo
 
 def _observe(
     token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
-    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Add ``token_ids`` to the active vocabulary held in the state tensors (in place); with ``rows``, the ids
     ``[B, n]`` (-1 ignored) of batch row b to request row ``rows[b]``.
@@ -328,7 +329,8 @@ def _register_gradient(op: str, saved: tuple[str, ...], grad_of_first: Callable,
     torch.library.register_autograd(f"nanospec::{op}", backward, setup_context=setup)
 
 
-_register_gradient("compact_logits", ("cache_w", "cursor"), lambda cache_w, cursor, grad: _grad_x(grad, cache_w, cursor))
+_register_gradient("compact_logits", ("cache_w", "cursor"),
+                   lambda cache_w, cursor, grad: _grad_x(grad, cache_w, cursor))
 _register_gradient("head_logits", ("cache_w", "ids", "cursor"),
                    lambda cache_w, ids, cursor, grad: _grad_x(_gather_slots(grad, ids, cursor), cache_w, cursor))
 _register_gradient("scatter_logits", ("ids", "cursor"), lambda ids, cursor, grad: _gather_slots(grad, ids, cursor))

@@ -87,7 +87,8 @@ def _masked_set(buf: torch.Tensor, index: torch.Tensor, value: torch.Tensor, mas
 
 def observe(
     token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
-    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Insert every id of ``token_ids`` that is not active yet, copying its head row.
 

@@ -38,7 +38,8 @@ _STATE_ARGS = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in en
 #: ``rows``: None for the shared set (the state above), or the request row of each batch row for a per-request state
 #: (the same fields with a leading request axis, :data:`REQUEST_STATE_FIELDS`; :mod:`kernels.request_rows`).
 SCHEMAS: dict[str, str] = {
-    "observe": f"(Tensor token_ids, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned, Tensor? rows=None) -> ()",
+    "observe": (f"(Tensor token_ids, Tensor weight, Tensor? bias, {_STATE_ARGS}, int num_pinned, "
+                "Tensor? rows=None) -> ()"),
     "compact_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor cursor, Tensor? rows=None) -> Tensor",
     "scatter_logits": "(Tensor compact, Tensor ids, Tensor cursor, int vocab_size, Tensor? rows=None) -> Tensor",
     "head_logits": "(Tensor x, Tensor cache_w, Tensor? cache_b, Tensor ids, Tensor cursor, int vocab_size, "

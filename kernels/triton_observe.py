@@ -260,7 +260,8 @@ def _token_ids(token_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def observe(
     token_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, slot_of: torch.Tensor,
-    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int, rows: torch.Tensor | None = None,
+    cursor: torch.Tensor, cache_w: torch.Tensor, cache_b: torch.Tensor, num_pinned: int,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Same contract as :func:`nanospec_fx.kernels.reference.observe`, fed-id renewal included: two launches
     (allocation with the renewal, row copy) and no torch compute op (only the scratch ``torch.empty``)."""

@@ -93,6 +93,7 @@ __all__ = [
     "ActiveVocab", "RequestVocabs", "active_vocab", "attach", "detach", "speculative_pair", "explain", "HeadCost",
     "FrequencyTable",
     "POLICIES",
-    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "OptionError", "NanoSpecWarning", "nanospec_backend", "register",
+    "DEFAULT_CAPACITY", "VocabConfig", "NanoSpecOptions", "OptionError", "NanoSpecWarning", "nanospec_backend",
+    "register",
     "BACKEND_NAME", "compile", "use_kernels", "KernelConfig",
 ]

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanospec_fx.lookup import unwrap
+from nanospec_fx.module_heads import unwrap
 from nanospec_fx.sampling import SpeculativeSampler
 
 
@@ -387,8 +387,8 @@ def _grow_tree(drafter: Callable, cache: KVCache, root_logits, root_hidden, star
 
     ``children(logits [n, V])`` gives each row's ``k`` candidates: tokens ``[n, k]`` and their log q
     ``[n, k]`` (-inf: the candidate does not exist); with ``select=k`` (and a drafter that takes ``draft_topk``)
-    it gets the drafter's :class:`Choice` ``[n, k]`` instead of the logits. A missing candidate gets the root's first token
-    (active) as a stand-in, and a cumulative score of -inf, so it is never kept in the frontier
+    it gets the drafter's :class:`Choice` ``[n, k]`` instead of the logits. A missing candidate gets the root's
+    first token (active) as a stand-in, and a cumulative score of -inf, so it is never kept in the frontier
     ahead of a real one and never verified.
     """
     device = cache.k.device

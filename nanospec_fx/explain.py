@@ -14,7 +14,7 @@ from nanospec_fx.calibration import calibrate as measure_constants
 from nanospec_fx.diagnosis import Diagnosis, argument_heads, diagnose, target_observers
 from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
-from nanospec_fx.lookup import state_names, unwrap
+from nanospec_fx.module_heads import state_names, unwrap
 from nanospec_fx.state import ActiveVocab
 from nanospec_fx.warning import warn_once
 
@@ -100,7 +100,8 @@ class Explanation:
         for h in self.heads:
             s = h.state
             lines += [
-                f"  head {public_names([h.name, *h.names])[0]}" + (f" (module {h.module_path})" if h.module_path else "")
+                f"  head {public_names([h.name, *h.names])[0]}"
+                + (f" (module {h.module_path})" if h.module_path else "")
                 + f": V={h.vocab_size}, H={h.hidden_size}",
                 f"    names: {', '.join(public_names(h.names))}",
                 f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, "
@@ -164,7 +165,7 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()
         machine = _constants(path, state.hidden_size, state.cache_w.dtype, calibrate)
         cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity, machine)
-        shard = getattr(state, "shard", None)  # a vocabulary-parallel head (tensor_parallel.ShardedActiveVocab)
+        shard = getattr(state, "shard", None)  # a vocabulary-parallel head (sharded_state.ShardedActiveVocab)
         world = shard.world_size if shard is not None else 1
         collective = CollectiveCost(state.rows, state.hidden_size, state.capacity, size) if shard is not None else None
         heads.append(HeadExplanation(

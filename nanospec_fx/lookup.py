@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nanospec_fx.module_heads import module_tensors, registered_states, state_names, unwrap
+from nanospec_fx.module_heads import module_tensors, state_names, unwrap
 from nanospec_fx.state import ActiveVocab, registered_state, state_for
 from nanospec_fx.vocab_config import VocabConfig
 
@@ -54,8 +54,9 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
                 return created
         from nanospec_fx.diagnosis import diagnose
 
+        why = diagnose(module if wrapper is None else wrapper).text()
         raise LookupError(
-            f"{type(module).__name__} has no active vocabulary yet: {diagnose(module if wrapper is None else wrapper).text()} "
+            f"{type(module).__name__} has no active vocabulary yet: {why} "
             "To create the set before the first call: nanospec_fx.attach(model, head='<weight name>')"
         )
     if len(found) > 1:
@@ -92,4 +93,4 @@ def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.T
     return layer.weight, getattr(layer, "bias", None)
 
 
-__all__ = ["active_vocab", "head_parameters", "module_tensors", "registered_states", "state_names", "unwrap"]
+__all__ = ["active_vocab", "head_parameters"]

@@ -7,9 +7,10 @@ call read (its *owners*, held weakly). A rewritten head whose graph looks up tha
 its own call received every owner: that proves the prefill ran the same model, not another one that shares
 the embedding (drafters sharing the target's ``nn.Embedding``, two drafters on one table). Each head reads a
 log once, whole (its ids in embedding order, the last ``_KEEP`` of them), and then gets the log's later ids
-as they are recorded (a head that ran before a log existed gets it that way from the start, if it owns it), so every head of the model sees the prompt, however many heads it has and whenever each
-first runs. A prefill that reads nothing but the table proves no owner: its ids go to every head that looks
-that table up. A freed table or owner drops its logs.
+as they are recorded (a head that ran before a log existed gets it that way from the start, if it owns it), so
+every head of the model sees the prompt, however many heads it has and whenever each first runs. A prefill that
+reads nothing but the table proves no owner: its ids go to every head that looks that table up. A freed table or
+owner drops its logs.
 """
 from __future__ import annotations
 
@@ -95,11 +96,6 @@ def claim(table: torch.Tensor, state, tensors: Callable[[], Iterable[torch.Tenso
             log.readers.add(state)
             kept += log.ids
     return torch.cat(kept) if kept else None
-
-
-def clear() -> None:
-    _LOGS.clear()
-    _HEADS.clear()
 
 
 class RecordingCall:

@@ -6,9 +6,9 @@ cursor and cache of head rows (``[R, C, H]``) - and every head call takes ``rows
 batch row, so each row is computed against its own request's set. Why gathered rows per request and not one
 union of the sets with a mask per row: docs/per-request.md (measured).
 
-It is plain eager code on top of the nanospec custom ops with their ``rows`` argument: usable where no ``torch.compile`` graph is
-seen (vLLM calls a drafter's ``compute_logits`` eagerly). Rows are assigned and released on the host (cheap
-Python bookkeeping); observe and the head never sync with the device. The shared set of
+It is plain eager code on top of the nanospec custom ops with their ``rows`` argument: usable where no
+``torch.compile`` graph is seen (vLLM calls a drafter's ``compute_logits`` eagerly). Rows are assigned and
+released on the host (cheap Python bookkeeping); observe and the head never sync with the device. The shared set of
 :class:`~nanospec_fx.ActiveVocab` (one set for the batch, the ``torch.compile`` path) is unchanged.
 
 Padding rows: a batch row whose ``rows`` entry lies outside ``[0, max_requests)`` (engines pad batches with -1)
@@ -17,13 +17,12 @@ value -inf), argmax 0, nothing observed. It never reads another request's set (d
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Hashable, Sequence
 
 import torch
 
 from nanospec_fx.kernels import ops
-from nanospec_fx.kernels.schema import STATE, check_num_pinned, new_request_state
+from nanospec_fx.kernels.schema import STATE, new_request_state
 from nanospec_fx.kernels.state_lock import holding_state_lock
 from nanospec_fx.policies import resolve, token_to_row
 from nanospec_fx.state import VocabState, as_token_ids, check_token_range, in_range_or_nothing
@@ -34,23 +33,6 @@ def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """EAGLE-3's ``d2t`` offsets (target id = draft id + d2t[draft id]) as a token -> head-row map [vocab_size]."""
     d2t = torch.as_tensor(d2t, dtype=torch.int64).flatten().cpu()
     return token_to_row(torch.arange(d2t.numel()) + d2t, vocab_size)
-
-
-SIGNATURE = f"RequestVocabs(weight, bias=None, max_requests=8, capacity={DEFAULT_CAPACITY})"
-
-
-def check_arguments(weight: Any, bias: Any, max_requests: Any, capacity: Any) -> None:
-    """A clear ``TypeError`` for arguments in the wrong places (``RequestVocabs(weight, 8, 3072)`` leaves out the bias:
-    8 would be taken as the bias), before anything reads their attributes."""
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be the head's [V, H] weight tensor, got {type(weight).__name__}: {SIGNATURE}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be the head's [V] bias tensor or None, got {type(bias).__name__} {bias!r}: the "
-                        f"second argument is the bias ({SIGNATURE}); pass the others by name, "
-                        f"RequestVocabs(weight, max_requests=8, capacity={DEFAULT_CAPACITY})")
-    for name, value in (("max_requests", max_requests), ("capacity", capacity)):
-        if isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a positive int, got a tensor: {SIGNATURE}")
 
 
 class RequestVocabs(VocabState):
@@ -77,6 +59,9 @@ class RequestVocabs(VocabState):
     #: still calls it, so a rank with nothing to observe meets the others instead of leaving them waiting.
     observes_meet_the_ranks = False
 
+    SIGNATURE = (f"RequestVocabs(weight, bias=None, max_requests=8, capacity={DEFAULT_CAPACITY}); "
+                 f"e.g. RequestVocabs(weight, max_requests=8, capacity={DEFAULT_CAPACITY})")
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -90,23 +75,14 @@ class RequestVocabs(VocabState):
         policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
     ):
-        check_arguments(weight, bias, max_requests, capacity)
-        if weight.dim() != 2:
-            raise ValueError(f"head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-        head_rows, hidden = self._head_rows(weight), weight.shape[1]
-        if bias is not None and tuple(bias.shape) != (head_rows,):
-            raise ValueError(f"head bias must have shape ({head_rows},), got {tuple(bias.shape)}")
-        for name, value in (("max_requests", max_requests), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        capacity = min(capacity, head_rows)
-        check_num_pinned(num_pinned, capacity)
+        head_rows, hidden, capacity = self._check_arguments(weight, bias, capacity, num_pinned,
+                                                            max_requests=max_requests)
         self.weight, self.bias = weight, bias
         self.max_requests, self.capacity, self.num_pinned, self.hidden_size = max_requests, capacity, num_pinned, hidden
         self.rows = head_rows  # the last dim of logits: head rows (= token ids without a token map)
         self.device = weight.device
         self.observes, self.policy = observes, policy
-        self.token_vocab_size = self._set_token_map(token_to_row, head_rows, self.device)
+        self.vocab_size = self._set_token_map(token_to_row, head_rows, self.device)  # the token-id space
         with torch.no_grad(), torch.inference_mode(False):
             state = new_request_state(max_requests, head_rows, hidden, capacity, weight.dtype, self.device)
             if bias is not None:
@@ -191,11 +167,12 @@ class RequestVocabs(VocabState):
         """Add token ids (int, list, tensor, numpy; any shape) to the set of ``request_id``.
 
         ``validate`` raises ``ValueError`` for ids outside [0, V) on a CPU state (read on the host); on another device
-        it checks them there, no host sync, and a call holding one observes nothing; ``validate=False`` skips them. Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set
-        (``observes=False``, the ``static`` policy) ignores the call."""
+        it checks them there, no host sync, and a call holding one observes nothing; ``validate=False`` skips them.
+        Tokens without a head row (``token_to_row`` -1) are skipped. A frozen set (``observes=False``, the
+        ``static`` policy) ignores the call."""
         tokens = as_token_ids(token_ids).to(self.device).reshape(1, -1)
         if validate and tokens.device.type != "cpu" and not self.observes_meet_the_ranks:
-            tokens = in_range_or_nothing(tokens, self.token_vocab_size)
+            tokens = in_range_or_nothing(tokens, self.vocab_size)
         elif validate:
             self._check_range(tokens)
         row = torch.tensor([self.row_of(request_id)], dtype=torch.int64).to(self.device, non_blocking=True)
@@ -271,15 +248,6 @@ class RequestVocabs(VocabState):
         """The head weight as [rows, H] (what the cache holds rows of)."""
         return self.weight
 
-    @property
-    def vocab_size(self) -> int:
-        """Deprecated: here it has meant the head rows (the last dim of logits), not the token-id space it means on
-        :class:`~nanospec_fx.ActiveVocab`. Use :attr:`rows` (head rows) or :attr:`token_vocab_size` (token ids)."""
-        warnings.warn("RequestVocabs.vocab_size is deprecated: it means the head rows here, the token-id space on "
-                      "ActiveVocab; use .rows (head rows, the last dim of logits) or .token_vocab_size (token ids)",
-                      DeprecationWarning, stacklevel=2)
-        return self.rows
-
     @holding_state_lock
     def active_count(self, request_id: Hashable) -> int:
         """How many tokens ``request_id`` holds (reads the count on the host)."""
@@ -302,10 +270,6 @@ class RequestVocabs(VocabState):
                 f"num_pinned={self.num_pinned}, device={self.device})")
 
     # ----------------------------------------------------------------- internals
-    def _head_rows(self, weight: torch.Tensor) -> int:
-        """How many head rows the set covers (a vocabulary-parallel subclass holds one shard of them)."""
-        return weight.shape[0]
-
     def _before_head(self) -> None:
         self.refresh_if_stale()
         self.head_calls += 1
@@ -324,7 +288,7 @@ class RequestVocabs(VocabState):
         return self.rows_of(tokens)
 
     def _check_range(self, tokens: torch.Tensor) -> None:
-        check_token_range(tokens, self.token_vocab_size)
+        check_token_range(tokens, self.vocab_size)
 
     def _clear_row(self, row: int) -> None:
         with torch.no_grad():

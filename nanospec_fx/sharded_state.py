@@ -19,7 +19,8 @@ import functools
 import torch
 
 from nanospec_fx.collectives import (
-    RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged, state_digest,
+    RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged,
+    state_digest,
 )
 from nanospec_fx.consensus import check_in
 from nanospec_fx.kernels import ops
@@ -279,26 +280,27 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
     ``[..., V]`` locally with no logits collective.
 
     ``weight`` is this rank's ``[shard_rows, H]`` shard (rows ``[rank * shard_rows, ...)`` of the head, the last
-    shards possibly padded past the vocabulary); ``vocab_size`` (default: every shard row) is the head's real number
-    of rows, the last dim of the logits. Each observe fetches the rows of its ids from their owner shards (one
-    ``[N, H]`` all-reduce, :func:`fetch_rows`). ``assign`` (it seeds), ``observe*`` and ``refresh`` run a
-    collective: call them on every rank of the group with the same ids, in the same order (SPMD). No head bias.
+    shards possibly padded past the vocabulary); ``rows`` (default: every shard row) is the head's real number
+    of rows, the last dim of the logits (``vocab_size`` is the token-id space, as on every state). Each observe
+    fetches the rows of its ids from their owner shards (one ``[N, H]`` all-reduce, :func:`fetch_rows`). ``assign``
+    (it seeds), ``observe*`` and ``refresh`` run a collective: call them on every rank of the group with the same
+    ids, in the same order (SPMD). No head bias.
     Memory per rank: ``max_requests * capacity * H`` (the cache is replicated, not split) plus the slot maps.
     """
 
     def __init__(self, weight: torch.Tensor, max_requests: int = 8, capacity: int = DEFAULT_CAPACITY,
-                 num_pinned: int = 0, *, shard: VocabShard, vocab_size: int | None = None, seed_ids=None,
+                 num_pinned: int = 0, *, shard: VocabShard, rows: int | None = None, seed_ids=None,
                  observes: bool = True, policy: str = DEFAULT_POLICY, token_to_row: torch.Tensor | None = None):
         if weight.dim() != 2 or weight.shape[0] != shard.shard_rows:
             raise ValueError(f"nanospec: this rank's head shard should have {shard.shard_rows} rows, got "
                              f"{tuple(weight.shape)}")
-        vocab_size = shard.vocab_size if vocab_size is None else vocab_size
-        if not 0 < vocab_size <= shard.vocab_size:
-            raise ValueError(f"nanospec: {vocab_size} head rows do not fit {shard.world_size} shards of "
+        rows = shard.vocab_size if rows is None else rows
+        if not 0 < rows <= shard.vocab_size:
+            raise ValueError(f"nanospec: {rows} head rows do not fit {shard.world_size} shards of "
                              f"{shard.shard_rows} (the last ones padded)")
-        self.shard, self.sharded_rows = shard, vocab_size
+        self.shard, self.sharded_rows = shard, rows
         with torch.no_grad(), torch.inference_mode(False):  # stride 0: no [V, H] memory
-            self.zero_rows = weight.new_zeros(1, weight.shape[1]).expand(vocab_size, -1)
+            self.zero_rows = weight.new_zeros(1, weight.shape[1]).expand(rows, -1)
         super().__init__(weight, None, max_requests, capacity, num_pinned, seed_ids=seed_ids, observes=observes,
                          policy=policy, token_to_row=token_to_row)
 

@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nanospec_fx.kernels import ops
 # The state tensors a compiled graph receives, in order (declared once, with the op schemas).
 from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
+from nanospec_fx.kernels.schema import check_num_pinned
 from nanospec_fx.kernels.state_lock import holding_state_lock, state_lock
 from nanospec_fx.policies import resolve
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
@@ -57,9 +58,43 @@ class VocabState(FollowsWeightWrites):
 
     Their state tensors are those of ``kernels/schema.py`` (a per-request state has a leading request axis on each).
     Names mean the same in both: ``rows`` is the number of head rows (the last dim of logits), ``vocab_size`` the
-    token-id space (``rows`` without a token map; ``RequestVocabs`` keeps its old meaning of ``vocab_size`` as a
-    deprecated alias for one release and names the token space ``token_vocab_size``). Subclasses set ``capacity``,
-    ``rows``, the state tensors, ``weight``/``bias`` and ``head_rows`` (the weight as [rows, H])."""
+    token-id space (``rows`` without a token map). Subclasses check their arguments with :meth:`_check_arguments`,
+    set ``capacity``, ``rows``, the state tensors, ``weight``/``bias`` and ``head_rows`` (the weight as [rows, H])."""
+
+    #: how the constructor is called, for the errors of :meth:`_check_arguments`
+    SIGNATURE = ""
+
+    def _check_arguments(self, weight: Any, bias: Any, capacity: Any, num_pinned: Any, *, transposed: bool = False,
+                         **counts: Any) -> tuple[int, int, int]:
+        """The constructors' one argument check (every state kind, sharded ones included): ``(rows, hidden,
+        capacity)`` with the capacity clamped to the head's rows. A clear ``TypeError`` for arguments in the wrong
+        places before anything reads their attributes (``RequestVocabs(weight, 8, 3072)`` leaves out the bias: 8
+        would be taken as the bias), then a ``ValueError`` for a wrong shape or size. ``counts``: the kind's other
+        positive ints (``max_requests``)."""
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be the head's [V, H] weight tensor, got {type(weight).__name__}: "
+                            f"{self.SIGNATURE}")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be the head's [V] bias tensor or None, got {type(bias).__name__} {bias!r}: "
+                            f"the second argument is the bias ({self.SIGNATURE}); pass the others by name")
+        for name, value in {**counts, "capacity": capacity}.items():
+            if isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a positive int, got a tensor: {self.SIGNATURE}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if weight.dim() != 2:
+            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed), got shape {tuple(weight.shape)}")
+        local_rows = weight.shape[1] if transposed else weight.shape[0]  # rows this weight holds
+        rows, hidden = (local_rows, weight.shape[0]) if transposed else (self._head_rows(weight), weight.shape[1])
+        if bias is not None and tuple(bias.shape) != (local_rows,):
+            raise ValueError(f"head bias must have shape ({local_rows},), got {tuple(bias.shape)}")
+        capacity = min(capacity, rows)
+        check_num_pinned(num_pinned, capacity)
+        return rows, hidden, capacity
+
+    def _head_rows(self, weight: torch.Tensor) -> int:
+        """Rows of the whole head: the weight's own (a vocabulary-parallel state overrides it)."""
+        return weight.shape[0]
 
     def _set_token_map(self, token_to_row: torch.Tensor | None, rows: int, device) -> int:
         """Validate and keep the token -> head-row map (and its inverse); returns the token-id space."""
@@ -161,6 +196,8 @@ class ActiveVocab(VocabState):
             is keyed on that stored tensor, never on a ``W.t()`` view (a new object every call).
     """
 
+    SIGNATURE = f"ActiveVocab(weight, bias=None, capacity={DEFAULT_CAPACITY}, num_pinned=0)"
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -174,18 +211,8 @@ class ActiveVocab(VocabState):
         token_to_row: torch.Tensor | None = None,
         transposed: bool = False,
     ):
-        if weight.dim() != 2:
-            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed), got shape {tuple(weight.shape)}")
         self.transposed = bool(transposed)
-        local_rows = weight.shape[1] if self.transposed else weight.shape[0]  # rows this weight holds
-        rows, hidden = (local_rows, weight.shape[0]) if self.transposed else (self._head_rows(weight), weight.shape[1])
-        if bias is not None and tuple(bias.shape) != (local_rows,):
-            raise ValueError(f"head bias must have shape ({local_rows},), got {tuple(bias.shape)}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-        capacity = min(capacity, rows)
-        if not 0 <= num_pinned < capacity:
-            raise ValueError(f"num_pinned must be in [0, capacity={capacity}), got {num_pinned}")
+        rows, hidden, capacity = self._check_arguments(weight, bias, capacity, num_pinned, transposed=self.transposed)
         dev = weight.device
         # A state of the registry (state_for) holds its weight weakly: the registry maps the weight to the
         # state, so a strong reference back would keep both alive forever. A state built directly holds it.
@@ -223,10 +250,6 @@ class ActiveVocab(VocabState):
                 "replaced); get the current one with nanospec_fx.active_vocab(model)"
             )
         return weight
-
-    def _head_rows(self, weight: torch.Tensor) -> int:
-        """Rows of the whole head: the weight's own (a vocabulary-parallel state overrides it with V)."""
-        return weight.shape[0]
 
     def _fresh_factory(self) -> Any:
         """What builds a new state of this kind, ``factory(weight, bias, **config.keywords())`` (``state_for``'s
@@ -485,7 +508,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
 
     ``factory(weight, bias, **keywords)`` builds a new state (a vocabulary-parallel head's builds a
-    :class:`nanospec_fx.tensor_parallel.ShardedActiveVocab`).
+    :class:`nanospec_fx.sharded_state.ShardedActiveVocab`).
     ``transposed``: the weight is stored [H, V] (``h @ W``); None keeps the existing state's layout (else [V, H]).
     """
     if isinstance(config, VocabConfig):

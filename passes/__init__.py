@@ -57,6 +57,7 @@ from .rewrite_head import rewrite_head
 __all__ = [
     "HeadMatch", "HeadSelectionError", "find_heads", "ObserveInto", "insert_input_observers", "insert_observe",
     "insert_topk_observers", "snapshot_state_reads", "token_id_lookups", "DenseFallback", "DenseHead",
-    "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "grad_modes", "keep_grad_modes", "GraphPosition", "graph_position",
+    "RewriteReport", "StateNodes", "rewrite_head", "grad_enabled_at", "grad_modes", "keep_grad_modes", "GraphPosition",
+    "graph_position",
     "unobserved_lookup", "find_meetings",
 ]

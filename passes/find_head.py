@@ -153,9 +153,10 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
     * otherwise, among projections whose output reaches the graph output, every one onto the token
       vocabulary: a weight shared with the token embedding, and the projections as wide as a token embedding
       has rows (Medusa heads, MTP depths with heads of their own: each is rewritten with its own state, one
-      per weight), the widest of them only (a 2-way classifier beside a token-type table is no head). A table with more rows than any projection has outputs (a padded vocabulary) says nothing
-      about V: none, with a note naming the candidates (the ``vocab_size`` or ``head`` option picks, and the
-      ids in [0, V) are observed); with no token embedding in the graph: the one projection wider than its
+      per weight), the widest of them only (a 2-way classifier beside a token-type table is no head). A table
+      with more rows than any projection has outputs (a padded vocabulary) says nothing about V: none, with a
+      note naming the candidates (the ``vocab_size`` or ``head`` option picks, and the ids in [0, V) are
+      observed); with no token embedding in the graph: the one projection wider than its
       input that reaches the output, if its logits (not only a selection of them) do (a router or a
       hidden-state projection is narrower or is not alone); several wider projections reaching the output:
       none, with a note saying why (nothing says which is a head and which a hidden-state projection).
@@ -192,7 +193,8 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
                 and n not in grouped and reaches_output(n, shape[0])]  # a weight computed in the graph
     if computed and notes is not None:
         notes.append(DenseHead(module_path(computed[0]) or computed[0].name,
-                               f"the weight is not row-wise: it is computed in the graph ({_weight_op(computed[0])}) and "
+                               "the weight is not row-wise: it is computed in the graph "
+                               f"({_weight_op(computed[0])}) and "
                                "nanospec cannot prove that each of its rows depends only on the same row of stored "
                                "tensors (elementwise ops, per-row scales, reductions over the last axis): it is not "
                                "rewritten"))

@@ -101,11 +101,11 @@ class DenseHeadKind:
     def after_call(self, state: ActiveVocab) -> None:
         """After a compiled call: nothing to check."""
 
-    def request_vocabs(self, weight: torch.Tensor, max_requests: int, vocab_size: int, **state):
-        """Per-request sets over ``weight``'s first ``vocab_size`` rows (an engine's head)."""
+    def request_vocabs(self, weight: torch.Tensor, max_requests: int, rows: int, **state):
+        """Per-request sets over ``weight``'s first ``rows`` rows (an engine's head, padded past its vocabulary)."""
         from nanospec_fx.request_vocab import RequestVocabs
 
-        return RequestVocabs(weight[:vocab_size], None, max_requests, **state)
+        return RequestVocabs(weight[:rows], None, max_requests, **state)
 
 
 class ShardedHeadKind(DenseHeadKind):
@@ -167,11 +167,11 @@ class ShardedHeadKind(DenseHeadKind):
     def after_call(self, state) -> None:
         state.raise_if_diverged()
 
-    def request_vocabs(self, weight, max_requests, vocab_size, **state):
-        """Replicated per-request sets over this rank's shard of the head."""
+    def request_vocabs(self, weight, max_requests, rows, **state):
+        """Replicated per-request sets over this rank's shard of the head (``rows``: the head's real rows)."""
         from nanospec_fx.sharded_state import ShardedRequestVocabs
 
-        return ShardedRequestVocabs(weight, max_requests, shard=self.shard, vocab_size=vocab_size, **state)
+        return ShardedRequestVocabs(weight, max_requests, shard=self.shard, rows=rows, **state)
 
 
 def _shard_of(head) -> VocabShard:
@@ -212,7 +212,7 @@ def kind_of_shard(shard: VocabShard | None) -> DenseHeadKind:
     return ShardedHeadKind(shard.group_name, shard) if isinstance(shard, VocabShard) else DENSE
 
 
-def request_vocabs(weight: torch.Tensor, max_requests: int, vocab_size: int, shard: VocabShard | None = None,
-                   **state):
-    """Per-request sets of an engine's head (vLLM), replicated over the ranks when ``shard`` is one."""
-    return kind_of_shard(shard).request_vocabs(weight, max_requests, vocab_size, **state)
+def request_vocabs(weight: torch.Tensor, max_requests: int, rows: int, shard: VocabShard | None = None, **state):
+    """Per-request sets of an engine's head (vLLM; ``rows``: its real rows), replicated over the ranks when ``shard``
+    is one."""
+    return kind_of_shard(shard).request_vocabs(weight, max_requests, rows, **state)

@@ -29,7 +29,8 @@ import torch._dynamo
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from nanospec_fx.lookup import active_vocab, registered_states, unwrap
+from nanospec_fx.lookup import active_vocab
+from nanospec_fx.module_heads import registered_states, unwrap
 from nanospec_fx.state import ActiveVocab
 # The strategies and the distribution tests, a module each (one job each), under the public names the docs use.
 from nanospec_fx.testing.distribution import (

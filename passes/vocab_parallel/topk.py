@@ -9,8 +9,9 @@ take a top-k of. Its top-k is computed from the slices instead::
     cv, ci = all_gather(stack([v, i.to(v.dtype)]))   # [..., tp * k'] each, rank-major: one small collective
     ids = ci.long().gather(-1, topk(cv, k).indices)  # the same on every rank: they pick from the same candidates
 
-(two collectives where an id would not be exact in the logits' dtype: bfloat16 over 257 tokens). Every token of the global top-k is in its shard's top-k', so ``ids`` are a top-k of ``cat(slices)``. The nodes are
-added next to the target's own (its outputs do not change); ``ids`` are then observed like a one-device target's.
+(two collectives where an id would not be exact in the logits' dtype: bfloat16 over 257 tokens). Every token of
+the global top-k is in its shard's top-k', so ``ids`` are a top-k of ``cat(slices)``. The nodes are added next to
+the target's own (its outputs do not change); ``ids`` are then observed like a one-device target's.
 
 Ties: the observed values are exactly the k largest of the full logits, ids above the k-th value are all observed;
 which of the ids tied at the k-th value are observed is torch.topk's choice (as on one device), the same on every

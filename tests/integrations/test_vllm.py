@@ -1,4 +1,4 @@
-"""The vLLM plugin (nanospec_fx/integrations/vllm/, entry point nanospec_fx/vllm_plugin.py), on vLLM's CPU build with tiny random checkpoints.
+"""The vLLM plugin (nanospec_fx/integrations/vllm/, entry point nanospec_fx.integrations.vllm:register), on vLLM's CPU build with tiny random checkpoints.
 
 The first tests need no vLLM (they run in every environment); the others run vLLM in a subprocess
 (tests/integrations/vllm_worker.py) and are skipped where ``vllm`` is not importable. The oracles: vLLM running
@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import nanospec_fx.integrations.vllm as integration
-import nanospec_fx.vllm_plugin as plugin
 from nanospec_fx.integrations.vllm import config as vllm_config
 from nanospec_fx.integrations.vllm.metrics import Activity
 
@@ -33,11 +32,11 @@ TARGET_OF = {"mtp": "mimo_target"}  # the run of the target alone each method's 
 
 # ----------------------------------------------------------------------------- without vLLM
 def test_switch_off_installs_nothing(monkeypatch):
-    monkeypatch.delenv(plugin.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(vllm_config.ENV_SWITCH, raising=False)
     monkeypatch.setattr(integration, "install", lambda: pytest.fail("installed without the switch"))
-    plugin.register()
-    monkeypatch.setenv(plugin.ENV_SWITCH, "0")
-    plugin.register()
+    integration.register()
+    monkeypatch.setenv(vllm_config.ENV_SWITCH, "0")
+    integration.register()
 
 
 NEXT = "0.%d.0" % (max(integration.ADAPTERS)[1] + 1)  # the first release with no adapter yet
@@ -46,27 +45,29 @@ NEXT = "0.%d.0" % (max(integration.ADAPTERS)[1] + 1)  # the first release with n
 @pytest.mark.parametrize("version", ["0.31.2", NEXT, "1.0.0", "unknown", ""])
 def test_unsupported_version_is_an_error(version):
     with pytest.raises(RuntimeError, match=r"not supported.*adapters for vLLM 0\.32\.x.*unset NANOSPEC_VLLM"):
-        plugin.check_version(version)
+        integration.check_version(version)
 
 
 @pytest.mark.parametrize("version, adapter", [("0.32.0", "v0_32"), ("0.32.1", "v0_32"), ("0.32.0+cpu", "v0_32"),
                                               ("0.33.0", "v0_33"), ("0.33.2", "v0_33"),
                                               ("0.34.0", "v0_34"), ("0.34.1+cu130", "v0_34")])
 def test_supported_versions_pick_their_adapter(version, adapter):
-    assert plugin.check_version(version).__name__ == f"nanospec_fx.integrations.vllm.{adapter}"
+    assert integration.check_version(version).__name__ == f"nanospec_fx.integrations.vllm.{adapter}"
 
 
 def test_entry_point_and_no_vllm_dependency():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {"nanospec": "nanospec_fx.vllm_plugin:register"}
+    assert project["entry-points"]["vllm.general_plugins"] == {"nanospec": "nanospec_fx.integrations.vllm:register"}
+    module, name = project["entry-points"]["vllm.general_plugins"]["nanospec"].split(":")
+    assert getattr(importlib.import_module(module), name) is integration.register  # what vLLM's loader resolves
     assert project["optional-dependencies"]["vllm"] == []
     names = [d.split(";")[0].strip() for d in project["dependencies"]]
     assert not any(n.startswith("vllm") for n in names)
 
 
 def test_import_nanospec_fx_does_not_load_the_plugin():
-    code = ("import sys, nanospec_fx; print('nanospec_fx.vllm_plugin' in sys.modules, "
+    code = ("import sys, nanospec_fx; print('nanospec_fx.integrations' in sys.modules, "
             "'nanospec_fx.integrations.vllm' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
@@ -74,53 +75,53 @@ def test_import_nanospec_fx_does_not_load_the_plugin():
 
 
 def test_static_policy_reads_the_list(tmp_path, monkeypatch):
-    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE):
+    for name in (vllm_config.ENV_POLICY, vllm_config.ENV_STATIC, vllm_config.ENV_STATIC_SIZE):
         monkeypatch.delenv(name, raising=False)
-    assert plugin.static_tokens(100) is None  # context by default
-    monkeypatch.setenv(plugin.ENV_POLICY, "static")
+    assert vllm_config.static_tokens(100) is None  # context by default
+    monkeypatch.setenv(vllm_config.ENV_POLICY, "static")
     with pytest.raises(ValueError, match="needs NANOSPEC_VLLM_STATIC"):
-        plugin.static_tokens(100)
+        vllm_config.static_tokens(100)
     path = tmp_path / "ids.txt"
     path.write_text("7 3\n7, 9\n1")
-    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
-    assert plugin.static_tokens(100) == [7, 3, 9, 1]  # first occurrence keeps its rank
-    monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "2")
-    assert plugin.static_tokens(100) == [7, 3]
+    monkeypatch.setenv(vllm_config.ENV_STATIC, str(path))
+    assert vllm_config.static_tokens(100) == [7, 3, 9, 1]  # first occurrence keeps its rank
+    monkeypatch.setenv(vllm_config.ENV_STATIC_SIZE, "2")
+    assert vllm_config.static_tokens(100) == [7, 3]
     path.write_text("[5, 120]")
-    monkeypatch.delenv(plugin.ENV_STATIC_SIZE)
+    monkeypatch.delenv(vllm_config.ENV_STATIC_SIZE)
     with pytest.raises(ValueError, match=r"outside \[0, 100\).*120"):
-        plugin.static_tokens(100)
+        vllm_config.static_tokens(100)
     path.write_text("5 x")
     with pytest.raises(ValueError, match="integer token ids"):
-        plugin.static_tokens(100)
-    monkeypatch.setenv(plugin.ENV_POLICY, "frequent")
+        vllm_config.static_tokens(100)
+    monkeypatch.setenv(vllm_config.ENV_POLICY, "frequent")
     with pytest.raises(ValueError, match="expected one of context, static, hybrid"):
-        plugin.static_tokens(100)
+        vllm_config.static_tokens(100)
 
 
 def _clear_settings(monkeypatch):
-    for name in (plugin.ENV_POLICY, plugin.ENV_STATIC, plugin.ENV_STATIC_SIZE, plugin.ENV_CAPACITY, plugin.ENV_TOPK,
-                 plugin.ENV_MAX_REQUESTS, plugin.ENV_RECORD, plugin.ENV_RECORD_DIR, vllm_config.ENV_HEAD):
+    for name in (vllm_config.ENV_POLICY, vllm_config.ENV_STATIC, vllm_config.ENV_STATIC_SIZE, vllm_config.ENV_CAPACITY, vllm_config.ENV_TOPK,
+                 vllm_config.ENV_MAX_REQUESTS, vllm_config.ENV_RECORD, vllm_config.ENV_RECORD_DIR, vllm_config.ENV_HEAD):
         monkeypatch.delenv(name, raising=False)
 
 
 def test_settings_are_the_cores_vocab_config(tmp_path, monkeypatch):
     _clear_settings(monkeypatch)
-    monkeypatch.setenv(plugin.ENV_CAPACITY, "64")
+    monkeypatch.setenv(vllm_config.ENV_CAPACITY, "64")
     s = vllm_config.settings(100, max_num_seqs=4)
     assert (s.vocab.policy, s.vocab.capacity, s.max_requests, s.topk) == ("context", 64, 4, 3)
     path = tmp_path / "ids.txt"
     path.write_text("7 3 9 1")
-    monkeypatch.setenv(plugin.ENV_STATIC, str(path))
+    monkeypatch.setenv(vllm_config.ENV_STATIC, str(path))
     for policy in ("static", "hybrid"):
-        monkeypatch.setenv(plugin.ENV_POLICY, policy)
-        monkeypatch.setenv(plugin.ENV_STATIC_SIZE, "3")
+        monkeypatch.setenv(vllm_config.ENV_POLICY, policy)
+        monkeypatch.setenv(vllm_config.ENV_STATIC_SIZE, "3")
         s = vllm_config.settings(100, max_num_seqs=4)
         from nanospec_fx.policies import resolve
         state = resolve(s.vocab)  # the core's reading of the options: the listed order is the frequency ranking
         assert state.seed_ids.tolist() == [7, 3, 9] and state.policy == policy
         assert (state.observes, s.topk) == ((False, 0) if policy == "static" else (True, 3))
-    monkeypatch.setenv(plugin.ENV_CAPACITY, "zero")
+    monkeypatch.setenv(vllm_config.ENV_CAPACITY, "zero")
     with pytest.raises(ValueError, match="NANOSPEC_VLLM_CAPACITY='zero' must be an integer"):
         vllm_config.settings(100, max_num_seqs=4)
 
@@ -149,11 +150,12 @@ def test_a_head_the_compact_path_cannot_speed_up_keeps_the_full_head_unless_forc
         v0_32.not_worth_it(small)
 
 
-def test_old_policy_name_is_accepted_with_a_deprecation_warning(monkeypatch):
+def test_pre_release_policy_name_is_refused(monkeypatch):
+    """``dynamic`` (the name ``context`` had before 0.1.0) is no alias: refused like any unknown name."""
     _clear_settings(monkeypatch)
-    monkeypatch.setenv(plugin.ENV_POLICY, "dynamic")
-    with pytest.warns(DeprecationWarning, match="'dynamic' is the old name of 'context'"):
-        assert vllm_config.settings(100, max_num_seqs=2).vocab.policy == "context"
+    monkeypatch.setenv(vllm_config.ENV_POLICY, "dynamic")
+    with pytest.raises(ValueError, match="NANOSPEC_VLLM_POLICY='dynamic'; expected one of context, static, hybrid"):
+        vllm_config.settings(100, max_num_seqs=2)
 
 
 def test_activity_says_inactive_once_after_the_steps(recwarn):
@@ -559,9 +561,9 @@ def test_engine_agnostic_head_over_the_cores_sets(tmp_path, monkeypatch, policy)
     weight = torch.randn(vocab + 8, hidden, generator=torch.Generator().manual_seed(0))  # padded past the vocabulary
     listed = [30, 2, 17]
     (tmp_path / "ids.txt").write_text(" ".join(map(str, listed)))
-    monkeypatch.setenv(plugin.ENV_POLICY, policy)
-    monkeypatch.setenv(plugin.ENV_STATIC, str(tmp_path / "ids.txt"))
-    monkeypatch.setenv(plugin.ENV_CAPACITY, "8")
+    monkeypatch.setenv(vllm_config.ENV_POLICY, policy)
+    monkeypatch.setenv(vllm_config.ENV_STATIC, str(tmp_path / "ids.txt"))
+    monkeypatch.setenv(vllm_config.ENV_CAPACITY, "8")
     settings = vllm_config.settings(vocab, max_num_seqs=2)
     dense = lambda h: h @ weight[:vocab].T  # noqa: E731
     head = NanoSpecHead(build_vocabs(weight, settings, vocab), dense, settings, target_vocab_size=vocab)

@@ -251,7 +251,7 @@ def test_eagle3_draft_vocabulary_maps_fed_target_ids_to_draft_rows(monkeypatch):
     speculator = _speculator(model)
     runner_v2.after_speculator_load(lambda *a, **k: None, speculator, object())
     head = model.lm_head
-    assert isinstance(head, CompactLMHead) and head.vocabs.token_vocab_size == 100
+    assert isinstance(head, CompactLMHead) and head.vocabs.vocab_size == 100
     runner = _runner(speculator)
     fed = [draft_to_target[r] for r in (3, 10, 26, 30)] + [99, 4]  # 99 and 4: no draft row
     _seat(runner, "r", 2, fed)

@@ -31,7 +31,9 @@ def run(dirs, spec, prompts, max_tokens, target="target", **engine):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    import nanospec_fx.vllm_plugin as plugin
+    from nanospec_fx.integrations.vllm.head import STATIC_ROW
+    from nanospec_fx.integrations.vllm.metrics import heads as plugin_heads
+    from nanospec_fx.integrations.vllm.metrics import status as plugin_status
 
     engine = {"max_model_len": 128, "max_num_seqs": 4, **engine}
     llm = LLM(model=str(dirs[target]), skip_tokenizer_init=True, speculative_config=spec, dtype="float32",
@@ -45,13 +47,13 @@ def run(dirs, spec, prompts, max_tokens, target="target", **engine):
         llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(temperature=0, max_tokens=1,
                                                                           detokenize=False))
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    status = plugin.status()[-1:]  # this engine's runner: the newest (earlier engines were collected)
+    status = plugin_status()[-1:]  # this engine's runner: the newest (earlier engines were collected)
     heads = [{"compact_calls": h.compact_calls, "dense_calls": h.dense_calls, "assigned": h.assigned,
               "checked": h.checked, "disabled": h.disabled, "parallel": h.parallel, "model": h.model_name,
               "prepared": h.prepare is not None,
-              "static": h.vocabs.token_ids(plugin.STATIC_ROW).tolist() if h.static else None,
+              "static": h.vocabs.token_ids(STATIC_ROW).tolist() if h.static else None,
               "released": h.released, "holding": list(h.vocabs.request_ids),
-              "sets": [_released_set(h, i) for i in ids]} for h in plugin.heads()]
+              "sets": [_released_set(h, i) for i in ids]} for h in plugin_heads()]
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "heads": heads,
               "preemptions": metrics.get("vllm:num_preemptions"),
               "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
@@ -172,7 +174,7 @@ def methods(dirs):
                        PROMPTS, 8)
     import vllm
 
-    import nanospec_fx.vllm_plugin as plugin
+    import nanospec_fx.integrations.vllm as plugin
 
     vllm.__version__ = "0.31.0"  # what register() does on a vLLM it was not tested with
     try:
@@ -282,7 +284,7 @@ def eagle_export(dirs):
     tensors = {**forward, **{f"compute_logits.{k}": v for k, v in logits.items()}}
     save_file(tensors, str(root / "first_step.safetensors"))
 
-    import nanospec_fx.vllm_plugin as plugin
+    import nanospec_fx.integrations.vllm as plugin
 
     os.environ["NANOSPEC_VLLM"] = "1"  # vLLM ran its plugins already in this process: install by hand
     plugin.register()

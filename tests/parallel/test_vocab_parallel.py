@@ -91,7 +91,7 @@ def test_dtensor_colwise_head(fake_group, compiled_graphs, output):
 def test_write_rows_writes_exactly_the_active_ids_rows(ids):
     """Rows of active ids land in their slots; out-of-range and inactive ids change nothing (repeated indices carry
     the same value, so the result is deterministic)."""
-    from nanospec_fx.tensor_parallel import write_rows
+    from nanospec_fx.sharded_state import write_rows
 
     slot_of = torch.full((V,), -1, dtype=torch.int32)
     slot_of[torch.tensor([5, 2, 40])] = torch.tensor([3, 0, 1], dtype=torch.int32)  # 9 is not active

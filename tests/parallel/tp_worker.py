@@ -322,7 +322,9 @@ def requests(rank: int, world: int) -> dict:
     re-assigns, its state is RequestVocabs' over the full head bit for bit, identical on every rank, and so are
     its logits, also after an in-place write of the head (refresh); also through an EAGLE-3 token -> head-row map. ``all_ranks`` gives every rank the same answer."""
     from nanospec_fx.request_vocab import RequestVocabs, token_to_row_from_d2t
-    from nanospec_fx.tensor_parallel import ShardedRequestVocabs, VocabShard, all_ranks
+    from nanospec_fx.collectives import VocabShard
+    from nanospec_fx.consensus import all_ranks
+    from nanospec_fx.sharded_state import ShardedRequestVocabs
 
     group = dist.group.WORLD.group_name
     report = {}
@@ -336,7 +338,7 @@ def requests(rank: int, world: int) -> dict:
             token_to_row = token_to_row_from_d2t(draft_ids - torch.arange(rows), V)
         keywords = dict(max_requests=3, capacity=12, seed_ids=[1, 2], token_to_row=token_to_row)
         shard = VocabShard(group, world, rank, shard_rows)
-        ours = ShardedRequestVocabs(full[rank * shard_rows:(rank + 1) * shard_rows], shard=shard, vocab_size=rows,
+        ours = ShardedRequestVocabs(full[rank * shard_rows:(rank + 1) * shard_rows], shard=shard, rows=rows,
                                     **keywords)
         ref = RequestVocabs(full[:rows], None, **keywords)
         tokens = V if d2t else rows
@@ -531,7 +533,8 @@ def id_counts(rank: int, world: int) -> dict:
     """An eager observe given a different number of ids on each rank (its row fetch would differ in size: gloo
     aborted the process, nothing to catch): the same error on every rank, both sets unchanged and the group still
     usable, for a drafter's state (with a bias: two fetches) and for per-request sets."""
-    from nanospec_fx.tensor_parallel import RanksDiverged, ShardedRequestVocabs, VocabShard
+    from nanospec_fx.collectives import RanksDiverged, VocabShard
+    from nanospec_fx.sharded_state import ShardedRequestVocabs
 
     report = {}
     model, compiled, fed, state = _fed_drafter(rank, world)
@@ -566,7 +569,8 @@ def spmd_breaks(rank: int, world: int) -> dict:
     """What tensor parallelism leaves to the user's SPMD program, broken on one rank: each case ends in the same
     error on every rank, at once where the ranks meet in the store, and within the (short) timeout where one rank
     does not come; the results stay exact where every rank does the same again."""
-    from nanospec_fx.tensor_parallel import RanksDiverged, ShardedRequestVocabs, VocabShard
+    from nanospec_fx.collectives import RanksDiverged, VocabShard
+    from nanospec_fx.sharded_state import ShardedRequestVocabs
 
     report = {}
     # observe_inputs=False: the draft step has no collective; a head shard written on one rank only was read

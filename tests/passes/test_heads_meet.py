@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 import nanospec_fx
 from helpers import compile_nanospec
 from nanospec_fx import pass_reports
-from nanospec_fx.lookup import registered_states
+from nanospec_fx.module_heads import registered_states
 
 V, H = 48, 8
 IDS = torch.tensor([[1, 2, 3]])

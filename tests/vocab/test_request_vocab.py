@@ -148,12 +148,10 @@ def test_validation_and_token_map(kernels):
     x = torch.randn(1, H)
     finite = torch.isfinite(vocabs.logits(x, vocabs.rows_for([0])))[0]
     assert finite.nonzero().flatten().tolist() == [2, 5]  # head rows (draft ids) of tokens 4 and 10
-    # one meaning per name, as on ActiveVocab: rows = head rows (the last dim of logits), token ids apart
-    assert (vocabs.rows, vocabs.token_vocab_size) == (V, 100)
+    # one meaning per name on both state classes: rows = head rows (the last dim of logits), vocab_size = token ids
+    assert (vocabs.rows, vocabs.vocab_size) == (V, 100)
     active = ActiveVocab(weight, capacity=8, token_to_row=token_to_row_from_d2t(d2t, 100))
     assert (active.rows, active.vocab_size) == (V, 100)
-    with pytest.warns(DeprecationWarning, match="rows"):
-        assert vocabs.vocab_size == V  # the old name keeps its old meaning for one release, with a warning
     assert vocabs.contains(0, [4, 10, 5, 100, -1]).tolist() == [True, True, False, False, False]
 
 
@@ -296,6 +294,27 @@ def test_arguments_in_the_wrong_places_get_a_clear_error():
         RequestVocabs(torch.nn.Linear(H, V))
     vocabs = RequestVocabs(weight, max_requests=2, capacity=8)  # the documented form
     assert vocabs.max_requests == 2 and vocabs.capacity == 8
+
+
+@pytest.mark.parametrize("kind", [ActiveVocab, RequestVocabs])
+def test_both_state_classes_check_their_arguments_alike(kind):
+    """One argument check for every state kind: the same error, naming the class's own signature."""
+    weight = torch.randn(V, H)
+    with pytest.raises(TypeError, match=rf"the second argument is the bias \({kind.__name__}\(weight, bias=None"):
+        kind(weight, 8)
+    with pytest.raises(TypeError, match=rf"capacity must be a positive int, got a tensor: {kind.__name__}\("):
+        kind(weight, capacity=torch.tensor(8))
+    for capacity in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"capacity must be a positive int, got {capacity!r}"):
+            kind(weight, capacity=capacity)
+    with pytest.raises(ValueError, match=r"head weight must be 2-D"):
+        kind(torch.randn(2, V, H))
+    with pytest.raises(ValueError, match=rf"head bias must have shape \({V},\)"):
+        kind(weight, torch.zeros(V + 1))
+    with pytest.raises(ValueError, match=r"num_pinned must be in \[0, capacity=4\), got 4"):
+        kind(weight, capacity=4, num_pinned=4)
+    state = kind(weight, capacity=10 * V)  # clamped to the head's rows
+    assert (state.capacity, state.rows, state.vocab_size) == (V, V, V)
 
 
 def test_explain_of_a_state_says_what_it_takes():

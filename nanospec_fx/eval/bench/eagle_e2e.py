@@ -31,7 +31,7 @@ from nanospec_fx.eagle import EagleDrafter
 from nanospec_fx.eval.bench.e2e import StaticHead
 from nanospec_fx.eval.bench.timing import PhaseTimer, Stopwatch
 from nanospec_fx.eval.stats import median_interval, paired_ratios
-from nanospec_fx.lookup import unwrap
+from nanospec_fx.module_heads import unwrap
 from nanospec_fx.speculative import DecodeStats, HFTarget, drafter_state, eagle_generate
 from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 

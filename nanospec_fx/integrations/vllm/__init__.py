@@ -1,12 +1,13 @@
 """NanoSpec inside vLLM: per-request active vocabularies for the drafter's LM head.
 
-Opt-in: installing nanospec-fx registers :func:`register` (re-exported by ``nanospec_fx.vllm_plugin``) as a
+Opt-in: installing nanospec-fx registers :func:`register` (``nanospec_fx.integrations.vllm:register``) as the
 ``vllm.general_plugins`` entry point, which does nothing unless ``NANOSPEC_VLLM=1`` is set in the environment of the
 vLLM processes. Modules: ``config`` (environment -> the core's ``VocabConfig``), ``head`` (the engine-agnostic
 compact head over ``RequestVocabs``), ``metrics`` (counters, record files, active/inactive), ``contract`` (what an
 adapter touches, checked against a release's source), one adapter per vLLM release (``v0_32``, ``v0_33``,
-``v0_34``) and the Model Runner V2 hooks they share (``runner_v2``): the only modules that touch vLLM's private API. A new vLLM release is one new adapter module ``vMAJOR_MINOR.py``
-(:data:`ADAPTERS` lists the modules found). Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
+``v0_34``) and the Model Runner V2 hooks they share (``runner_v2``): the only modules that touch vLLM's private
+API. A new vLLM release is one new adapter module ``vMAJOR_MINOR.py`` (:data:`ADAPTERS` lists the modules found).
+Nothing here imports vLLM at module level: :func:`register` returns at once when the switch is off.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import re
 from pathlib import Path
 
 from nanospec_fx.integrations.vllm.config import ENV_SWITCH, enabled
-from nanospec_fx.integrations.vllm.metrics import heads, status
 
 #: vLLM minor release -> the adapter module that hooks it (every ``vMAJOR_MINOR.py`` of this package)
 ADAPTERS = {(int(m[1]), int(m[2])): m[0] for m in sorted(
@@ -57,4 +57,4 @@ def install() -> None:
     check_version(getattr(vllm, "__version__", "unknown")).install()
 
 
-__all__ = ["ADAPTERS", "SUPPORTED_VLLM", "check_version", "enabled", "heads", "install", "register", "status"]
+__all__ = ["ADAPTERS", "SUPPORTED_VLLM", "adapter_module", "check_version", "install", "register"]

@@ -2,14 +2,12 @@
 
 vLLM starts the plugin in processes the user does not construct, so its options are environment variables; they map
 onto the same :class:`~nanospec_fx.vocab_config.VocabConfig` the backend's ``options`` build, with the core's policy
-names (``context``, ``static``, ``hybrid``). The old name ``dynamic`` (= ``context``) is accepted with a
-``DeprecationWarning``. No vLLM here: the settings are engine-agnostic.
+names (``context``, ``static``, ``hybrid``). No vLLM here: the settings are engine-agnostic.
 """
 from __future__ import annotations
 
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +26,6 @@ ENV_ACTIVE_AFTER = "NANOSPEC_VLLM_ACTIVE_AFTER"
 ENV_HEAD = "NANOSPEC_VLLM_HEAD"
 #: which of vLLM's model runners the hooks go on, where a release has both (0.33: ``1`` = Model Runner V2)
 ENV_V2 = "NANOSPEC_VLLM_V2"
-#: policy names of earlier releases -> the core's
-DEPRECATED_POLICIES = {"dynamic": "context"}
 DEFAULT_TOPK = 3
 #: model steps after which a plugin whose drafter hooks never ran says it is inactive (warm-up steps included)
 DEFAULT_ACTIVE_AFTER = 8
@@ -53,11 +49,6 @@ def v2_setting() -> str | None:
 def policy() -> str:
     """``NANOSPEC_VLLM_POLICY`` as one of the core's policy names (default ``context``); ``ValueError`` if unknown."""
     name = os.environ.get(ENV_POLICY, "").strip().lower() or "context"
-    if name in DEPRECATED_POLICIES:
-        new = DEPRECATED_POLICIES[name]
-        warnings.warn(f"nanospec: {ENV_POLICY}={name!r} is the old name of {new!r}; set {ENV_POLICY}={new}",
-                      DeprecationWarning, stacklevel=2)
-        name = new
     if name not in POLICIES:
         raise ValueError(f"nanospec: {ENV_POLICY}={name!r}; expected one of {', '.join(POLICIES)}")
     return name

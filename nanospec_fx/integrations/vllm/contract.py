@@ -78,7 +78,8 @@ def _problem(symbol: Symbol, text: str, tree: ast.Module) -> str | None:
         missing = [b for b in symbol.params if b not in bases]
         return f"bases are ({', '.join(str(b) for b in bases)})" if missing else None
     if symbol.owner is None:
-        found = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == symbol.name]
+        found = [n for n in tree.body
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == symbol.name]
         return None if found else "no such module-level function"
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == symbol.owner]
     if not classes:

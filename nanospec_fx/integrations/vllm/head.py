@@ -2,9 +2,9 @@
 
 :class:`NanoSpecHead` takes plain values (the head's weight, the logits post-ops, the dense ``compute_logits`` to
 fall back on) and a :class:`~nanospec_fx.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
-version adapters (``v0_32``, ``v0_33``, ``v0_34``) read them off vLLM's objects. For Model Runner V2, whose draft loop runs in a
-captured CUDA graph, :class:`CompactLMHead` takes the drafter's ``lm_head`` slot instead and finds each batch row's
-request on the device (:class:`SlotRows`). No vLLM here.
+version adapters (``v0_32``, ``v0_33``, ``v0_34``) read them off vLLM's objects. For Model Runner V2, whose draft
+loop runs in a captured CUDA graph, :class:`CompactLMHead` takes the drafter's ``lm_head`` slot instead and finds
+each batch row's request on the device (:class:`SlotRows`). No vLLM here.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ STATIC_ROW = ("nanospec", "static")
 
 def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
     """The per-request sets over ``weight`` (its first ``vocab_size`` rows are the vocabulary; under tensor
-    parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.tensor_parallel.VocabShard`). The static
+    parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.collectives.VocabShard`). The static
     policy gets one frozen row that every request reads."""
     from nanospec_fx.compiler.head_kind import request_vocabs
     from nanospec_fx.policies import resolve
@@ -101,7 +101,7 @@ class NanoSpecHead:
             dense = self.dense_compute_logits(hidden_states)  # under tensor parallelism: gathered, on every rank
             same = here = same_where_active(logits, dense)
             if self.group_name is not None:  # one decision for all ranks, or their next collectives would differ
-                from nanospec_fx.tensor_parallel import all_ranks
+                from nanospec_fx.consensus import all_ranks
 
                 same = all_ranks(self.group_name, here, logits.device)
             if not same:

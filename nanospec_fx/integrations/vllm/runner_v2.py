@@ -175,7 +175,7 @@ def before_rejection_sample(original, sampler, logits, input_batch, *args, **kwa
 
         head = heads[0]
         # the target's logits are over target ids (EAGLE-3: more than the head's draft rows)
-        vocab = min(head.vocabs.token_vocab_size, logits.shape[-1])
+        vocab = min(head.vocabs.vocab_size, logits.shape[-1])
         top = torch.topk(logits[:, :vocab], min(head.topk, vocab), dim=-1).indices
         head.slot_rows.observe(input_batch.expanded_idx_mapping[: logits.shape[0]], top)
     return original(sampler, logits, input_batch, *args, **kwargs)
