@@ -137,8 +137,8 @@ def find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None 
     if not found and notes is not None:
         for lk, selection in rows_chosen_in_graph(gm.graph)[:1]:
             notes.append(f"the rows of the token table {parameter_name(lk.table)} are read at ids chosen in this graph "
-                         f"by {node_name(selection, attribute=True)} ({where(lk.node)}): a head whose rows are chosen in the "
-                         "graph (a centroid or cluster selection of the table's rows), which nanospec does not "
+                         f"by {node_name(selection, attribute=True)} ({where(lk.node)}): a head whose rows are chosen "
+                         "in the graph (a centroid or cluster selection of the table's rows), which nanospec does not "
                          "rewrite; it runs unchanged and exact")
     return found
 

@@ -206,7 +206,8 @@ def unmatched_reason(node: fx.Node) -> str | None:
         return None
     alpha, beta = projection_scales(node)
     if not (_scale(alpha) and _scale(beta)):
-        return f"its {node_name(node)} scales the product or the bias by a value known only at run time ({alpha}, {beta})"
+        return (f"its {node_name(node)} scales the product or the bias by a value known only at run time "
+                f"({alpha}, {beta})")
     return (f"its {node_name(node)} adds a tensor that is not one bias value per output token (a [V] vector): "
             "nanospec cannot gather it at the active tokens")
 

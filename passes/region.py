@@ -45,7 +45,8 @@ class Region:
         self.selections: set[fx.Node] = set()  # views selecting part of the vocabulary axis: no writes through them
         self.unknown: set[fx.Node] = set()  # results of unknown ops that may alias chain values
         self.side: set[fx.Node] = set()  # computed column by column from chain values, outside the chain (z > 0)
-        self.foreign: set[fx.Node] = set()  # computed from another head's logits (``heads_meet``): never a chain operand
+        # computed from another head's logits (``heads_meet``): never a chain operand
+        self.foreign: set[fx.Node] = set()
         self.transforms: dict[fx.Node, str] = {}  # nodes inside torch.vmap & co (``transforms.transform_regions``)
         self.capacity = 0
         self._inactive: fx.Node | None = None

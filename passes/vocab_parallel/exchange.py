@@ -300,7 +300,8 @@ def _from_pick(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
 
 def _from_positions(run: _Interpretation, n: fx.Node, src: fx.Node) -> Value | None:
     held = run.values[src]
-    if node_name(n) == "unsqueeze" and not held.kept and call_arg(n, 1, "dim") % len(patterns.tensor_shape(n)) == held.axis:
+    if node_name(n) == "unsqueeze" and not held.kept \
+            and call_arg(n, 1, "dim") % len(patterns.tensor_shape(n)) == held.axis:
         return replace(held, kept=True)
     return None
 

@@ -2,8 +2,8 @@
 
 A hand-written vocabulary-parallel head (Megatron style, vLLM's ``ParallelLMHead`` + gather) computes this
 rank's slice of the logits with its shard ``[V / tp, H]`` of the head and all-gathers them. Dynamo turns
-``funcol.all_gather_single`` (and its deprecated alias ``all_gather_tensor``), ``dist.all_gather_into_tensor`` and ``dist.all_gather`` into one functional
-collective and the ops that put the slices side by side::
+``funcol.all_gather_single`` (and its deprecated alias ``all_gather_tensor``), ``dist.all_gather_into_tensor`` and
+``dist.all_gather`` into one functional collective and the ops that put the slices side by side::
 
     local = linear(h, W_shard)                                    # [..., V / tp]
     g = wait_tensor(all_gather_into_tensor(local, tp, group))     # [tp * B, ..., V / tp], rank r's rows r*B..

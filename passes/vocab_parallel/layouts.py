@@ -53,10 +53,12 @@ class Full(Placement):
     """The slices side by side along the last axis in rank order: ``[..., V]``."""
 
 
-Layout = Stacked | Pieces | Block | Ranked | Full  # how gathered slices are laid out (what :func:`layout_after` follows)
+# how gathered slices are laid out (what :func:`layout_after` follows)
+Layout = Stacked | Pieces | Block | Ranked | Full
 
 
-def layout_after(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, rows: int, local: tuple) -> Layout | str:
+def layout_after(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: int, rows: int,
+                 local: tuple) -> Layout | str:
     """The :data:`Layout` ``n`` holds, given its inputs' (a reason when it is not a step of the gather)."""
     name = node_name(n)
     src = n.args[0] if n.args else None
@@ -67,9 +69,10 @@ def layout_after(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: i
         return held
     if name == "contiguous" and held is not None:
         return held
-    if name in ("view", "reshape", "unflatten") and isinstance(held, Stacked) and same_shape(out, (world,) + tuple(local)):
+    stacked = isinstance(held, Stacked)
+    if name in ("view", "reshape", "unflatten") and stacked and same_shape(out, (world,) + tuple(local)):
         return Ranked(0)
-    if name in ("view", "reshape") and isinstance(held, Stacked) and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
+    if name in ("view", "reshape") and stacked and all(isinstance(d, int) and d == 1 for d in local[:-1]) \
             and same_shape(out, tuple(local[:-1]) + (world * local[-1],)):
         return Full()  # one row: the stacked slices are already side by side (funcol writes a batch-1 gather so)
     if isinstance(held, Ranked):
@@ -79,10 +82,10 @@ def layout_after(n: fx.Node, values: dict[fx.Node, Layout], fresh: set, world: i
         if name in ("view", "reshape", "flatten") and held.axis == last \
                 and same_shape(out, tuple(local[:-1]) + (world * local[-1],)):
             return Full()
-    if name == "chunk" and isinstance(held, Stacked) and call_arg(n, 1, "chunks") == world and call_arg(n, 2, "dim", 0) == 0:
+    if name == "chunk" and stacked and call_arg(n, 1, "chunks") == world and call_arg(n, 2, "dim", 0) == 0:
         return Pieces()
-    if name == "split" and isinstance(held, Stacked) and call_arg(n, 1, "split_size_or_sections", call_arg(n, 1, "split_size")) \
-            == rows and call_arg(n, 2, "dim", 0) == 0:
+    if name == "split" and stacked and call_arg(n, 1, "split_size_or_sections", call_arg(n, 1, "split_size")) == rows \
+            and call_arg(n, 2, "dim", 0) == 0:
         return Pieces()
     if n.target is operator.getitem and isinstance(held, Pieces) and isinstance(n.args[1], int):
         return Block(n.args[1] % world)
