@@ -18,7 +18,8 @@ from nanospec_fx.compiler.lowering import GraphCopy
 from nanospec_fx.compiler.options import OptionError, option_error
 from nanospec_fx.compiler.plan import CompilePlan, Observe
 from nanospec_fx.compiler.runtime import StatefulCall, TargetBinding, TargetObserverCall, held_tensors
-from nanospec_fx.lookup import head_parameters, registered_states, unwrap
+from nanospec_fx.lookup import head_parameters
+from nanospec_fx.module_heads import registered_states, unwrap
 from nanospec_fx.passes import insert_input_observers
 from nanospec_fx.state import ActiveVocab, state_for
 from nanospec_fx.vocab_config import StateConfig
