@@ -90,8 +90,8 @@ def _worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
 
 def cost_model(args: argparse.Namespace) -> None:
     """An alpha-beta model (not a measurement) of one draft step on GPUs linked by NVLink 4, bf16:
-    ``nanospec_fx.cost_model.CollectiveCost`` (the model ``explain`` prints for a vocabulary-parallel head)."""
-    from nanospec_fx.cost_model import NVLINK4, CollectiveCost
+    ``nanospec_fx.diagnostics.cost_model.CollectiveCost`` (the model ``explain`` prints for a vocabulary-parallel head)."""
+    from nanospec_fx.diagnostics.cost_model import NVLINK4, CollectiveCost
 
     V, H, C, rows = args.vocab, args.hidden, args.capacity, args.rows
     print(f"alpha-beta model, not a measurement: V={V} H={H} bf16, rows={rows}, capacity={C}, N={rows} fed ids per "

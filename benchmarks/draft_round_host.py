@@ -34,7 +34,7 @@ from nanospec_fx.eval import report
 from nanospec_fx.eval.bench import eagle_e2e as B
 from nanospec_fx.eval.bench.host_counts import host_op_counts
 from nanospec_fx.eval.bench.timing import interleaved_medians
-from nanospec_fx.speculative import drafter_state
+from nanospec_fx.eagle.speculative import drafter_state
 
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_heads=4, num_kv_heads=1,
                    head_dim=256)
@@ -87,7 +87,7 @@ class Round:
 
 
 def drafter_config(drafter) -> EagleConfig:
-    from nanospec_fx.module_heads import unwrap
+    from nanospec_fx.vocab.module_heads import unwrap
 
     module = unwrap(drafter.body if isinstance(drafter, B.Replay) else drafter)
     return module.config

@@ -22,7 +22,7 @@ from nanospec_fx.eval import train_eagle as T
 from nanospec_fx.eval.bench import eagle_e2e as B
 from nanospec_fx.eval.bench.timing import PhaseTimer
 from nanospec_fx.eval.train_eagle import eagle_dir
-from nanospec_fx.speculative import HFTarget, eagle_generate
+from nanospec_fx.eagle.speculative import HFTarget, eagle_generate
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from nanospec_fx.calibration import MachineConstants, calibrate
+from nanospec_fx.diagnostics.calibration import MachineConstants, calibrate
 from nanospec_fx.eval import cores
 from nanospec_fx.eval.bench.head import bench_head_vs_active
 

@@ -1,6 +1,6 @@
 """Mean accepted length (tau) under speculative *sampling*: full-vocabulary, static (FR-Spec) and nanospec drafters.
 
-The EAGLE loop of nanospec_fx/eagle.py (speculative_sample) on a tiny random Llama target and an
+The EAGLE loop of nanospec_fx/eagle/__init__.py (speculative_sample) on a tiny random Llama target and an
 EAGLE drafter copying its layer (plus noise), at several temperatures, chain and tree drafting.
 Every variant is lossless (tested in tests/eagle/test_eagle_sampling.py); what pruning costs is
 acceptance: a drafter restricted to its active set never proposes the other tokens, so the target's
@@ -21,7 +21,7 @@ import nanospec_fx
 from nanospec_fx import FrequencyTable
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
 from nanospec_fx.eval.bench.timing import Stopwatch
-from nanospec_fx.speculative import hf_target_forward, speculative_sample
+from nanospec_fx.eagle.speculative import hf_target_forward, speculative_sample
 from nanospec_fx.sampling import SpeculativeSampler
 
 

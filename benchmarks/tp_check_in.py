@@ -65,7 +65,7 @@ def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
     from torch.distributed import distributed_c10d
 
     import nanospec_fx
-    import nanospec_fx.consensus as consensus
+    import nanospec_fx.parallel.consensus as consensus
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
     from tp_drafters import VocabParallelDrafter

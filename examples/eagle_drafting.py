@@ -2,7 +2,7 @@
 
 With a trained drafter cached (``nanospec-fx train-eagle``, ~33 min on 2 idle CPU cores), this decodes a
 few real requests with Gemma-3-270M (V = 262,144) and its trained EAGLE drafter on the target's KV
-cache (nanospec_fx/speculative.py), once with the drafter's full head and once compiled with
+cache (nanospec_fx/eagle/speculative.py), once with the drafter's full head and once compiled with
 nanospec; both outputs must equal the target's greedy output. The table shows tau (tokens per
 round), speed and how many head rows each drafter computes.
 
@@ -23,7 +23,7 @@ import torch
 
 import nanospec_fx
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
-from nanospec_fx.speculative import HFTarget, eagle_generate, final_norm, greedy_generate, hf_target_forward
+from nanospec_fx.eagle.speculative import HFTarget, eagle_generate, final_norm, greedy_generate, hf_target_forward
 
 PROMPTS = [
     "User: Explain what a hash table is and when to use one.\nAssistant: ",

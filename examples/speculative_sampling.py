@@ -1,7 +1,7 @@
 """Speculative *sampling* with a nanospec drafter, checked at the distribution level.
 
 1. transformers' assisted generation with ``do_sample=True`` through ``speculative_pair``;
-2. the EAGLE loop of nanospec_fx/eagle.py in sampling mode (chain and tree);
+2. the EAGLE loop of nanospec_fx/eagle/__init__.py in sampling mode (chain and tree);
 
 and for each, a chi-square test (nanospec_fx.testing) of the generated tokens against the target's
 exact sampling distribution, computed by enumerating every prefix of a tiny target (V = 12). The
@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import nanospec_fx
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
-from nanospec_fx.speculative import hf_target_forward, speculative_sample
+from nanospec_fx.eagle.speculative import hf_target_forward, speculative_sample
 from nanospec_fx.sampling import SpeculativeSampler
 from nanospec_fx.testing import chi_square_test, sequence_distribution
 

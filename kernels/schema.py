@@ -50,7 +50,7 @@ SCHEMAS: dict[str, str] = {
 }
 OPS = tuple(SCHEMAS)
 
-#: Per-request state (:class:`nanospec_fx.request_vocab.RequestVocabs`): the same fields with one row per request.
+#: Per-request state (:class:`nanospec_fx.vocab.request_vocab.RequestVocabs`): the same fields with one row per request.
 REQUEST_STATE_FIELDS = tuple(
     StateField(f.name, f.dtype, "[R]" if f.name == "cursor" else f"[R, {f.shape[1:-1]}]", f.meaning)
     for f in STATE_FIELDS

@@ -4,7 +4,7 @@
     nanospec_fx.active_vocab(drafter)   # the ActiveVocab of its LM head
 
 The pass lives in ``nanospec_fx.passes``, the kernels in ``nanospec_fx.kernels``, the state
-in ``nanospec_fx.state`` and the backend in ``nanospec_fx.compiler``; the evaluation (CLI,
+in ``nanospec_fx.vocab.state`` and the backend in ``nanospec_fx.compiler``; the evaluation (CLI,
 benchmarks) in ``nanospec_fx.eval``, which the runtime never imports.
 
 Importing the package is cheap: the names below load their module on first use (the backend
@@ -18,32 +18,32 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ActiveVocab": "nanospec_fx.state", "active_vocab": "nanospec_fx.lookup",
-    "RequestVocabs": "nanospec_fx.request_vocab",
-    "DEFAULT_CAPACITY": "nanospec_fx.vocab_config", "VocabConfig": "nanospec_fx.vocab_config",
-    "BACKEND_NAME": "nanospec_fx.compiler.backend", "NanoSpecWarning": "nanospec_fx.warning",
+    "ActiveVocab": "nanospec_fx.vocab.state", "active_vocab": "nanospec_fx.diagnostics.lookup",
+    "RequestVocabs": "nanospec_fx.vocab.request_vocab",
+    "DEFAULT_CAPACITY": "nanospec_fx.vocab.config", "VocabConfig": "nanospec_fx.vocab.config",
+    "BACKEND_NAME": "nanospec_fx.compiler.backend", "NanoSpecWarning": "nanospec_fx.diagnostics.warning",
     "nanospec_backend": "nanospec_fx.compiler.backend",
     "NanoSpecOptions": "nanospec_fx.compiler.options", "OptionError": "nanospec_fx.compiler.options",
-    "POLICIES": "nanospec_fx.vocab_config", "FrequencyTable": "nanospec_fx.policies",
-    "attach": "nanospec_fx.integrations", "speculative_pair": "nanospec_fx.integrations",
-    "detach": "nanospec_fx.integrations",
-    "explain": "nanospec_fx.explain", "HeadCost": "nanospec_fx.cost_model",
+    "POLICIES": "nanospec_fx.vocab.config", "FrequencyTable": "nanospec_fx.vocab.policies",
+    "attach": "nanospec_fx.integrations.transformers", "speculative_pair": "nanospec_fx.integrations.transformers",
+    "detach": "nanospec_fx.integrations.transformers",
+    "explain": "nanospec_fx.diagnostics.explain", "HeadCost": "nanospec_fx.diagnostics.cost_model",
     "use_kernels": "nanospec_fx.kernels.selection", "KernelConfig": "nanospec_fx.kernels.selection",
 }
 
 if TYPE_CHECKING:
     from nanospec_fx.compiler.backend import BACKEND_NAME, nanospec_backend
     from nanospec_fx.compiler.options import NanoSpecOptions, OptionError
-    from nanospec_fx.cost_model import HeadCost
-    from nanospec_fx.explain import explain
-    from nanospec_fx.integrations import attach, detach, speculative_pair
+    from nanospec_fx.diagnostics.cost_model import HeadCost
+    from nanospec_fx.diagnostics.explain import explain
+    from nanospec_fx.integrations.transformers import attach, detach, speculative_pair
     from nanospec_fx.kernels.selection import KernelConfig, use_kernels
-    from nanospec_fx.lookup import active_vocab
-    from nanospec_fx.policies import FrequencyTable
-    from nanospec_fx.request_vocab import RequestVocabs
-    from nanospec_fx.state import ActiveVocab
-    from nanospec_fx.warning import NanoSpecWarning
-    from nanospec_fx.vocab_config import DEFAULT_CAPACITY, POLICIES, VocabConfig
+    from nanospec_fx.diagnostics.lookup import active_vocab
+    from nanospec_fx.vocab.policies import FrequencyTable
+    from nanospec_fx.vocab.request_vocab import RequestVocabs
+    from nanospec_fx.vocab.state import ActiveVocab
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
+    from nanospec_fx.vocab.config import DEFAULT_CAPACITY, POLICIES, VocabConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -66,9 +66,9 @@ def __dir__() -> list[str]:
 
 def compile(model, options: dict | None = None, *, in_place: bool = False, **keywords):
     """``torch.compile(model, backend="nanospec", options=...)`` with the options checked at once
-    (:func:`nanospec_fx.integrations.compile`). The backend's options may also be given as keywords
+    (:func:`nanospec_fx.integrations.transformers.compile`). The backend's options may also be given as keywords
     (``nanospec_fx.compile(m, capacity=1024)``, as ``attach`` takes them); other keywords go to torch.compile."""
-    from nanospec_fx.integrations import compile as compile_checked
+    from nanospec_fx.integrations.transformers import compile as compile_checked
     from nanospec_fx.compiler.options import split_keywords
 
     options, keywords = split_keywords(options, keywords)

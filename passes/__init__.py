@@ -41,7 +41,7 @@ The contract these passes implement (README, "The contract"):
   this (an unreadable lookup, a graph that is only a piece of the call, a write to the head weight, grad
   mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning. Ids a
   head-less whole call (a prefill) looks up are kept with their table and the call's other parameters and
-  buffers (``nanospec_fx.prefill``), and observed by each head of a graph that looks up that table and receives
+  buffers (``nanospec_fx.vocab.prefill``), and observed by each head of a graph that looks up that table and receives
   all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call
   that raises on a bad id observes nothing).
 """

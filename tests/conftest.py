@@ -33,7 +33,7 @@ else:
 
 def pytest_configure(config):
     # A NanoSpecWarning in a test is an error unless the test expects it (pytest.warns).
-    config.addinivalue_line("filterwarnings", "error::nanospec_fx.warning.NanoSpecWarning")
+    config.addinivalue_line("filterwarnings", "error::nanospec_fx.diagnostics.warning.NanoSpecWarning")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -161,7 +161,7 @@ def test_cycle_finder_finds_a_cycle_and_nothing_else():
 
 def test_the_package_has_no_import_cycle():
     graph = _import_graph()
-    assert len(graph) > 40 and "nanospec_fx.state" in graph["nanospec_fx.compiler.stages"]  # the graph sees the imports
+    assert len(graph) > 40 and "nanospec_fx.vocab.state" in graph["nanospec_fx.compiler.stages"]  # the graph sees the imports
     new = _cycles(graph) - KNOWN_CYCLES
     assert not new, f"import cycles: {sorted(new)}"
 
@@ -219,3 +219,52 @@ def test_the_passes_import_only_earlier_stages():
             reads = set().union(*(v for k, v in graph.items() if k == f"{name}.{stage}" or k.startswith(f"{name}.{stage}.")))
             later_reached = {m for m in reads if any(m == x or m.startswith(x + ".") for x in later)}
             assert not later_reached, f"{stage} imports a later stage: {sorted(later_reached)}"
+
+
+# The layers of the package, lowest first: what each part of nanospec_fx may import (besides itself, torch and the
+# standard library). docs/architecture.md draws the same table. A new subpackage must be placed here to pass.
+LAYERS = {
+    "kernels": set(),                                   # ops, Triton kernels, torch reference, selection
+    "passes": {"kernels"},                              # FX passes (of kernels/, only the op schema: see above)
+    "sampling": set(),                                  # speculative sampling rules
+    "vocab": {"kernels"},                               # the active-vocabulary state and its options
+    "parallel": {"vocab", "kernels"},                   # the vocabulary-parallel state at run time
+    "diagnostics": {"vocab", "kernels"},                # warnings, diagnosis, active_vocab, explain, cost model
+    "compiler": {"diagnostics", "parallel", "vocab", "passes", "kernels"},   # the backend: plan, then execute
+    "eagle": {"diagnostics", "vocab", "sampling", "kernels"},                 # the EAGLE drafter and decode loop
+    "testing": {"compiler", "diagnostics", "vocab", "passes", "kernels", "sampling"},  # the contract in users' CI
+    "integrations": {"compiler", "diagnostics", "parallel", "vocab", "passes", "kernels", "sampling"},
+    "eval": {"integrations", "testing", "eagle", "compiler", "diagnostics", "parallel", "vocab", "passes",
+             "kernels", "sampling", ""},                # the evaluation extra: may use the public API ("")
+    "": {"integrations", "testing", "eagle", "compiler", "diagnostics", "parallel", "vocab", "kernels", "sampling"},
+}
+
+
+def _layer(module: str) -> str:
+    """``nanospec_fx.vocab.state`` -> ``vocab``; the package itself (its lazy public names) -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_the_layer_table_is_a_partial_order():
+    assert _cycles({layer: allowed for layer, allowed in LAYERS.items()}) == set()
+    assert all(allowed <= set(LAYERS) for allowed in LAYERS.values())
+
+
+def _against_layers(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` that cross from one part to another the layer table does not allow."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if _layer(a) != _layer(b) and _layer(b) not in LAYERS.get(_layer(a), ()))
+
+
+def test_the_layer_check_flags_an_import_against_the_table():
+    graph = {"nanospec_fx.vocab.state": {"nanospec_fx.kernels.ops", "nanospec_fx.compiler.plan"},
+             "nanospec_fx.compiler.plan": {"nanospec_fx.vocab.state"}}
+    assert _against_layers(graph) == ["nanospec_fx.vocab.state -> nanospec_fx.compiler.plan"]
+
+
+def test_every_import_follows_the_layer_table():
+    graph = _import_graph()
+    layers = {_layer(m) for m in graph}
+    assert layers == set(LAYERS), f"place in LAYERS: {sorted(layers - set(LAYERS))}; gone: {sorted(set(LAYERS) - layers)}"
+    wrong = _against_layers(graph)
+    assert not wrong, "imports against the layer table:\n" + "\n".join(wrong)

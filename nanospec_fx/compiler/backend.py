@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from nanospec_fx import diagnosis
+from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler.execute import execute
 from nanospec_fx.compiler.options import option_error
 from nanospec_fx.compiler.plan import CompilePlan
-from nanospec_fx.dynamo_limits import record_compiled_frame
+from nanospec_fx.diagnostics.limits import record_compiled_frame
 from nanospec_fx.passes import HeadSelectionError
 
 BACKEND_NAME = "nanospec"
@@ -39,4 +39,5 @@ def nanospec_backend(
         raise option_error(exc) from None
 
 
-nanospec_backend.nanospec = True  # how nanospec_fx.diagnosis recognises the backend behind a compiled function
+# how nanospec_fx.diagnostics.diagnosis recognises the backend behind a compiled function
+nanospec_backend.nanospec = True

@@ -15,14 +15,14 @@ from typing import Callable
 import torch
 from torch._dynamo.utils import counters
 
-from nanospec_fx import diagnosis
+from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler import lowering, target
 from nanospec_fx.compiler.headless import counted, recording_prefill
 from nanospec_fx.compiler.plan import CompilePlan, Dense, Rewrite, warnings, with_dense
 from nanospec_fx.compiler.runtime import DenseCall, held_tensors, weight_positions
 from nanospec_fx.compiler.stages import HeadWork, rewrite_and_compile
 from nanospec_fx.passes import DenseFallback
-from nanospec_fx.warning import warn_once
+from nanospec_fx.diagnostics.warning import warn_once
 
 log = logging.getLogger(__name__)  # debug: each head's decision (counted in torch._dynamo.utils.counters["nanospec"])
 

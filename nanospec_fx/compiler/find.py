@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from nanospec_fx import diagnosis
+from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler.draft_vocab import draft_vocab_hint
 from nanospec_fx.compiler.head_kind import gathered_heads
 from nanospec_fx.compiler.runtime import held_tensors

@@ -7,7 +7,8 @@ reads, how its observers copy rows, what a compiled call passes and checks, whet
 never branches on the kind, nor names a tensor-parallel module itself. A kind works on the FX graph it is given and
 returns what the compiler needs (an observer count, their ids' shapes); it never calls back into the compiler.
 :class:`DenseHeadKind` is the ordinary case; :class:`ShardedHeadKind` the replicated state of a vocabulary-parallel
-head (``nanospec_fx.sharded_state``), whose observers fetch rows with a collective and whose decisions every rank
+head (``nanospec_fx.parallel.sharded_state``), whose observers fetch rows with a collective and whose decisions every
+rank
 agrees on (``consensus``). :func:`request_vocabs` is the same choice for the per-request sets of an engine (vLLM).
 """
 from __future__ import annotations
@@ -18,16 +19,16 @@ import functools
 import torch
 import torch.fx as fx
 
-from nanospec_fx import consensus
-from nanospec_fx.collectives import VocabShard, local_shard
+from nanospec_fx.parallel import consensus
+from nanospec_fx.parallel.collectives import VocabShard, local_shard
 from nanospec_fx.passes import HeadMatch, insert_topk_observers
 from nanospec_fx.passes.graph import map_nodes
 from nanospec_fx.passes.vocab_parallel import gather as vocab_parallel
 from nanospec_fx.passes.vocab_parallel import heads as vocab_parallel_heads
 from nanospec_fx.passes.vocab_parallel import topk as vocab_parallel_topk
 from nanospec_fx.passes.vocab_parallel.observe import shard_observers
-from nanospec_fx.sharded_state import ShardedActiveVocab, fetch_observed, sharded_state_for, write_observed
-from nanospec_fx.state import ActiveVocab, state_for
+from nanospec_fx.parallel.sharded_state import ShardedActiveVocab, fetch_observed, sharded_state_for, write_observed
+from nanospec_fx.vocab.state import ActiveVocab, state_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ class DenseHeadKind:
 
     def request_vocabs(self, weight: torch.Tensor, max_requests: int, rows: int, **state):
         """Per-request sets over ``weight``'s first ``rows`` rows (an engine's head, padded past its vocabulary)."""
-        from nanospec_fx.request_vocab import RequestVocabs
+        from nanospec_fx.vocab.request_vocab import RequestVocabs
 
         return RequestVocabs(weight[:rows], None, max_requests, **state)
 
@@ -169,7 +170,7 @@ class ShardedHeadKind(DenseHeadKind):
 
     def request_vocabs(self, weight, max_requests, rows, **state):
         """Replicated per-request sets over this rank's shard of the head (``rows``: the head's real rows)."""
-        from nanospec_fx.sharded_state import ShardedRequestVocabs
+        from nanospec_fx.parallel.sharded_state import ShardedRequestVocabs
 
         return ShardedRequestVocabs(weight, max_requests, shard=self.shard, rows=rows, **state)
 

@@ -1,7 +1,7 @@
 """A graph with no head to rewrite: run unchanged, or, for a prefill, with the ids it embeds kept for the head.
 
 A whole call that looks up token ids in a table it receives and has no head (a prefill) is compiled with the ids as
-extra outputs, recorded for the heads of the same model (:mod:`nanospec_fx.prefill`); a head-less graph that looks
+extra outputs, recorded for the heads of the same model (:mod:`nanospec_fx.vocab.prefill`); a head-less graph that looks
 up ids has its calls counted for the diagnosis of a model whose head nanospec never sees.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from nanospec_fx import diagnosis
+from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler import lowering
 from nanospec_fx.compiler.lowering import GraphCopy
 from nanospec_fx.compiler.runtime import weight_positions
 from nanospec_fx.passes import transforms
 from nanospec_fx.passes.lookups import embedding_lookups
-from nanospec_fx.prefill import RecordingCall
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab.prefill import RecordingCall
+from nanospec_fx.diagnostics.warning import warn_once
 
 
 def recording_prefill(gm: fx.GraphModule, example_inputs: list, inductor: bool, patches: dict) -> Callable | None:

@@ -14,7 +14,7 @@ from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 
 from nanospec_fx.compiler.runtime import state_inputs
 from nanospec_fx.passes import ObserveInto, StateNodes, effects, patterns
-from nanospec_fx.state import STATE_TENSORS, ActiveVocab
+from nanospec_fx.vocab.state import STATE_TENSORS, ActiveVocab
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, inductor: bool, patches: dict) -> Callable:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch._dynamo.exc import ShortenTraceback
 
-from nanospec_fx.vocab_config import VocabConfig, is_positive_int, require
+from nanospec_fx.vocab.config import VocabConfig, is_positive_int, require
 
 
 class OptionError(ValueError, ShortenTraceback):

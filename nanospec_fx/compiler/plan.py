@@ -21,8 +21,8 @@ from nanospec_fx.compiler.head_kind import DENSE, DenseHeadKind, gathered_heads,
 from nanospec_fx.compiler.options import NanoSpecOptions, mode_config, option_error
 from nanospec_fx.passes import DenseHead, HeadMatch, find_heads, graph_position
 from nanospec_fx.passes.graph_position import GraphPosition
-from nanospec_fx.policies import resolve
-from nanospec_fx.vocab_config import StateConfig
+from nanospec_fx.vocab.policies import resolve
+from nanospec_fx.vocab.config import StateConfig
 
 
 @dataclass(frozen=True)

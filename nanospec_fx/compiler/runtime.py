@@ -16,13 +16,15 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanospec_fx import diagnosis, pass_reports
-from nanospec_fx import prefill as prefill_ids
+from nanospec_fx.diagnostics import diagnosis
+
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.vocab import prefill as prefill_ids
 from nanospec_fx.compiler.head_kind import DenseHeadKind, kind_of_state
 from nanospec_fx.passes import patterns
-from nanospec_fx.state import ActiveVocab, state_for
-from nanospec_fx.vocab_config import StateConfig
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab.state import ActiveVocab, state_for
+from nanospec_fx.vocab.config import StateConfig
+from nanospec_fx.diagnostics.warning import warn_once
 
 
 class DenseCall:
@@ -128,7 +130,7 @@ class DrafterBinding(Binding):
         self.track(state)
 
     def observe_prefill(self, args: tuple) -> None:
-        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.prefill`): a
+        """Ids a head-less call of this model embedded in its tables since (:mod:`nanospec_fx.vocab.prefill`): a
         prefill call whose parameters and buffers all reach this call too (the same model, not another that
         shares the table)."""
         for position in self.table_positions:
@@ -234,7 +236,7 @@ class StatefulCall:
 
     def observe_prefill(self, args: tuple) -> None:
         """Prefill ids of this model, into every head's set that reads them (each head reads a prefill's log once,
-        whatever the order the heads run in: :mod:`nanospec_fx.prefill`)."""
+        whatever the order the heads run in: :mod:`nanospec_fx.vocab.prefill`)."""
         for b in self.bindings:
             if hasattr(b, "observe_prefill"):
                 b.observe_prefill(args)

@@ -20,8 +20,9 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 
-from nanospec_fx import diagnosis, pass_reports
+from nanospec_fx.diagnostics import diagnosis
 
+from nanospec_fx.vocab import reports as pass_reports
 from nanospec_fx.compiler.head_kind import DenseHeadKind, Observers
 from nanospec_fx.compiler.lowering import GraphCopy
 from nanospec_fx.compiler.runtime import DrafterBinding, StatefulCall, weight_positions
@@ -32,9 +33,9 @@ from nanospec_fx.passes import (
 from nanospec_fx.passes.find_head import token_tables
 from nanospec_fx.passes.graph_position import GraphPosition
 from nanospec_fx.passes.lookups import token_id_lookups
-from nanospec_fx.state import ActiveVocab
-from nanospec_fx.vocab_config import StateConfig
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab.state import ActiveVocab
+from nanospec_fx.vocab.config import StateConfig
+from nanospec_fx.diagnostics.warning import warn_once
 
 log = logging.getLogger(__name__)  # debug: each head's decision (counted in torch._dynamo.utils.counters["nanospec"])
 

@@ -11,19 +11,19 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from nanospec_fx import diagnosis
+from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler import lowering
 from nanospec_fx.compiler.head_kind import kind_of_state
 from nanospec_fx.compiler.lowering import GraphCopy
 from nanospec_fx.compiler.options import OptionError, option_error
 from nanospec_fx.compiler.plan import CompilePlan, Observe
 from nanospec_fx.compiler.runtime import StatefulCall, TargetBinding, TargetObserverCall, held_tensors
-from nanospec_fx.lookup import head_parameters
-from nanospec_fx.module_heads import registered_states, unwrap
+from nanospec_fx.diagnostics.lookup import head_parameters
+from nanospec_fx.vocab.module_heads import registered_states, unwrap
 from nanospec_fx.passes import insert_input_observers
-from nanospec_fx.state import ActiveVocab, state_for
-from nanospec_fx.vocab_config import StateConfig
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab.state import ActiveVocab, state_for
+from nanospec_fx.vocab.config import StateConfig
+from nanospec_fx.diagnostics.warning import warn_once
 
 
 def observe_target(plan: CompilePlan) -> Callable:

@@ -18,7 +18,7 @@ not simulated, so the context sets here are a lower bound. Drafted tokens add no
 can only propose tokens that are already active.
 
 The set's capacity and eviction are :class:`nanospec_fx.ActiveVocab`'s (first ``num_pinned`` insertions stay; the
-rest is a ring that evicts the oldest), replayed by :class:`nanospec_fx.ring_model.RingModel`, the plain-Python model
+rest is a ring that evicts the oldest), replayed by :class:`nanospec_fx.vocab.ring_model.RingModel`, the plain-Python model
 the kernel tests also hold the ops to.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from nanospec_fx.ring_model import RingModel
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY
+from nanospec_fx.vocab.ring_model import RingModel
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY
 
 
 @dataclass
@@ -53,7 +53,7 @@ EVICTIONS = ("fifo", "lru")
 
 class LruSet:
     """The alternative no kernel runs, kept only to measure it (docs/kernels.md "Eviction order"): like
-    :class:`~nanospec_fx.ring_model.RingModel`, but observing an active token again makes it the newest."""
+    :class:`~nanospec_fx.vocab.ring_model.RingModel`, but observing an active token again makes it the newest."""
 
     def __init__(self, capacity: int | None = None, num_pinned: int = 0):
         if capacity is not None and not 0 <= num_pinned < capacity:
@@ -87,7 +87,7 @@ class LruSet:
 
 
 def active_set(capacity: int | None = None, num_pinned: int = 0, eviction: str = "fifo") -> RingModel | LruSet:
-    """The simulated active set: ActiveVocab's own policy (``"fifo"``, :class:`~nanospec_fx.ring_model.RingModel`,
+    """The simulated active set: ActiveVocab's own policy (``"fifo"``, :class:`~nanospec_fx.vocab.ring_model.RingModel`,
     the model the kernel tests hold the ops to) or the measured alternative (``"lru"``, :class:`LruSet`);
     ``capacity=None``: unbounded."""
     if eviction not in EVICTIONS:

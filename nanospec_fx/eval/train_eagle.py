@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
-from nanospec_fx.speculative import final_norm
+from nanospec_fx.eagle.speculative import final_norm
 
 SHARD = "shard-{:05d}.safetensors"
 WEIGHTS, META = "drafter.safetensors", "drafter.json"

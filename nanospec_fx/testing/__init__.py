@@ -29,9 +29,9 @@ import torch._dynamo
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from nanospec_fx.lookup import active_vocab
-from nanospec_fx.module_heads import registered_states, unwrap
-from nanospec_fx.state import ActiveVocab
+from nanospec_fx.diagnostics.lookup import active_vocab
+from nanospec_fx.vocab.module_heads import registered_states, unwrap
+from nanospec_fx.vocab.state import ActiveVocab
 # The strategies and the distribution tests, a module each (one job each), under the public names the docs use.
 from nanospec_fx.testing.distribution import (
     ChiSquareResult, assert_same_distribution, chi2_sf, chi_square_test, sequence_cells, sequence_distribution,
@@ -115,7 +115,7 @@ def assert_equivalent(
         if not checked.backend.compiles:
             global _last
             _last = None  # not reused: the next check compiles afresh
-            from nanospec_fx.diagnosis import diagnose
+            from nanospec_fx.diagnostics.diagnosis import diagnose
 
             found = diagnose(checked.compiled)
             if found.skipped:  # a frame Dynamo skips: that cause alone, with its remedy (a reset would not help)
@@ -196,7 +196,7 @@ class _Backend:
     """The nanospec backend with one configuration; a new object per configuration, so Dynamo never reuses
     another configuration's graphs for it (its cache entries are checked against the backend that made them)."""
 
-    nanospec = True  # a nanospec backend (nanospec_fx.diagnosis reads it)
+    nanospec = True  # a nanospec backend (nanospec_fx.diagnostics.diagnosis reads it)
 
     def __init__(self, options: dict):
         self.options, self.compiles = dict(options), 0
@@ -297,7 +297,7 @@ def _states_of(module: nn.Module, options: dict) -> dict[str, ActiveVocab]:
     """``{name: state}`` of every head the check compiled with a state: one with ``options['head']``, else each head
     over the vocabulary that nanospec rewrote (Medusa heads, MTP depths with heads of their own), held by the module
     or given to its call (a ``head_weight`` argument)."""
-    from nanospec_fx.diagnosis import argument_heads, diagnose
+    from nanospec_fx.diagnostics.diagnosis import argument_heads, diagnose
 
     head = options.get("head")
     for name in (head, f"{head}.weight") if head else ():

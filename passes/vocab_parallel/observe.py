@@ -4,7 +4,7 @@ the owner shards, the slot bookkeeping, and the fetched rows written to their sl
 The head's shard holds ``V / tp`` rows, so ``observe`` cannot copy the rows of the ids it adds: each observer of
 that state is replaced by ``fetch`` (traced: its collective becomes ``_c10d_functional`` nodes of the graph), then
 ``nanospec.observe`` over a zero table (built by name from ``kernels/schema.py``: it only moves the slots), then
-``write``. ``fetch`` and ``write`` are the runtime's (``nanospec_fx.sharded_state``), handed in: the same code
+``write``. ``fetch`` and ``write`` are the runtime's (``nanospec_fx.parallel.sharded_state``), handed in: the same code
 runs eagerly in ``ActiveVocab.observe``, and this package stays free of the runtime. A graph cannot raise, so each
 fetch's verdict (did the ranks fetch the same ids?) is added to a ``check`` input the call reads afterwards.
 """

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import nanospec_fx
 from drafters import HEAD_KINDS, POST_OPS, RETURNS, EagleLikeDrafter, HiddenOnlyDrafter, TinyDrafter
 from helpers import active_mask, assert_close_per_dtype, compile_nanospec
-from nanospec_fx import pass_reports
+from nanospec_fx.vocab import reports as pass_reports
 from nanospec_fx.testing import TOLERANCES
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

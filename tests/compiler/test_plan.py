@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import nanospec_fx
 from nanospec_fx.compiler.plan import CompilePlan, Dense, Rewrite
-from nanospec_fx.state import registered_state
-from nanospec_fx.vocab_config import StateConfig
+from nanospec_fx.vocab.state import registered_state
+from nanospec_fx.vocab.config import StateConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 V, H = 48, 8
@@ -123,7 +123,7 @@ def test_no_module_of_the_compiler_is_over_300_lines():
 
 def test_the_vllm_head_and_the_compiler_build_states_through_one_factory():
     from nanospec_fx.compiler.head_kind import request_vocabs
-    from nanospec_fx.request_vocab import RequestVocabs
+    from nanospec_fx.vocab.request_vocab import RequestVocabs
 
     weight = torch.randn(V + 4, H)  # padded rows past the vocabulary
     vocabs = request_vocabs(weight, 2, V, None, capacity=8)

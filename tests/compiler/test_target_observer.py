@@ -152,7 +152,7 @@ def test_detach_undoes_speculative_pair():
         torch._dynamo.config.recompile_limit = 3
         state = nanospec_fx.speculative_pair(target, drafter, capacity=64, inductor=False)
         again = nanospec_fx.speculative_pair(target, drafter, capacity=64, inductor=False)  # paired twice
-        assert again is state and torch._dynamo.config.recompile_limit == nanospec_fx.integrations.PAIR_RECOMPILE_LIMIT
+        assert again is state and torch._dynamo.config.recompile_limit == nanospec_fx.integrations.transformers.PAIR_RECOMPILE_LIMIT
         with torch.inference_mode():
             target(ids)
         assert len(state) > 0  # the observer ran

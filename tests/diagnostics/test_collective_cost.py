@@ -1,10 +1,10 @@
-"""The alpha-beta model of a vocabulary-parallel draft step (nanospec_fx.cost_model.CollectiveCost), checked
+"""The alpha-beta model of a vocabulary-parallel draft step (nanospec_fx.diagnostics.cost_model.CollectiveCost), checked
 against numbers computed by hand."""
 from __future__ import annotations
 
 import pytest
 
-from nanospec_fx.cost_model import CollectiveCost
+from nanospec_fx.diagnostics.cost_model import CollectiveCost
 
 # V=1000, H=10, C=100, 2-byte elements; tp=4, rows=3, fed=5; HBM 1e9 B/s, link 1e6 B/s, alpha 1 ms.
 AT = dict(tp=4, rows=3, fed=5, hbm=1e9, link=1e6, alpha=1e-3)

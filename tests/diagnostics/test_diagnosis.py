@@ -1,5 +1,5 @@
 """One diagnosis behind every "not rewritten" message: heads nanospec never sees, frames Dynamo skips, dense
-fallbacks, bypassed wrappers (nanospec_fx.diagnosis; explain, active_vocab, assert_equivalent and the warnings).
+fallbacks, bypassed wrappers (nanospec_fx.diagnostics.diagnosis; explain, active_vocab, assert_equivalent and the warnings).
 
 Each drafter below states in its code why its head is or is not seen; the tests check that every message names
 that cause, that the warnings come once per model, and that legitimate prefill and hidden-state drafters are
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-from nanospec_fx.diagnosis import HEADLESS_CALLS
+from nanospec_fx.diagnostics.diagnosis import HEADLESS_CALLS
 from nanospec_fx.testing import assert_equivalent
 from helpers import compile_nanospec
 from loop_drafter import H, V, DraftLoop, Engine  # beside this file
@@ -344,7 +344,7 @@ def test_which_models_have_no_head():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
-    from nanospec_fx.diagnosis import no_head
+    from nanospec_fx.diagnostics.diagnosis import no_head
 
     assert no_head(transformers.LlamaModel(config)) is not None
     assert no_head(transformers.LlamaForCausalLM(config)) is None  # tied: the embedding is its head

@@ -6,7 +6,7 @@ import sympy
 import torch
 
 import nanospec_fx
-from nanospec_fx.cost_model import MACHINE, HeadCost, active, rows
+from nanospec_fx.diagnostics.cost_model import MACHINE, HeadCost, active, rows
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 
@@ -78,7 +78,7 @@ def test_fixed_cost_and_dense_roofline():
 
 
 def test_measured_constants_replace_the_fitted_ones():
-    from nanospec_fx.calibration import MachineConstants, calibrate
+    from nanospec_fx.diagnostics.calibration import MachineConstants, calibrate
 
     machine = calibrate(16)
     assert machine is calibrate(16)  # measured once per process and width
@@ -97,8 +97,7 @@ def test_measured_constants_replace_the_fitted_ones():
 def fresh_calibration():
     """calibrate() caches per process and width: a test that replaces the measurement starts and ends with an empty
     cache, so neither a real measurement of an earlier test nor its stand-in constants outlive it."""
-    from nanospec_fx import calibration
-
+    from nanospec_fx.diagnostics import calibration
     calibration.calibrate.cache_clear()
     yield calibration
     calibration.calibrate.cache_clear()
@@ -186,7 +185,7 @@ def test_head_benchmark_pairs_measurement_and_prediction():
 
 
 def test_explain_speaks_to_users_formulas_named_speedups_readable_names_public():
-    from nanospec_fx.explain import public_names, speedup
+    from nanospec_fx.diagnostics.explain import public_names, speedup
 
     assert [speedup(v) for v in (0.01234, 0.75, 3.24, 41.3)] == ["0.012x", "0.75x", "3.2x", "41x"]
     assert public_names(["_nanospec_mtp.shared_head.weight", "lm_head.weight", "lm_head"]) == ["lm_head.weight",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanospec_fx.eagle import EagleConfig, EagleDrafter
-from nanospec_fx.speculative import final_norm
+from nanospec_fx.eagle.speculative import final_norm
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The EAGLE-2-style drafter and draft loop (nanospec_fx/eagle.py).
+"""The EAGLE-2-style drafter and draft loop (nanospec_fx/eagle/__init__.py).
 
 Greedy speculative decoding with the nanospec-compiled drafter must give exactly the target's
 greedy output, and every token the drafter proposes must be active when it is proposed. The
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
 from nanospec_fx.eagle import DraftTree, EagleConfig, EagleDrafter, draft_chain, draft_tree, feed  # noqa: E402
-from nanospec_fx.speculative import greedy_generate, hf_target_forward, speculative_generate  # noqa: E402
+from nanospec_fx.eagle.speculative import greedy_generate, hf_target_forward, speculative_generate  # noqa: E402
 from nanospec_fx.testing import assert_equivalent  # noqa: E402
 from helpers import tiny_llama  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The KV-cache speculative loop for transformers targets (nanospec_fx/speculative.py).
+"""The KV-cache speculative loop for transformers targets (nanospec_fx/eagle/speculative.py).
 
 The target's cache must give the logits a full recomputation gives after any extend/crop pattern
 (also past a sliding window), and EAGLE decoding on it must reproduce the target's greedy output
@@ -21,7 +21,7 @@ import nanospec_fx  # noqa: E402
 from nanospec_fx.eagle import EagleConfig  # noqa: E402
 from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
 from copying_pair import V, copying_drafter, head_name, llama, prompt  # noqa: E402 - beside this file
-from nanospec_fx.speculative import (  # noqa: E402
+from nanospec_fx.eagle.speculative import (  # noqa: E402
     HFTarget, Sampling, decode, eagle_generate, greedy_generate, hf_target_forward,
 )
 

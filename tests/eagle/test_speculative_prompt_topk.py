@@ -13,7 +13,7 @@ import torch._dynamo
 pytest.importorskip("transformers")
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.speculative import HFTarget, eagle_generate, greedy_generate, hf_target_forward  # noqa: E402
+from nanospec_fx.eagle.speculative import HFTarget, eagle_generate, greedy_generate, hf_target_forward  # noqa: E402
 from copying_pair import V, copying_drafter, head_name, llama, prompt  # noqa: E402 - beside this file
 
 

@@ -115,7 +115,7 @@ def test_lru_policy_is_a_separate_family_and_changes_coverage():
 
 def test_the_fifo_set_is_the_ring_model_the_kernel_tests_use():
     """One model of the ring: the coverage replays requests through the same class the kernel tests judge by."""
-    from nanospec_fx.ring_model import RingModel
+    from nanospec_fx.vocab.ring_model import RingModel
 
     assert type(C.active_set(8, num_pinned=2)) is RingModel
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from nanospec_fx.eval import cli, loaders
 from nanospec_fx.eval import train_eagle as T
-from nanospec_fx.speculative import final_norm
+from nanospec_fx.eagle.speculative import final_norm
 
 transformers = pytest.importorskip("transformers")
 

@@ -33,7 +33,7 @@ class MaskInactive:
 
 
 class GreedyDraftCheck:
-    """Stands in for the generator's greedy MTP call (:class:`nanospec_fx.mtp.MtpTokens`): runs it, then the same
+    """Stands in for the generator's greedy MTP call (:class:`nanospec_fx.integrations.mtp.MtpTokens`): runs it, then the same
     layers uncompiled on a copy of the MTP cache, their logits masked to the set as the call left it (the drafted
     ids can only have joined it: each was the best of the set before), and records both drafts."""
 
@@ -55,7 +55,7 @@ class GreedyDraftCheck:
 def check_greedy_drafts(state, vocab: int = V):
     """``(checks, spy)``: set ``spy`` as ``MTPCandidateGenerator.get_candidates`` to put a :class:`GreedyDraftCheck`
     on every greedy MTP generator the next ``generate`` calls build (collected in ``checks``)."""
-    from nanospec_fx.mtp import MtpTokens
+    from nanospec_fx.integrations.mtp import MtpTokens
 
     checks = []
     original = MTPCandidateGenerator.get_candidates

@@ -13,7 +13,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator  #
 
 import nanospec_fx  # noqa: E402
 from nanospec_fx import pass_reports  # noqa: E402
-from nanospec_fx.state import registered_state  # noqa: E402
+from nanospec_fx.vocab.state import registered_state  # noqa: E402
 import mtp_architectures as arch  # noqa: E402 - beside this file
 from test_mtp import check_greedy_drafts  # noqa: E402 - beside this file
 

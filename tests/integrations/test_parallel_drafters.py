@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation import candidate_generator  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx.speculative import greedy_generate, hf_target_forward  # noqa: E402
+from nanospec_fx.eagle.speculative import greedy_generate, hf_target_forward  # noqa: E402
 
 V, H, CAPACITY = 96, 32, 16  # V wider than every other axis of the tiny models
 HEAD_OPS = ("compact_logits", "head_logits")

@@ -67,7 +67,7 @@ def test_entry_point_and_no_vllm_dependency():
 
 
 def test_import_nanospec_fx_does_not_load_the_plugin():
-    code = ("import sys, nanospec_fx; print('nanospec_fx.integrations' in sys.modules, "
+    code = ("import sys, nanospec_fx; print('nanospec_fx.integrations.transformers' in sys.modules, "
             "'nanospec_fx.integrations.vllm' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
@@ -117,7 +117,7 @@ def test_settings_are_the_cores_vocab_config(tmp_path, monkeypatch):
         monkeypatch.setenv(vllm_config.ENV_POLICY, policy)
         monkeypatch.setenv(vllm_config.ENV_STATIC_SIZE, "3")
         s = vllm_config.settings(100, max_num_seqs=4)
-        from nanospec_fx.policies import resolve
+        from nanospec_fx.vocab.policies import resolve
         state = resolve(s.vocab)  # the core's reading of the options: the listed order is the frequency ranking
         assert state.seed_ids.tolist() == [7, 3, 9] and state.policy == policy
         assert (state.observes, s.topk) == ((False, 0) if policy == "static" else (True, 3))
@@ -163,7 +163,7 @@ def test_activity_says_inactive_once_after_the_steps(recwarn):
     for _ in range(3):
         activity.step("V2Runner", limit=4, remedy=lambda: pytest.fail("asked before the limit"))
     assert activity.status() == "pending" and not recwarn.list
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     with pytest.warns(NanoSpecWarning, match="plugin is inactive: 4 model steps ran on V2Runner.*Set X=0"):
         activity.step("V2Runner", limit=4, remedy=lambda: "Set X=0.")
@@ -263,7 +263,7 @@ def test_no_drafter_and_unsupported_drafter_are_reported_inactive(methods):
 
 def test_switching_to_the_v1_runner_is_said_once(monkeypatch):
     from nanospec_fx.integrations.vllm import v0_32
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     monkeypatch.delenv(v0_32.ENV_RUNNER, raising=False)
     with pytest.warns(NanoSpecWarning, match="set VLLM_USE_V2_MODEL_RUNNER=0: vLLM uses its V1 model runner"):
@@ -587,7 +587,7 @@ def test_parallel_drafter_rows_repeat_each_request(monkeypatch):
     count that is neither B nor a multiple of it (or any multiple for a non-parallel drafter) runs dense, with the
     one warning."""
     from nanospec_fx.integrations.vllm.head import NanoSpecHead, build_vocabs
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     _clear_settings(monkeypatch)
     vocab, hidden, k = 40, 8, 3

@@ -98,7 +98,7 @@ def installed():
         os.environ["NANOSPEC_VLLM_V2"] = "1"
     from vllm.plugins import load_general_plugins
 
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     with pytest.warns(NanoSpecWarning) if not IN_034 else contextlib.nullcontext():  # 0.33: "experimental"
         load_general_plugins()
@@ -291,7 +291,7 @@ def test_a_quantized_draft_head_is_named_and_kept(installed, head_config):
     so, naming it, and leaves vLLM's head in place."""
     from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
 
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     quant = object.__new__(Fp8PtpcOnlineLinearMethod)  # its kernels are CUDA's; the hook reads only its class
     model = _eagle3()
@@ -322,7 +322,7 @@ def test_the_remedy_answers_on_the_releases_classes(installed):
     if IN_034:
         assert "VLLM_USE_V2_MODEL_RUNNER" not in other and "NANOSPEC_VLLM_V2" not in other
     assert isinstance(v0_32.remedy(worker, runner), str) and isinstance(v0_33.remedy(worker, runner), str)
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     activity = Activity()
     with pytest.warns(NanoSpecWarning, match="inactive: 1 model steps ran on CPUModelRunner.*No speculative decoding"):

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec_fx.integrations.vllm.head import CompactLMHead, SlotRows
-from nanospec_fx.request_vocab import RequestVocabs
+from nanospec_fx.vocab.request_vocab import RequestVocabs
 
 VOCAB, PADDED, HIDDEN, SLOTS = 30, 32, 8, 4
 
@@ -286,7 +286,7 @@ def test_a_quantized_draft_head_keeps_the_full_head_with_its_quantization_named(
     check name the quantisation (not a dtype), and the drafter keeps vLLM's head object."""
     from nanospec_fx.integrations.vllm import runner_v2, v0_32
     from nanospec_fx.integrations.vllm.config import ENV_HEAD
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     monkeypatch.setenv(ENV_HEAD, "compact")
     model = _eagle3([2 * r + 1 for r in range(32)])
@@ -337,7 +337,7 @@ def test_the_v2_switch_is_said_where_it_is_ignored(monkeypatch):
     """NANOSPEC_VLLM_V2=1 on 0.32 (no V2 head there) is said, not silently ignored; on 0.34 (V2 only) a value that
     asks for V1 is said, and the 0.34 adapter never touches V1's runner switch."""
     from nanospec_fx.integrations.vllm import runner_v2, v0_32, v0_34
-    from nanospec_fx.warning import NanoSpecWarning
+    from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
     installed = []
     monkeypatch.setattr(v0_32, "install_v1", lambda remedy: installed.append(("v1", remedy)))

@@ -1,5 +1,5 @@
 """Eviction order: FIFO by first insertion, the same in the kernels, the reference and the plain-Python ring model
-(``nanospec_fx.ring_model``, which the coverage evaluation also replays requests through).
+(``nanospec_fx.vocab.ring_model``, which the coverage evaluation also replays requests through).
 
 LRU (refresh on re-observation) exists only in the coverage simulation, to measure the
 alternative (docs/kernels.md, "Eviction order"; tested in tests/eval/test_coverage.py).
@@ -12,7 +12,7 @@ import torch
 from nanospec_fx.kernels import host as H, ops, reference as R
 from nanospec_fx.kernels.schema import new_state
 from nanospec_fx.kernels.triton_util import INTERPRET, direct_launch
-from nanospec_fx.ring_model import RingModel
+from nanospec_fx.vocab.ring_model import RingModel
 
 
 def _calls(vocab: int, capacity: int, pinned: int, seed: int):

@@ -1,6 +1,6 @@
 """The torch reference of the nanospec ops against plain-Python and dense-eager oracles.
 
-The observe oracle is ``nanospec_fx.ring_model.RingModel``, a list-and-dict ring written from the docstring's rules
+The observe oracle is ``nanospec_fx.vocab.ring_model.RingModel``, a list-and-dict ring written from the docstring's rules
 (torch-free, shared with the coverage evaluation, never with the kernels); the logits
 oracles are a dense ``F.linear`` masked to the active set and a stable sort of it.
 """
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanospec_fx.kernels import host as H, ops, reference as R
-from nanospec_fx.ring_model import RingModel
+from nanospec_fx.vocab.ring_model import RingModel
 
 NEG = float("-inf")
 

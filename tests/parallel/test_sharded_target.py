@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanospec_fx.warning import NanoSpecWarning
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_helpers import call_targets, compile_and_run  # noqa: E402

@@ -22,14 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.warning import NanoSpecWarning
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gloo_ranks import run_ranks  # noqa: E402
 from graph_helpers import call_targets, compile_and_run  # noqa: E402
 from tp_drafters import GATHERS, DTensorDrafter, VocabParallelDrafter, gather_funcol  # noqa: E402
-from nanospec_fx import pass_reports
-
+from nanospec_fx.vocab import reports as pass_reports
 V, H, TP = 64, 16, 2
 C10D = torch.ops._c10d_functional
 
@@ -91,7 +90,7 @@ def test_dtensor_colwise_head(fake_group, compiled_graphs, output):
 def test_write_rows_writes_exactly_the_active_ids_rows(ids):
     """Rows of active ids land in their slots; out-of-range and inactive ids change nothing (repeated indices carry
     the same value, so the result is deterministic)."""
-    from nanospec_fx.sharded_state import write_rows
+    from nanospec_fx.parallel.sharded_state import write_rows
 
     slot_of = torch.full((V,), -1, dtype=torch.int32)
     slot_of[torch.tensor([5, 2, 40])] = torch.tensor([3, 0, 1], dtype=torch.int32)  # 9 is not active

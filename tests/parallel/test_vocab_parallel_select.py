@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.warning import NanoSpecWarning
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_helpers import call_targets, compile_and_run  # noqa: E402

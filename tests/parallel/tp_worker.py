@@ -321,10 +321,10 @@ def requests(rank: int, world: int) -> dict:
     past the vocabulary (NaN rows there: never read): after the same assigns, observes (evicting), releases and
     re-assigns, its state is RequestVocabs' over the full head bit for bit, identical on every rank, and so are
     its logits, also after an in-place write of the head (refresh); also through an EAGLE-3 token -> head-row map. ``all_ranks`` gives every rank the same answer."""
-    from nanospec_fx.request_vocab import RequestVocabs, token_to_row_from_d2t
-    from nanospec_fx.collectives import VocabShard
-    from nanospec_fx.consensus import all_ranks
-    from nanospec_fx.sharded_state import ShardedRequestVocabs
+    from nanospec_fx.vocab.request_vocab import RequestVocabs, token_to_row_from_d2t
+    from nanospec_fx.parallel.collectives import VocabShard
+    from nanospec_fx.parallel.consensus import all_ranks
+    from nanospec_fx.parallel.sharded_state import ShardedRequestVocabs
 
     group = dist.group.WORLD.group_name
     report = {}
@@ -533,8 +533,8 @@ def id_counts(rank: int, world: int) -> dict:
     """An eager observe given a different number of ids on each rank (its row fetch would differ in size: gloo
     aborted the process, nothing to catch): the same error on every rank, both sets unchanged and the group still
     usable, for a drafter's state (with a bias: two fetches) and for per-request sets."""
-    from nanospec_fx.collectives import RanksDiverged, VocabShard
-    from nanospec_fx.sharded_state import ShardedRequestVocabs
+    from nanospec_fx.parallel.collectives import RanksDiverged, VocabShard
+    from nanospec_fx.parallel.sharded_state import ShardedRequestVocabs
 
     report = {}
     model, compiled, fed, state = _fed_drafter(rank, world)
@@ -569,8 +569,8 @@ def spmd_breaks(rank: int, world: int) -> dict:
     """What tensor parallelism leaves to the user's SPMD program, broken on one rank: each case ends in the same
     error on every rank, at once where the ranks meet in the store, and within the (short) timeout where one rank
     does not come; the results stay exact where every rank does the same again."""
-    from nanospec_fx.collectives import RanksDiverged, VocabShard
-    from nanospec_fx.sharded_state import ShardedRequestVocabs
+    from nanospec_fx.parallel.collectives import RanksDiverged, VocabShard
+    from nanospec_fx.parallel.sharded_state import ShardedRequestVocabs
 
     report = {}
     # observe_inputs=False: the draft step has no collective; a head shard written on one rank only was read
@@ -623,7 +623,7 @@ def spmd_breaks(rank: int, world: int) -> dict:
     # then both raise naming that rank and its last step (the group is unusable from there: last)
     if rank == 1:
         _raised_plain(lambda: vocabs.observe("a", "not ids"), TypeError)
-        from nanospec_fx.consensus import FAILURE_KEY
+        from nanospec_fx.parallel.consensus import FAILURE_KEY
 
         # this rank's program goes on elsewhere (here: it waits, outside nanospec, until rank 0 gave up)
         dist.distributed_c10d._get_default_store().wait([FAILURE_KEY], datetime.timedelta(seconds=120))
@@ -669,7 +669,7 @@ def check_in_cost(rank: int, world: int) -> dict:
     the poll) are counted apart."""
     from torch.distributed import distributed_c10d
 
-    import nanospec_fx.consensus as consensus
+    import nanospec_fx.parallel.consensus as consensus
 
     model, compiled = _compiled_drafter(rank, world)
     ids = torch.tensor([[1, 2, 3]])

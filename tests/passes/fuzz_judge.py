@@ -17,9 +17,8 @@ from hypothesis import assume
 import nanospec_fx
 from fuzz_drafters import GRAD_MODES, FuzzDrafter, Recipe, bad_inputs, compute_dtype, make_inputs
 from helpers import compile_nanospec
-from nanospec_fx.warning import NanoSpecWarning
-from nanospec_fx import pass_reports
-
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
+from nanospec_fx.vocab import reports as pass_reports
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
 
 

@@ -9,9 +9,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import nanospec_fx
 from drafters import HEAD_KINDS, NoHead, TinyDrafter, TwoHeads
 from helpers import active_mask, compile_nanospec
-from nanospec_fx import pass_reports
-
-
+from nanospec_fx.vocab import reports as pass_reports
 @pytest.mark.parametrize("head", HEAD_KINDS)
 def test_every_head_pattern_is_rewritten(head):
     torch.manual_seed(0)

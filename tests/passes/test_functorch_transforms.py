@@ -14,9 +14,8 @@ import torch.nn as nn
 
 import nanospec_fx
 from helpers import active_mask, compile_nanospec
-from nanospec_fx.warning import NanoSpecWarning
-from nanospec_fx import pass_reports
-
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
+from nanospec_fx.vocab import reports as pass_reports
 V, H, T = 48, 8, 0.7
 
 

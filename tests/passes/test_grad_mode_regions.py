@@ -18,8 +18,7 @@ import torch.nn as nn
 
 import nanospec_fx
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
-
+from nanospec_fx.vocab import reports as pass_reports
 V, H = 32, 8
 IDS = torch.tensor([[1, 2, 3]])
 

@@ -16,8 +16,8 @@ from torch._dynamo.utils import counters
 
 import nanospec_fx
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
-from nanospec_fx.module_heads import registered_states
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.vocab.module_heads import registered_states
 
 V, H = 48, 8
 IDS = torch.tensor([[1, 2, 3]])

@@ -17,9 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nanospec_fx
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
+from nanospec_fx.vocab import reports as pass_reports
 from nanospec_fx.passes import StateNodes, find_heads, rewrite_head
-from nanospec_fx.state import STATE_TENSORS, ActiveVocab
+from nanospec_fx.vocab.state import STATE_TENSORS, ActiveVocab
 
 V, H, R = 40, 8, 2
 IDS = torch.tensor([[5, 17, 23], [9, 31, 2]])

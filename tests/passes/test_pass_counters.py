@@ -1,5 +1,5 @@
 """The pass's decisions are counted in ``torch._dynamo.utils.counters["nanospec"]`` and logged at debug level (as
-inductor's passes do); the pass report is kept in ``nanospec_fx.pass_reports``, not on the runtime state."""
+inductor's passes do); the pass report is kept in ``nanospec_fx.vocab.reports``, not on the runtime state."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 import nanospec_fx
 from drafters import TinyDrafter
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
-from nanospec_fx.warning import NanoSpecWarning
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.diagnostics.warning import NanoSpecWarning
 
 V, H = 48, 8
 

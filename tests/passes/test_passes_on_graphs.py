@@ -14,7 +14,7 @@ from drafters import NoHead, TinyDrafter, TwoHeads
 from nanospec_fx.passes import (HeadSelectionError, ObserveInto, StateNodes, find_heads, insert_input_observers,
                                 insert_topk_observers, rewrite_head)
 from nanospec_fx.kernels.schema import STATE_FIELDS
-from nanospec_fx.state import STATE_TENSORS, ActiveVocab
+from nanospec_fx.vocab.state import STATE_TENSORS, ActiveVocab
 
 V, H = 50, 8
 

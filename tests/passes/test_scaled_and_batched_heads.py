@@ -14,8 +14,7 @@ import torch.nn as nn
 
 import nanospec_fx
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
-
+from nanospec_fx.vocab import reports as pass_reports
 V, H = 40, 8
 IDS = torch.tensor([[5, 17, 23], [9, 31, 2]])
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from helpers import compile_nanospec
-from nanospec_fx import pass_reports
-
+from nanospec_fx.vocab import reports as pass_reports
 V, H = 40, 8
 NEG = float("-inf")
 

@@ -9,9 +9,7 @@ import nanospec_fx
 from nanospec_fx import FrequencyTable
 from drafters import TinyDrafter
 from helpers import active_mask, compile_nanospec
-from nanospec_fx import pass_reports
-
-
+from nanospec_fx.vocab import reports as pass_reports
 def test_frequency_table_counts_ranks_and_round_trips(tmp_path):
     table = FrequencyTable.from_token_ids([[3, 3, 1], torch.tensor([[1, 3], [5, 0]])], vocab_size=8)
     assert table.counts.tolist() == [1, 2, 0, 3, 0, 1, 0, 0]

@@ -1,4 +1,4 @@
-"""RequestVocabs: per-request active vocabularies of one head (nanospec_fx/request_vocab.py).
+"""RequestVocabs: per-request active vocabularies of one head (nanospec_fx/vocab/request_vocab.py).
 
 Oracles are plain torch: the dense head ``x @ W.T + b`` masked to a Python model of each request's set.
 Runs on the CPU paths (host and reference); the Triton kernels are checked op by op in
@@ -11,7 +11,7 @@ import torch
 
 from nanospec_fx import ActiveVocab, RequestVocabs, VocabConfig
 from nanospec_fx.kernels.triton_util import INTERPRET
-from nanospec_fx.request_vocab import token_to_row_from_d2t
+from nanospec_fx.vocab.request_vocab import token_to_row_from_d2t
 
 NEG = float("-inf")
 V, H = 41, 16

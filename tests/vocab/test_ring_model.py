@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nanospec_fx import ring_model
-from nanospec_fx.ring_model import RingModel
+from nanospec_fx.vocab import ring_model
+from nanospec_fx.vocab.ring_model import RingModel
 
 
 def test_slots_cursor_and_eviction_with_pinned_slots():

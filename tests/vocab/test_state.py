@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-from nanospec_fx.state import ActiveVocab, state_for
-from nanospec_fx.vocab_config import VocabConfig
+from nanospec_fx.vocab.state import ActiveVocab, state_for
+from nanospec_fx.vocab.config import VocabConfig
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.state import ActiveVocab, state_for
-from nanospec_fx.vocab_config import VocabConfig
+from nanospec_fx.vocab.state import ActiveVocab, state_for
+from nanospec_fx.vocab.config import VocabConfig
 from helpers import compile_nanospec
 from mlp_drafter import H, V, Drafter  # beside this file
 
@@ -395,7 +395,7 @@ def test_a_head_weight_passed_as_an_argument_is_reachable_from_the_tensor():
     compiled = compile_nanospec(body, capacity=16)
     with torch.no_grad():
         out = compiled(torch.tensor([[4]]), weight)
-    if nanospec_fx.state.registered_state(weight) is None:
+    if nanospec_fx.vocab.state.registered_state(weight) is None:
         pytest.skip("this head was not rewritten (nothing to reach)")
     state = nanospec_fx.active_vocab(weight)
     state.observe([9])

@@ -43,14 +43,14 @@ def test_torch_save_and_load_after_a_compiled_call(what):
     weight = {"model": lambda o: o.lm_head.weight, "state_dict_keep_vars": lambda o: o["lm_head.weight"],
               "weight": lambda o: o}[what](loaded)
     assert torch.equal(weight, model.lm_head.weight)
-    assert nanospec_fx.state.registered_state(weight) is None, "a loaded copy must not share the original's state"
+    assert nanospec_fx.vocab.state.registered_state(weight) is None, "a loaded copy must not share the original's state"
 
 
 def test_pickle_and_deepcopy_give_a_drafter_that_compiles_with_its_own_state():
     model, compiled = compiled_once()
     original = nanospec_fx.active_vocab(model)
     for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
-        assert nanospec_fx.state.registered_state(twin.lm_head.weight) is None
+        assert nanospec_fx.vocab.state.registered_state(twin.lm_head.weight) is None
         twin_compiled = torch.compile(twin, backend="nanospec", options={"inductor": False, "capacity": 16})
         with torch.no_grad():
             out = twin_compiled(torch.tensor([[7, 8, 9]]))

@@ -1,6 +1,6 @@
 """One state, many threads: concurrent calls of one compiled drafter, or of one state's ``observe``, are serialised
 where the state is written. After every round of threads the state is checked against the Python ring model
-(nanospec_fx/ring_model.py): no id lost, calls never interleaved, ``contains`` agreeing with ``token_ids``.
+(nanospec_fx/vocab/ring_model.py): no id lost, calls never interleaved, ``contains`` agreeing with ``token_ids``.
 
 How a round is judged without knowing the order the threads ran in: every call feeds ids never fed before, so no
 call renews and the ring's survivors, read from the cursor backwards, give the order of the last insertions. The
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import nanospec_fx
-from nanospec_fx.request_vocab import RequestVocabs
-from nanospec_fx.ring_model import RingModel
+from nanospec_fx.vocab.request_vocab import RequestVocabs
+from nanospec_fx.vocab.ring_model import RingModel
 from helpers import compile_nanospec
 
 V, H = 640, 8

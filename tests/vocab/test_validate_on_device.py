@@ -6,7 +6,7 @@ import torch
 
 import nanospec_fx
 from nanospec_fx.kernels.launch_count import counting
-from nanospec_fx.state import in_range_or_nothing
+from nanospec_fx.vocab.state import in_range_or_nothing
 
 SYNC = "aten._local_scalar_dense.default"  # what int(t) / t.item() / bool(t) dispatch: a host sync on a GPU
 

@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import nanospec_fx
 from nanospec_fx.compiler.options import NanoSpecOptions, split_keywords
-from nanospec_fx.policies import FrequencyTable, resolve
-from nanospec_fx.state import state_for
-from nanospec_fx.vocab_config import StateConfig, VocabConfig
+from nanospec_fx.vocab.policies import FrequencyTable, resolve
+from nanospec_fx.vocab.state import state_for
+from nanospec_fx.vocab.config import StateConfig, VocabConfig
 
 
 def test_defaults_are_the_named_constants_and_the_backend_options_default_to_them():

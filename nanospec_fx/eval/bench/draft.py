@@ -28,7 +28,7 @@ from nanospec_fx.eval.bench.e2e import StaticHead
 from nanospec_fx.eval.bench.head import Head, active_ids, filled_state
 from nanospec_fx.eval.bench.timing import Stopwatch, time_call
 from nanospec_fx.kernels import ops
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 DRAFTER_SHAPES = {
     "llama3-8b": EagleConfig.llama3_8b,  # EAGLE's drafter of Llama-3.1-8B

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import nanospec_fx
 from nanospec_fx.eval.bench.timing import Stopwatch
-from nanospec_fx.speculative import drafter_state
+from nanospec_fx.eagle.speculative import drafter_state
 
 
 class StaticHead(nn.Module):

@@ -4,7 +4,7 @@
 layer, and the target's embedding, norm and head): the full head, FR-Spec's static top-N
 (:class:`~nanospec_fx.eval.bench.e2e.StaticHead`), and nanospec-compiled drafters (``context`` and
 ``hybrid``). :func:`run_eagle_e2e` decodes every request with the target alone and with every
-variant at every depth (:func:`nanospec_fx.speculative.eagle_generate`, chain drafts), requests
+variant at every depth (:func:`nanospec_fx.eagle.speculative.eagle_generate`, chain drafts), requests
 in the outer loop so that load from other processes falls on all variants alike, and checks every
 output against the target-alone output token for token.
 
@@ -31,9 +31,9 @@ from nanospec_fx.eagle import EagleDrafter
 from nanospec_fx.eval.bench.e2e import StaticHead
 from nanospec_fx.eval.bench.timing import PhaseTimer, Stopwatch
 from nanospec_fx.eval.stats import median_interval, paired_ratios
-from nanospec_fx.module_heads import unwrap
-from nanospec_fx.speculative import DecodeStats, HFTarget, drafter_state, eagle_generate
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
+from nanospec_fx.vocab.module_heads import unwrap
+from nanospec_fx.eagle.speculative import DecodeStats, HFTarget, drafter_state, eagle_generate
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
 TARGET_ONLY = "target only"
 EVERY_ROW = "full head, every fed row"

@@ -26,12 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanospec_fx
-from nanospec_fx.calibration import FLUSH_BYTES, MachineConstants, cold_timings
-from nanospec_fx.cost_model import HeadCost
+from nanospec_fx.diagnostics.calibration import FLUSH_BYTES, MachineConstants, cold_timings
+from nanospec_fx.diagnostics.cost_model import HeadCost
 from nanospec_fx.eval.bench.timing import timings
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.dispatch import path_for
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 # hidden size H, vocabulary V of the LM heads of real models
 SHAPES = {

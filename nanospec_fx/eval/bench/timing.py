@@ -104,7 +104,7 @@ class Stopwatch:
 
 
 class PhaseTimer:
-    """Seconds per phase of a decode loop: the ``timer`` of :func:`nanospec_fx.speculative.decode`
+    """Seconds per phase of a decode loop: the ``timer`` of :func:`nanospec_fx.eagle.speculative.decode`
     (``timer(phase)`` is that phase's :class:`Stopwatch`)."""
 
     def __init__(self) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import device_option, out_option, threads_option
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 DTYPES = ("fp32", "bf16", "fp16")
 DRAFTER_SHAPES = ("llama3-8b", "tiny")

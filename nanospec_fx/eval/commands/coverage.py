@@ -8,7 +8,7 @@ import click
 
 from nanospec_fx.eval.cli import out_option, threads_option
 from nanospec_fx.eval.commands.sources import STATIC_CORPUS, load_option
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE
 
 CORPUS_NAMES = "sharegpt, humaneval, shakespeare, mtbench-math, sharegpt-translate, sharegpt-summarize, sample"
 

@@ -8,7 +8,7 @@ import click
 
 from nanospec_fx.eval.cli import out_option, threads_option
 from nanospec_fx.eval.commands.sources import STATIC_CORPUS, disjoint_static_samples, load_option
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_STATIC_SIZE
 
 
 def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
@@ -33,7 +33,7 @@ def _shard(ctx, param, text: str | None) -> tuple[int, int] | None:
 @click.option("--drafter", type=click.Choice(["truncated", "eagle"]), default="truncated", show_default=True,
               help="truncated: the target's first layers, through transformers' assisted generation. eagle: the "
                    "EAGLE (or MTP) drafter trained by `nanospec-fx train-eagle`, chain drafts on the target's KV cache "
-                   "(nanospec_fx.speculative), variants full / static / nanospec context / hybrid.")
+                   "(nanospec_fx.eagle.speculative), variants full / static / nanospec context / hybrid.")
 @click.option("--depth", "depths", multiple=True, type=int, default=(1, 2, 3, 4), show_default=True,
               help="--drafter eagle: drafts per round (repeatable: each depth is measured).")
 @click.option("--variants", default="full,static,context,hybrid", show_default=True,

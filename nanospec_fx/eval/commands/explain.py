@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY
 
 
 @click.command()

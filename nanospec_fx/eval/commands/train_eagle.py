@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from nanospec_fx.eval.cli import threads_option
-from nanospec_fx.vocab_config import DEFAULT_STATIC_SIZE
+from nanospec_fx.vocab.config import DEFAULT_STATIC_SIZE
 
 TRAIN_CORPUS = "sharegpt-train"
 

@@ -1,7 +1,7 @@
 """The plugin's settings from the environment of vLLM's processes, as the core's :class:`VocabConfig`.
 
 vLLM starts the plugin in processes the user does not construct, so its options are environment variables; they map
-onto the same :class:`~nanospec_fx.vocab_config.VocabConfig` the backend's ``options`` build, with the core's policy
+onto the same :class:`~nanospec_fx.vocab.config.VocabConfig` the backend's ``options`` build, with the core's policy
 names (``context``, ``static``, ``hybrid``). No vLLM here: the settings are engine-agnostic.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE, POLICIES, VocabConfig
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_PINNED_SIZE, POLICIES, VocabConfig
 
 ENV_SWITCH = "NANOSPEC_VLLM"
 ENV_CAPACITY = "NANOSPEC_VLLM_CAPACITY"

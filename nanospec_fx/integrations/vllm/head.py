@@ -1,7 +1,7 @@
 """The drafter's ``compute_logits`` over per-request active sets, engine-agnostic.
 
 :class:`NanoSpecHead` takes plain values (the head's weight, the logits post-ops, the dense ``compute_logits`` to
-fall back on) and a :class:`~nanospec_fx.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
+fall back on) and a :class:`~nanospec_fx.vocab.request_vocab.RequestVocabs` built from the core's ``VocabConfig``; the
 version adapters (``v0_32``, ``v0_33``, ``v0_34``) read them off vLLM's objects. For Model Runner V2, whose draft
 loop runs in a captured CUDA graph, :class:`CompactLMHead` takes the drafter's ``lm_head`` slot instead and finds
 each batch row's request on the device (:class:`SlotRows`). No vLLM here.
@@ -19,10 +19,10 @@ STATIC_ROW = ("nanospec", "static")
 
 def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
     """The per-request sets over ``weight`` (its first ``vocab_size`` rows are the vocabulary; under tensor
-    parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.collectives.VocabShard`). The static
+    parallelism: this rank's shard, ``shard`` its :class:`~nanospec_fx.parallel.collectives.VocabShard`). The static
     policy gets one frozen row that every request reads."""
     from nanospec_fx.compiler.head_kind import request_vocabs
-    from nanospec_fx.policies import resolve
+    from nanospec_fx.vocab.policies import resolve
 
     state = resolve(settings.vocab).keywords()
     max_requests = 1 if state["policy"] == "static" else settings.max_requests
@@ -34,10 +34,11 @@ def build_vocabs(weight, settings: Settings, vocab_size: int, shard=None):
 
 def predicted_speedup(weight, vocab_rows: int, capacity: int) -> float:
     """The cost model's full-head time / compact-head time for one draft row with a full set of ``capacity`` tokens
-    (:mod:`nanospec_fx.cost_model`, with the constants of the implementation that runs on ``weight``'s device).
+    (:mod:`nanospec_fx.diagnostics.cost_model`, with the constants of the implementation that runs on ``weight``'s
+    device).
     Below 1 the compact head cannot win: a small head (a few thousand rows) is cheaper to read whole than to
     serve per request."""
-    from nanospec_fx.cost_model import HeadCost
+    from nanospec_fx.diagnostics.cost_model import HeadCost
     from nanospec_fx.kernels.dispatch import path_for
 
     active = min(capacity, vocab_rows)
@@ -101,7 +102,7 @@ class NanoSpecHead:
             dense = self.dense_compute_logits(hidden_states)  # under tensor parallelism: gathered, on every rank
             same = here = same_where_active(logits, dense)
             if self.group_name is not None:  # one decision for all ranks, or their next collectives would differ
-                from nanospec_fx.consensus import all_ranks
+                from nanospec_fx.parallel.consensus import all_ranks
 
                 same = all_ranks(self.group_name, here, logits.device)
             if not same:
@@ -203,7 +204,7 @@ PAD_ROW = ("nanospec", "padding")
 
 
 class SlotRows:
-    """An engine's request slots -> :class:`~nanospec_fx.request_vocab.RequestVocabs` rows, as a device tensor.
+    """An engine's request slots -> :class:`~nanospec_fx.vocab.request_vocab.RequestVocabs` rows, as a device tensor.
 
     vLLM's Model Runner V2 names each request of a step by its request-state slot (``idx_mapping``, a device buffer,
     -1 for a padded row) and runs the draft loop inside a captured CUDA graph, so the row of each batch row must be

@@ -17,7 +17,7 @@ _HEADS: weakref.WeakSet = weakref.WeakSet()
 
 
 def warn(message: str) -> None:
-    from nanospec_fx.warning import warn_once
+    from nanospec_fx.diagnostics.warning import warn_once
 
     warn_once(f"nanospec (vLLM): {message}", stacklevel=4)
 
@@ -104,10 +104,10 @@ def status() -> list[dict]:
 
 
 def snapshot(head) -> dict:
-    """A head's counters, released sets and held rows, with the plugin's status, as plain data."""
-    import nanospec_fx
-
-    return {"rank": head.rank, "pid": os.getpid(), "module": nanospec_fx.__file__, "compact_calls":
+    """A head's counters, released sets and held rows, with the plugin's status, as plain data (``module``: the
+    installed nanospec_fx package's ``__init__.py``, to tell which copy the engine's processes import)."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {"rank": head.rank, "pid": os.getpid(), "module": os.path.join(package, "__init__.py"), "compact_calls":
             head.compact_calls, "dense_calls": head.dense_calls, "assigned": head.assigned, "released":
             head.released, "checked": head.checked, "disabled": head.disabled, "sharded": head.group_name
             is not None, "holding": [str(r) for r in head.vocabs.request_ids],

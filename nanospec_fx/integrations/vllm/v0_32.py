@@ -203,7 +203,7 @@ def head_parts(model):
 def head_for(model, dense_compute_logits, max_num_seqs: int, parallel: bool = False) -> NanoSpecHead:
     """A NanoSpec head for a vLLM drafter model (its ``lm_head`` and ``logits_processor``) and the environment's
     settings. Under tensor parallelism (a vocabulary-parallel ``ParallelLMHead``) every rank keeps the same
-    per-request sets with all their rows (:class:`~nanospec_fx.sharded_state.ShardedRequestVocabs`)."""
+    per-request sets with all their rows (:class:`~nanospec_fx.parallel.sharded_state.ShardedRequestVocabs`)."""
     import torch
 
     lm_head, processor, prepare = head_parts(model)
@@ -215,7 +215,7 @@ def head_for(model, dense_compute_logits, max_num_seqs: int, parallel: bool = Fa
     shard = group_name = None
     rank = 0
     if getattr(lm_head, "tp_size", 1) > 1:  # vocabulary-parallel: this rank's shard, padded rows included
-        from nanospec_fx.collectives import VocabShard
+        from nanospec_fx.parallel.collectives import VocabShard
 
         group_name, rank = tp_group_name(lm_head), lm_head.tp_rank
         shard = VocabShard(group_name, lm_head.tp_size, lm_head.tp_rank, lm_head.num_embeddings_per_partition)
@@ -229,7 +229,7 @@ def head_for(model, dense_compute_logits, max_num_seqs: int, parallel: bool = Fa
 
 def tp_group_name(lm_head) -> str:
     """The name of the torch process group a vocabulary-parallel head is split over (vLLM's TP group unless the
-    head names its own), for the ``_c10d_functional`` collectives of :mod:`nanospec_fx.collectives`."""
+    head names its own), for the ``_c10d_functional`` collectives of :mod:`nanospec_fx.parallel.collectives`."""
     group = getattr(lm_head, "parallel_group", None)
     if group is None:
         from vllm.distributed import get_tp_group
@@ -294,13 +294,14 @@ def not_worth_it(model) -> str | None:
     if speedup >= 1:
         return None
     return (f"its head has {rows} rows: with {min(rows, capacity)} active tokens the compact head is predicted at "
-            f"{speedup:.2f}x the full head's speed on this device (nanospec_fx.cost_model); "
+            f"{speedup:.2f}x the full head's speed on this device (nanospec_fx.diagnostics.cost_model); "
             f"{config.ENV_HEAD}=compact forces it")
 
 
 def shard_layout_problem(lm_head, processor) -> str | None:
     """Why a vocabulary-parallel head's shards are not rows ``[rank * P, (rank + 1) * P)`` of one head whose gathered
-    logits every rank gets (None: they are; what :class:`~nanospec_fx.sharded_state.ShardedRequestVocabs` reads)."""
+    logits every rank gets (None: they are; what :class:`~nanospec_fx.parallel.sharded_state.ShardedRequestVocabs`
+    reads)."""
     shard_rows = getattr(lm_head, "num_embeddings_per_partition", None)
     indices = getattr(lm_head, "shard_indices", None)
     if shard_rows is None or indices is None or getattr(lm_head, "num_added_embeddings", 0):

@@ -24,8 +24,8 @@ from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE as STATE_TENSORS
 from nanospec_fx.kernels.schema import check_num_pinned
 from nanospec_fx.kernels.state_lock import holding_state_lock, state_lock
-from nanospec_fx.policies import resolve
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
+from nanospec_fx.vocab.policies import resolve
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
 class FollowsWeightWrites:
@@ -508,7 +508,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
       vocabulary options, and one of them would be left on a state ``observe()`` no longer reaches.
 
     ``factory(weight, bias, **keywords)`` builds a new state (a vocabulary-parallel head's builds a
-    :class:`nanospec_fx.sharded_state.ShardedActiveVocab`).
+    :class:`nanospec_fx.parallel.sharded_state.ShardedActiveVocab`).
     ``transposed``: the weight is stored [H, V] (``h @ W``); None keeps the existing state's layout (else [V, H]).
     """
     if isinstance(config, VocabConfig):

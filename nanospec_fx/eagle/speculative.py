@@ -34,8 +34,8 @@ from nanospec_fx.eagle import (
     DraftTree, SampledDraft, draft_chain, draft_sampled, draft_tree, drafter_cache, feed, verify_sampled,
 )
 from nanospec_fx.sampling import SpeculativeSampler
-from nanospec_fx.lookup import active_vocab
-from nanospec_fx.state import ActiveVocab
+from nanospec_fx.diagnostics.lookup import active_vocab
+from nanospec_fx.vocab.state import ActiveVocab
 
 OBSERVE = ("verified", "accepted", "none")
 TargetForward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -12,7 +12,7 @@ import logging
 import threading
 from types import CodeType
 
-from nanospec_fx.warning import warn_once
+from nanospec_fx.diagnostics.warning import warn_once
 
 _LOGGER = "torch._dynamo.convert_frame"
 _compiled: set[str] = set()  # "'name' (file:first line)" of every frame nanospec compiled

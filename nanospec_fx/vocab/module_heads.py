@@ -1,8 +1,8 @@
 """Which tensors a model holds, and which of them are LM heads with an ActiveVocab (under every name).
 
-The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; this module walks a model
-(compiled wrapper or not) to its tensors and head names. :mod:`nanospec_fx.lookup` (``active_vocab``) and
-:mod:`nanospec_fx.diagnosis` read it.
+The registry in :mod:`nanospec_fx.vocab.state` maps a head weight to its ActiveVocab; this module walks a model
+(compiled wrapper or not) to its tensors and head names. :mod:`nanospec_fx.diagnostics.lookup` (``active_vocab``) and
+:mod:`nanospec_fx.diagnostics.diagnosis` read it.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from nanospec_fx import pass_reports
-from nanospec_fx.state import ActiveVocab, registered_state
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.vocab.state import ActiveVocab, registered_state
 
 
 def unwrap(module):

@@ -2,7 +2,7 @@
 
 The backend's options (``options={"capacity": 1024}``) and the keywords of ``attach`` and
 ``speculative_pair`` spell these options by the names of :class:`VocabConfig`'s fields.
-``nanospec_fx.policies.resolve`` applies the policy and gives the :class:`StateConfig` that one
+``nanospec_fx.vocab.policies.resolve`` applies the policy and gives the :class:`StateConfig` that one
 ``ActiveVocab`` is built from and compared by (seed tokens, pinned slots, token -> row map).
 Importing this module imports no torch: the CLI shows these defaults in its ``--help``.
 """

@@ -1,6 +1,7 @@
 """The cost model's constants measured on this machine: ``explain(module, calibrate=True)``.
 
-:data:`nanospec_fx.cost_model.MACHINE` holds constants fitted on one 2-core test machine. Another CPU streams at
+:data:`nanospec_fx.diagnostics.cost_model.MACHINE` holds constants fitted on one 2-core test machine. Another CPU
+streams at
 another bandwidth, reads a large matrix at another share of it and pays another fixed cost per call: carried over
 to a second 2-core machine they put the prediction 2-3.5x off (docs/kernels.md). :func:`calibrate` measures the
 three constants here, with caches flushed before every timed call as in a draft round:
@@ -43,7 +44,8 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class MachineConstants:
-    """A path's cost-model constants (the fields of :data:`nanospec_fx.cost_model.MACHINE`), and where from."""
+    """A path's cost-model constants (the fields of :data:`nanospec_fx.diagnostics.cost_model.MACHINE`), and where
+    from."""
 
     fixed_bytes: int  # a nanospec call's fixed cost, as bytes at ``bandwidth``
     dense_efficiency: float  # the dense head's bandwidth relative to the compact head's
@@ -54,7 +56,7 @@ class MachineConstants:
     @classmethod
     def fitted(cls, path: str) -> "MachineConstants":
         """``cost_model.MACHINE[path]``: fitted on the project's test machine (host, reference), assumed (triton)."""
-        from nanospec_fx.cost_model import MACHINE
+        from nanospec_fx.diagnostics.cost_model import MACHINE
 
         fixed, efficiency, flops_per_byte = MACHINE[path]
         if path == "triton":
@@ -121,7 +123,7 @@ def calibrate(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int
 def measure(hidden_size: int, dtype: torch.dtype = torch.float32, repeats: int = 9) -> MachineConstants:
     """One measurement of the constants, unchecked (:func:`calibrate` checks it)."""
     from nanospec_fx.kernels import ops
-    from nanospec_fx.state import ActiveVocab
+    from nanospec_fx.vocab.state import ActiveVocab
 
     b = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator().manual_seed(0)

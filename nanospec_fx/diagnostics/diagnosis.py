@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nanospec_fx import pass_reports
-from nanospec_fx.module_heads import module_tensors, state_names, unwrap
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.vocab.module_heads import module_tensors, state_names, unwrap
+from nanospec_fx.diagnostics.warning import warn_once
 
 # Head-less compiled calls (ids looked up, no head scored) of one model before it is said that no head of it was
 # ever rewritten. A prefill is one such call per request, followed by decode calls that rewrite the head; eight

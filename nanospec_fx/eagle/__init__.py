@@ -16,7 +16,7 @@ slot), all selection runs on the device, and the host reads the tree once per ro
 verified. :func:`draft_sampled` and :func:`verify_sampled` are the sampling counterparts: drafts
 drawn from the drafter's pruned distribution, verified by speculative (recursive rejection)
 sampling (nanospec_fx/sampling.py, docs/sampling.md). The decode loop that drives all of them, for
-either kind of target, is :func:`nanospec_fx.speculative.decode`.
+either kind of target, is :func:`nanospec_fx.eagle.speculative.decode`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanospec_fx.module_heads import unwrap
+from nanospec_fx.vocab.module_heads import unwrap
 from nanospec_fx.sampling import SpeculativeSampler
 
 

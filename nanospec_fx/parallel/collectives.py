@@ -5,7 +5,7 @@ fetched the same ids (:func:`fetch_checked`).
 Every rank keeps the same active set and all its rows; rows join with one small all-reduce (zeros from every rank
 but the owner, so the sum is the owner's row, bit for bit). Nothing forces the ranks to feed the same ids, so each
 fetch checks it where it is cheap, and every rank raises the same error when they differ. What a rank decides
-alone before a collective is agreed in :mod:`nanospec_fx.consensus`.
+alone before a collective is agreed in :mod:`nanospec_fx.parallel.consensus`.
 """
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
 """The state of a head: which ActiveVocab belongs to a model's LM head, found by module, name or weight.
 
-The registry in :mod:`nanospec_fx.state` maps a head weight to its ActiveVocab; :mod:`nanospec_fx.module_heads`
+The registry in :mod:`nanospec_fx.vocab.state` maps a head weight to its ActiveVocab;
+:mod:`nanospec_fx.vocab.module_heads`
 walks a model (compiled wrapper or not) to its head weights and names; this module picks a head's state by name,
-creates it on demand, and says why there is none (:mod:`nanospec_fx.diagnosis`).
+creates it on demand, and says why there is none (:mod:`nanospec_fx.diagnostics.diagnosis`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from nanospec_fx.module_heads import module_tensors, state_names, unwrap
-from nanospec_fx.state import ActiveVocab, registered_state, state_for
-from nanospec_fx.vocab_config import VocabConfig
+from nanospec_fx.vocab.module_heads import module_tensors, state_names, unwrap
+from nanospec_fx.vocab.state import ActiveVocab, registered_state, state_for
+from nanospec_fx.vocab.config import VocabConfig
 
 
 def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> ActiveVocab:
@@ -52,7 +53,7 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             created = _create_on_demand(module, None)
             if created is not None:
                 return created
-        from nanospec_fx.diagnosis import diagnose
+        from nanospec_fx.diagnostics.diagnosis import diagnose
 
         why = diagnose(module if wrapper is None else wrapper).text()
         raise LookupError(

@@ -8,15 +8,15 @@ from typing import TextIO
 import torch
 import torch.nn as nn
 
-from nanospec_fx import pass_reports
-from nanospec_fx.calibration import CalibrationError, MachineConstants
-from nanospec_fx.calibration import calibrate as measure_constants
-from nanospec_fx.diagnosis import Diagnosis, argument_heads, diagnose, target_observers
-from nanospec_fx.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
+from nanospec_fx.vocab import reports as pass_reports
+from nanospec_fx.diagnostics.calibration import CalibrationError, MachineConstants
+from nanospec_fx.diagnostics.calibration import calibrate as measure_constants
+from nanospec_fx.diagnostics.diagnosis import Diagnosis, argument_heads, diagnose, target_observers
+from nanospec_fx.diagnostics.cost_model import ALPHA, GPU_HBM, NVLINK4, CollectiveCost, HeadCost, tp
 from nanospec_fx.kernels.dispatch import path_for
-from nanospec_fx.module_heads import state_names, unwrap
-from nanospec_fx.state import ActiveVocab
-from nanospec_fx.warning import warn_once
+from nanospec_fx.vocab.module_heads import state_names, unwrap
+from nanospec_fx.vocab.state import ActiveVocab
+from nanospec_fx.diagnostics.warning import warn_once
 
 
 @dataclass
@@ -147,7 +147,8 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
     consumers kept in compact space, the active set, and the cost model of the kernels that run it.
     A head with an active vocabulary but no compiled graph (``attach`` without a compiled call, or a
     ``torch.compile`` wrapper that generate() bypassed) is reported as not rewritten, with the reason.
-    ``calibrate=True`` measures the cost model's constants on this CPU first (:mod:`nanospec_fx.calibration`,
+    ``calibrate=True`` measures the cost model's constants on this CPU first
+    (:mod:`nanospec_fx.diagnostics.calibration`,
     about a second per head width); by default they are those fitted on the project's test machine."""
     if not isinstance(unwrap(module), nn.Module):
         raise TypeError(f"explain() takes a model (the torch.compile wrapper or the module compiled in place), got "

@@ -24,9 +24,9 @@ import torch
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE, new_request_state
 from nanospec_fx.kernels.state_lock import holding_state_lock
-from nanospec_fx.policies import resolve, token_to_row
-from nanospec_fx.state import VocabState, as_token_ids, check_token_range, in_range_or_nothing
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
+from nanospec_fx.vocab.policies import resolve, token_to_row
+from nanospec_fx.vocab.state import VocabState, as_token_ids, check_token_range, in_range_or_nothing
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig, VocabConfig
 
 
 def token_to_row_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

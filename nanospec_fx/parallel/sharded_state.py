@@ -4,8 +4,8 @@ set and compact row cache that cover the whole vocabulary and are the same on ev
 Why the sets stay identical: every rank observes the same ids in the same order (the drafter's inputs are
 replicated under tensor parallelism, and ``observe`` is called SPMD), and ``observe`` is deterministic (same ids,
 same state -> same slots), so slot order is identical too. Each observe fetches the rows of its ids from their owner
-shards with one checked all-reduce (:func:`~nanospec_fx.collectives.fetch_checked`); what a rank decides alone
-before a collective (a refresh) is agreed first (:mod:`nanospec_fx.consensus`).
+shards with one checked all-reduce (:func:`~nanospec_fx.parallel.collectives.fetch_checked`); what a rank decides alone
+before a collective (a refresh) is agreed first (:mod:`nanospec_fx.parallel.consensus`).
 
 Rows are inserted in plain torch (``kernels/`` has no "insert ids with these rows" op): ``nanospec.observe`` does
 the slot bookkeeping with a stride-0 zero table as its weight (no ``[V, H]`` memory), then the fetched rows are
@@ -18,17 +18,17 @@ import functools
 
 import torch
 
-from nanospec_fx.collectives import (
+from nanospec_fx.parallel.collectives import (
     RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged,
     state_digest,
 )
-from nanospec_fx.consensus import check_in
+from nanospec_fx.parallel.consensus import check_in
 from nanospec_fx.kernels import ops
 from nanospec_fx.kernels.schema import STATE
 from nanospec_fx.kernels.state_lock import holding_state_lock
-from nanospec_fx.request_vocab import RequestVocabs
-from nanospec_fx.state import ActiveVocab, registered_state, state_for
-from nanospec_fx.vocab_config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig
+from nanospec_fx.vocab.request_vocab import RequestVocabs
+from nanospec_fx.vocab.state import ActiveVocab, registered_state, state_for
+from nanospec_fx.vocab.config import DEFAULT_CAPACITY, DEFAULT_POLICY, StateConfig
 
 
 def write_rows(token_ids: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tensor, cache: torch.Tensor,
@@ -63,7 +63,7 @@ def write_slots(slot: torch.Tensor, ok: torch.Tensor, rows: torch.Tensor, cache:
 
 def fetch_observed(x, weight, bias, shard: VocabShard, ids, cursor, flag=None):
     """The rows ``[N, H]`` (and bias entries ``[N, 1]``, None without a bias) of the head rows ``x`` from their
-    owner shards, and the fetches' verdict ``[2]`` (:func:`~nanospec_fx.collectives.fetch_checked`; the set's
+    owner shards, and the fetches' verdict ``[2]`` (:func:`~nanospec_fx.parallel.collectives.fetch_checked`; the set's
     digest from ``ids``/``cursor`` joins the check). Traceable (plain arguments only)."""
     rows, verdict = fetch_checked(x, weight, shard, flag, state_digest(ids, cursor))
     bias_rows = None
@@ -120,7 +120,8 @@ class AgreesOnRanks:
         return self.check_in(self._step or "compiled draft step")
 
     def check_in(self, step: str) -> bool:
-        """Meet every rank of the group in its store before a collective (:func:`~nanospec_fx.consensus.check_in`)
+        """Meet every rank of the group in its store before a collective
+        (:func:`~nanospec_fx.parallel.consensus.check_in`)
         and compare what each holds: the step, its head shard's dtype and shape (a fetch of other sizes aborts gloo),
         how many steps since its set was reset, and whether its shard was written since the rows were cached. The same
         :class:`RanksDiverged` on every rank where they differ; every rank refreshes together when every shard was
@@ -247,7 +248,8 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
     def _insert(self, token_ids: torch.Tensor) -> None:
         """The rows first (one checked all-reduce, plus one for a bias), then the bookkeeping: on a divergence or an
         id out of range on any rank, every rank raises with its set unchanged (ranks with different numbers of
-        ids too: :func:`~nanospec_fx.collectives.agree_on_count` first, as their fetches would differ in size)."""
+        ids too: :func:`~nanospec_fx.parallel.collectives.agree_on_count` first, as their fetches would differ in
+        size)."""
         flag = self._take_invalid()
         with torch.no_grad():
             x = self.rows_of(token_ids).reshape(-1).to(torch.int64)
@@ -274,7 +276,7 @@ class ShardedActiveVocab(AgreesOnRanks, ActiveVocab):
 
 
 class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
-    """Per-request active vocabularies (:class:`~nanospec_fx.request_vocab.RequestVocabs`) of one rank's shard of
+    """Per-request active vocabularies (:class:`~nanospec_fx.vocab.request_vocab.RequestVocabs`) of one rank's shard of
     a vocabulary-parallel head: every request row covers the whole vocabulary and holds *all* its active rows, the
     same on every rank (the replicated compact row cache, one row per request), so ``logits`` computes the full
     ``[..., V]`` locally with no logits collective.

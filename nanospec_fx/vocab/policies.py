@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from nanospec_fx.vocab_config import StateConfig, VocabConfig, require
+from nanospec_fx.vocab.config import StateConfig, VocabConfig, require
 
 _HEADER = "# nanospec-fx frequency table"
 

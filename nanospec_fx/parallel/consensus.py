@@ -10,7 +10,8 @@ Every collective of nanospec's own (an eager observe's fetch, a refresh, a compi
 whose head reads the replicated rows) is preceded by a *check-in* through the same store (:func:`check_in`): each
 rank says which step it is at and what it holds (its head shard's dtype and shape, whether it was written since,
 how many times its set was reset). Ranks at different steps, or holding different heads, all raise
-:class:`~nanospec_fx.collectives.RanksDiverged` before anyone enters a collective; a rank that does not come (it
+:class:`~nanospec_fx.parallel.collectives.RanksDiverged` before anyone enters a collective; a rank that does not come
+(it
 raised, ran the drafter eagerly, observed once more) leaves the others waiting at most the store's timeout, then
 they raise naming it and its last step, and the first such message is the one every rank raises.
 """
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanospec_fx.collectives import RanksDiverged, resolve_group
+from nanospec_fx.parallel.collectives import RanksDiverged, resolve_group
 
 _counts: dict[tuple[str, str], int] = {}  # (group, topic) -> how many meetings of that topic this process made
 _failed: dict[str, tuple] = {}  # group -> (its store, the failure message this process raised: the group is unusable)

@@ -54,7 +54,7 @@ class HeadCost:
     def for_path(cls, vocab_size: int, hidden_size: int, bytes_per_element: int, compact_output: bool, path: str,
                  capacity: int, machine=None) -> "HeadCost":
         """The model of a head run by ``path`` (kernels.dispatch.path_for), with that path's :data:`MACHINE`
-        constants, or ``machine``'s (a :class:`nanospec_fx.calibration.MachineConstants` measured here)."""
+        constants, or ``machine``'s (a :class:`nanospec_fx.diagnostics.calibration.MachineConstants` measured here)."""
         constants = MACHINE[path] if machine is None else (
             machine.fixed_bytes, machine.dense_efficiency, machine.dense_flops_per_byte)
         return cls(vocab_size, hidden_size, bytes_per_element, compact_output, path, capacity, *constants)
