@@ -66,8 +66,9 @@ def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
 
     import nanospec_fx
     import nanospec_fx.parallel.consensus as consensus
+    from nanospec_fx.eval.bench.timing import time_call
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
     from tp_drafters import VocabParallelDrafter
 
     torch.set_num_threads(1)
@@ -87,14 +88,10 @@ def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
     step, check_in = [], []
     with torch.no_grad():
         for _ in range(calls):
-            start = time.process_time()
-            compiled(ids)
-            step.append(time.process_time() - start)
+            step.append(time_call(lambda: compiled(ids), clock=time.process_time))
         calls_in_steps = {k: v / calls for k, v in sorted(counts.items()) if k != "waits_ran_out"}
         for _ in range(calls):
-            start = time.process_time()
-            state.check_in("compiled draft step")
-            check_in.append(time.process_time() - start)
+            check_in.append(time_call(lambda: state.check_in("compiled draft step"), clock=time.process_time))
     distributed_c10d._get_process_group_store = original
     dist.destroy_process_group()
     return {"store_calls_per_step": calls_in_steps, "store_calls_in_all": sum(calls_in_steps.values()),

@@ -55,7 +55,6 @@ def _plan_of(model: nn.Module, ids: torch.Tensor, options: dict) -> CompilePlan:
         plans.append(CompilePlan.build(gm, example_inputs, None, options))
         return gm.forward
 
-    torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=planning)(ids)
     return plans[0]
@@ -65,7 +64,6 @@ def test_a_head_that_ends_dense_at_a_graph_break_leaves_no_registered_state():
     torch.manual_seed(0)
     model = BreakAfterHead().eval()
     ids = torch.tensor([[1, 2, 3]])
-    torch._dynamo.reset()
     compiled = torch.compile(model, backend="nanospec", options={"capacity": 16, "inductor": False,
                                                                   "observe_inputs": False})
     with pytest.warns(nanospec_fx.NanoSpecWarning, match="its logits leave this graph"), torch.no_grad():
@@ -97,7 +95,6 @@ def test_the_plan_holds_each_heads_decision_and_the_resolved_config():
 def test_a_heads_meeting_is_said_once_and_leaves_no_state():
     torch.manual_seed(0)
     model = TwoHeadsMeet().eval()
-    torch._dynamo.reset()
     compiled = torch.compile(model, backend="nanospec", options={"capacity": 16, "inductor": False})
     with pytest.warns(nanospec_fx.NanoSpecWarning, match="run dense") as caught, torch.no_grad():
         compiled(torch.tensor([[1, 2]]))

@@ -13,7 +13,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator  #
 from transformers.modeling_layers import MtpModel  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx import pass_reports  # noqa: E402
+from nanospec_fx.vocab import reports as pass_reports  # noqa: E402
 from nanospec_fx.eval.loaders import tiny_mtp_checkpoint  # noqa: E402
 from nanospec_fx.sampling import SpeculativeSampler  # noqa: E402
 from nanospec_fx.testing import chi_square_test, sequence_distribution  # noqa: E402

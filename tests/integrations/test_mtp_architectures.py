@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import MTPCandidateGenerator  # noqa: E402
 
 import nanospec_fx  # noqa: E402
-from nanospec_fx import pass_reports  # noqa: E402
+from nanospec_fx.vocab import reports as pass_reports  # noqa: E402
 from nanospec_fx.vocab.state import registered_state  # noqa: E402
 import mtp_architectures as arch  # noqa: E402 - beside this file
 from test_mtp import check_greedy_drafts  # noqa: E402 - beside this file

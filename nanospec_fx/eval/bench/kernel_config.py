@@ -54,3 +54,11 @@ def triton_op_registration() -> bool:
     from nanospec_fx.kernels import ops
 
     return bool(ops.USES_TRITON_OP)
+
+
+def host_body(op: str):
+    """The CPU host path's function behind ``torch.ops.nanospec.<op>``, called directly: what the op costs without
+    the dispatcher and kernel selection in front of it (benchmarks/op_call_overhead.py)."""
+    from nanospec_fx.kernels import host
+
+    return getattr(host, op)
