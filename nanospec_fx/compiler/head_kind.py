@@ -152,9 +152,9 @@ class ShardedHeadKind(DenseHeadKind):
     def finish_observers(self, graph, state, into, inputs, count) -> Observers:
         """Every observer of the state becomes a checked row fetch (``passes/vocab_parallel/observe.py``) reading
         ``inputs`` (the state's zero tables and fetch verdicts)."""
-        shard_observers(graph, into, inputs, functools.partial(_fetch, shard=state.shard),
-                        functools.partial(_write, vocab_size=state.shard.vocab_size))
-        return Observers(count, tuple(into.observer_shapes))
+        shapes = shard_observers(graph, into, inputs, functools.partial(_fetch, shard=state.shard),
+                                 functools.partial(_write, vocab_size=state.shard.vocab_size))
+        return Observers(count, tuple(shapes))
 
     def agree(self, decision: str, what: str = "drafter") -> None:
         consensus.agree(self.group, decision, what=what)

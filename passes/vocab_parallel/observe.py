@@ -22,14 +22,14 @@ from ..patterns import example_value, set_example_value
 
 
 def shard_observers(graph: fx.Graph, into: ObserveInto, zero: list[fx.Node], fetch: Callable,
-                    write: Callable) -> int:
+                    write: Callable) -> list[str]:
     """Turn every ``nanospec.observe`` of ``into``'s state in ``graph`` into a checked fetch of its rows, the
     bookkeeping and the write, traced in place. ``zero``: the graph inputs of the state's ``graph_inputs()`` (the
     zero table, the zero bias with a bias, and the check). ``fetch(x, weight, bias, ids, cursor) -> (rows,
     bias_rows, verdict)`` and ``write(x, rows, bias_rows, slot_of, cache_w, cache_b)`` are traced with proxies.
 
-    Returns how many; ``into.observer_shapes`` lists their ids' shapes (each fetch's all-reduce has that many
-    rows: the ranks agree on them before they run)."""
+    Returns their ids' shapes, one per observer (each fetch's all-reduce has that many rows: the ranks agree on them
+    before they run)."""
     tracer = fx.proxy.GraphAppendingTracer(graph)
 
     def proxy(node):
@@ -43,8 +43,7 @@ def shard_observers(graph: fx.Graph, into: ObserveInto, zero: list[fx.Node], fet
         if (shard_of is not None and shard_of.op != "placeholder" and observers
                 and order[shard_of] > order[observers[0]]):
             observers[0].prepend(shard_of)
-    into.observer_shapes = [str(tuple(getattr(example_value(op_arg(n, "token_ids")), "shape", ())))
-                            for n in observers]
+    shapes = [str(tuple(getattr(example_value(op_arg(n, "token_ids")), "shape", ()))) for n in observers]
     for node in observers:
         before = set(graph.nodes)
         with graph.inserting_before(node):
@@ -60,4 +59,4 @@ def shard_observers(graph: fx.Graph, into: ObserveInto, zero: list[fx.Node], fet
             if new not in before and new is not bookkeeping:
                 set_example_value(new)
         graph.erase_node(node)
-    return len(observers)
+    return shapes
