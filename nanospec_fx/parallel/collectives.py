@@ -10,6 +10,7 @@ alone before a collective is agreed in :mod:`nanospec_fx.parallel.consensus`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,14 @@ class VocabShard:
         if size != world_size:
             raise ValueError(f"nanospec: process group {group_name!r} has {size} ranks, the graph gathers {world_size}")
         return cls(group_name, world_size, dist.get_rank(group), shard_rows)
+
+
+def listed_if_they_differ(values: list, show: Callable[[Any], str] = str, sep: str = "; ") -> str | None:
+    """Each rank's value (``"rank 0: a; rank 1: b"``) when the ranks' ``values`` are not all equal, None when they
+    are: the evidence every :class:`RanksDiverged` message names."""
+    if len({repr(v) for v in values}) <= 1:
+        return None
+    return sep.join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -160,8 +169,7 @@ def agree_on_count(shape: tuple[int, ...], shard: VocabShard, device: torch.devi
     gathered = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_gather_into_tensor.default(
         mine, shard.world_size, shard.group_name))
     shapes = [tuple(s) for s in gathered.view(shard.world_size, len(shape)).tolist()]
-    if len(set(shapes)) > 1:
-        listed = ", ".join(f"rank {r}: {' x '.join(map(str, s))}" for r, s in enumerate(shapes))
+    if listed := listed_if_they_differ(shapes, show=lambda s: " x ".join(map(str, s)), sep=", "):
         raise RanksDiverged(
             f"nanospec: the ranks of a tensor-parallel group gave different numbers of token ids to one {what} "
             f"({listed}), so their row fetches would differ in size (gloo aborts the process, other backends hang). "

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanospec_fx.parallel.collectives import RanksDiverged, resolve_group
+from nanospec_fx.parallel.collectives import RanksDiverged, listed_if_they_differ, resolve_group
 
 _counts: dict[tuple[str, str], int] = {}  # (group, topic) -> how many meetings of that topic this process made
 _failed: dict[str, tuple] = {}  # group -> (its store, the failure message this process raised: the group is unusable)
@@ -169,9 +169,7 @@ def check_in(group_name: str, step: str, facts: dict) -> list[dict]:
         "A rank raised, ran the drafter outside nanospec (eagerly, or in a frame Dynamo skipped), observed, reset or "
         "compiled alone: every rank must make the same nanospec calls in the same order (SPMD)."))
     records = [json.loads(v) for v in values]
-    steps = [r["step"] for r in records]
-    if len(set(steps)) > 1:
-        listed = "; ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+    if listed := listed_if_they_differ([r["step"] for r in records]):
         raise RanksDiverged(
             f"nanospec: the ranks of a tensor-parallel group are at different steps at check-in "
             f"{_counts[(group_name, 'check-in')]} ({listed}): a rank observed, reset or ran a draft step the others "

@@ -19,7 +19,8 @@ import functools
 import torch
 
 from nanospec_fx.parallel.collectives import (
-    RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, local_shard, raise_if_diverged,
+    RanksDiverged, VocabShard, agree_on_count, fetch_bias, fetch_checked, fetch_rows, listed_if_they_differ,
+    local_shard, raise_if_diverged,
     state_digest,
 )
 from nanospec_fx.parallel.consensus import check_in
@@ -132,16 +133,14 @@ class AgreesOnRanks:
                 for t in (local_shard(self.weight), local_shard(self.bias))]
         records = check_in(self.shard.group_name, step, {"head": head, "since_reset": self._since_reset,
                                                           "stale": stale})
-        if len({json_key(r["head"]) for r in records}) > 1:
-            listed = "; ".join(f"rank {i}: {r['head']}" for i, r in enumerate(records))
+        if listed := listed_if_they_differ([r["head"] for r in records]):
             raise RanksDiverged(
                 f"nanospec: the ranks of a tensor-parallel group hold head shards of different dtypes or shapes "
                 f"(weight, bias) at {step} ({listed}): their row fetches would differ in size (gloo aborts the "
                 "process) and their rows in value. Every rank must hold the same head layout; every rank raises "
                 "this before any collective.")
-        since = [r["since_reset"] for r in records]
-        if len(set(since)) > 1:  # stays so (no rank counts on) until every rank resets between the same steps
-            listed = "; ".join(f"rank {i}: {n}" for i, n in enumerate(since))
+        # stays so (no rank counts on) until every rank resets between the same steps
+        if listed := listed_if_they_differ([r["since_reset"] for r in records]):
             raise RanksDiverged(
                 f"nanospec: the replicated active sets of a tensor-parallel group differ at {step}: the ranks last "
                 f"reset them at different steps (steps since: {listed}; a reset() or request() on some ranks only). "
@@ -342,11 +341,6 @@ class ShardedRequestVocabs(AgreesOnRanks, RequestVocabs):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", shard={self.shard.rank}/{self.shard.world_size})"
-
-
-def json_key(value) -> str:
-    """A fact of a check-in as a comparable string."""
-    return repr(value)
 
 
 def write_request_rows(rows: torch.Tensor, head_rows: torch.Tensor, fetched: torch.Tensor, slot_of: torch.Tensor,
