@@ -29,36 +29,6 @@ from pathlib import Path
 V, H, CAPACITY = 96, 16, 48
 
 
-class CountingStore:
-    """The group's store, counting the calls made through it and its clones (by method); waits that ran out apart."""
-
-    def __init__(self, store, counts: dict):
-        self.store, self.counts = store, counts
-
-    def clone(self):
-        return CountingStore(self.store.clone(), self.counts)
-
-    @property
-    def timeout(self):
-        return self.store.timeout
-
-    def set_timeout(self, timeout):
-        self.store.set_timeout(timeout)
-
-    def __getattr__(self, name):
-        method = getattr(self.store, name)
-
-        def counted(*args, **kwargs):
-            try:
-                result = method(*args, **kwargs)
-            except RuntimeError:
-                self.counts["waits_ran_out"] = self.counts.get("waits_ran_out", 0) + 1
-                raise
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return result
-        return counted
-
-
 def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -66,6 +36,7 @@ def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
 
     import nanospec_fx
     import nanospec_fx.parallel.consensus as consensus
+    from nanospec_fx.eval.bench.store_calls import CountingStore
     from nanospec_fx.eval.bench.timing import time_call
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "parallel"))
@@ -89,7 +60,7 @@ def rank_main(rank: int, world: int, store_file: str, calls: int) -> dict:
     with torch.no_grad():
         for _ in range(calls):
             step.append(time_call(lambda: compiled(ids), clock=time.process_time))
-        calls_in_steps = {k: v / calls for k, v in sorted(counts.items()) if k != "waits_ran_out"}
+        calls_in_steps = {k: v / calls for k, v in sorted(counts.items()) if k not in ("waits_ran_out", "clone")}
         for _ in range(calls):
             check_in.append(time_call(lambda: state.check_in("compiled draft step"), clock=time.process_time))
     distributed_c10d._get_process_group_store = original

@@ -631,37 +631,6 @@ def spmd_breaks(rank: int, world: int) -> dict:
     return report
 
 
-class CountingStore:
-    """A store that counts the calls made through it (and through its clones), by method, and the waits that ran
-    out (a reader polling for a rank that had not come yet): each call is one round trip to the store."""
-
-    def __init__(self, store, counts: dict):
-        self.store, self.counts = store, counts
-
-    def clone(self):
-        self.counts["clone"] = self.counts.get("clone", 0) + 1
-        return CountingStore(self.store.clone(), self.counts)
-
-    def __getattr__(self, name):
-        method = getattr(self.store, name)
-        if not callable(method) or name in ("timeout", "set_timeout"):  # local: no round trip
-            return method
-
-        def counted(*args, **kwargs):
-            try:
-                result = method(*args, **kwargs)
-            except RuntimeError:
-                self.counts["waits_ran_out"] = self.counts.get("waits_ran_out", 0) + 1
-                raise
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return result
-        return counted
-
-    @property
-    def timeout(self):
-        return self.store.timeout
-
-
 def check_in_cost(rank: int, world: int) -> dict:
     """The store calls of a compiled draft step and of an eager observe of a vocabulary-parallel head (counted
     through the store the check-in uses, after a warm-up call): each check-in is three calls (publish, read the
@@ -670,6 +639,7 @@ def check_in_cost(rank: int, world: int) -> dict:
     from torch.distributed import distributed_c10d
 
     import nanospec_fx.parallel.consensus as consensus
+    from nanospec_fx.eval.bench.store_calls import CountingStore
 
     model, compiled = _compiled_drafter(rank, world)
     ids = torch.tensor([[1, 2, 3]])
