@@ -115,22 +115,29 @@ def observe(
     slots = slot_of[fed].tolist()
     if min(slots) >= 0:
         return
-    start = int(cursor.reshape(()))
+    start = int(cursor)
     plan = plan_insertions(fed, slots, start, capacity, num_pinned)
     if plan is None:
         return
     tokens, dests, end = plan
     tok = torch.tensor(tokens, dtype=torch.int64, device=ids.device)
     dest = torch.tensor(dests, dtype=torch.int64, device=ids.device)
-    victims = [t for t in ids.index_select(0, dest).tolist() if t >= 0]
-    if victims:  # first: a renewed id may be its own victim, and is then written again below
+    # Insertion k first fills slot k (k < C): until the ring wraps, every claimed slot is empty, nothing is
+    # evicted and nothing renewed; after, the claimed slots' ids are evicted first (a renewed id may be its own
+    # victim, and is then written again below).
+    if end > capacity and (victims := [t for t in ids.index_select(0, dest).tolist() if t >= 0]):
         slot_of.index_fill_(0, torch.tensor(victims, dtype=torch.int64, device=ids.device), -1)
     ids.index_copy_(0, dest, tok)
     slot_of.index_copy_(0, tok, dest.to(slot_of.dtype))
-    cache_w.index_copy_(0, dest, weight.index_select(0, tok).to(cache_w.dtype))
+    cache_w.index_copy_(0, dest, _same_dtype(weight.index_select(0, tok), cache_w))
     if bias is not None:
-        cache_b.index_copy_(0, dest, bias.index_select(0, tok).to(cache_b.dtype))
+        cache_b.index_copy_(0, dest, _same_dtype(bias.index_select(0, tok), cache_b))
     cursor.fill_(end)
+
+
+def _same_dtype(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``rows`` in ``like``'s dtype (no op call when it already is)."""
+    return rows if rows.dtype == like.dtype else rows.to(like.dtype)
 
 
 # ----------------------------------------------------------------------------- head and selection

@@ -31,13 +31,36 @@ def _mask_unfilled(region: Region, user: fx.Node, logits: fx.Node) -> None:
     user.replace_input_with(logits, masked)
 
 
+#: methods that only cast (or copy) a tensor: a floating result keeps every -inf an -inf
+_CASTS = {"float", "half", "bfloat16", "double", "to", "contiguous"}
+
+
+def _unfilled_already_inf(region: Region, user: fx.Node, logits: fx.Node) -> bool:
+    """Whether ``user`` reads the projection's ``compact_logits`` as the op returned them, maybe cast to a floating
+    dtype, with nothing else reading them (so nothing wrote them in place, ``clamp_``): every implementation returns
+    -inf past the count, and the slots past the count are exactly those never filled (``ids < 0``: insertion k first
+    fills slot k), so re-masking them would change nothing."""
+    node, reader = logits, user
+    while True:
+        if list(node.users) != [reader]:
+            return False
+        if node is region.compact:
+            return True
+        if not (node.op == "call_method" and node.target in _CASTS and node.all_input_nodes == [node.args[0]]):
+            return False
+        value = patterns.example_value(node)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return False
+        node, reader = node.args[0], node
+
+
 def compact_consumer(region: Region, user: fx.Node, logits: fx.Node, erased: set) -> list[str]:
     """Run ``user`` (top-k / argmax, maybe behind a log_softmax) on the compact logits, if it is one;
     returns the names of the ops now running on compact logits (empty if none).
 
     Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so a
-    log_softmax input is re-masked with ``ids >= 0`` (exactly the filled slots); top-k and argmax
-    ignore such slots themselves. Not behind a softmax: where k exceeds the active count, the compact
+    log_softmax input is re-masked with ``ids >= 0`` (exactly the filled slots) unless it is the compact logits
+    themselves, maybe cast (:func:`_unfilled_already_inf`); top-k and argmax ignore such slots themselves. Not behind a softmax: where k exceeds the active count, the compact
     top-k pads with -inf, but the probabilities of inactive tokens are 0.
     """
     graph, state = region.graph, region.state
@@ -46,7 +69,8 @@ def compact_consumer(region: Region, user: fx.Node, logits: fx.Node, erased: set
         if not readers or not all(_largest(patterns.match_topk(r, user)) or patterns.match_argmax(r, user) is not None
                                   for r in readers):
             return []
-        _mask_unfilled(region, user, logits)
+        if not _unfilled_already_inf(region, user, logits):
+            _mask_unfilled(region, user, logits)
         set_example_value(user)
         names = [describe(user)]
         for r in readers:

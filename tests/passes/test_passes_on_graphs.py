@@ -3,6 +3,7 @@ inserts, and what the rewritten graph computes with a real ActiveVocab's tensors
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -119,16 +120,23 @@ def test_rewrite_head_computes_the_masked_dense_logits(head, post):
     assert torch.isneginf(out[..., ~mask]).all()
 
 
-def test_rewrite_head_runs_topk_on_compact_logits():
+@pytest.mark.parametrize("post,masked", [("none", False), ("temperature", True), ("softcap", True)])
+def test_rewrite_head_runs_topk_on_compact_logits(post, masked):
+    """The log_softmax reads the compact logits; where a post-op may turn the -inf past the count finite (tanh of
+    -inf is -1 times the cap) it reads them re-masked with ``ids >= 0``, and only there: the compact logits (cast to
+    float) are -inf past the count already. 5 of 8 slots filled, so a mask left out where needed changes values."""
     torch.manual_seed(0)
-    model = TinyDrafter(V, H, returns="log_softmax_topk").eval()
+    model = TinyDrafter(V, H, post=post, returns="log_softmax_topk").eval()
     x = ids(1, 3)
     gm = trace(model, x)
     (match,) = find_heads(gm, [x])
     state = ActiveVocab(model.lm_head.weight, capacity=8)
-    report = rewrite_head(gm.graph, match, state_placeholders(gm.graph), state.capacity)
+    nodes = state_placeholders(gm.graph)
+    report = rewrite_head(gm.graph, match, nodes, state.capacity)
     gm.recompile()
     assert report.consumers  # the top-k reads compact logits
+    remasks = [n for n in nodes.ids.users if n.target is operator.ge]
+    assert len(remasks) == masked, gm.code
     state.observe(torch.tensor([1, 5, 9, 20, 33]))
     with torch.no_grad():
         values, indices = gm(x, *state.tensors())
