@@ -13,6 +13,9 @@ with Dynamo's ``eager`` backend; :func:`nanospec_fx.eval.bench.eagle_e2e.drafter
 Per round and per part (the observe of the target's top-3; one nanospec op call of each kind on the set as the
 round leaves it: ``observe`` of one active id, ``compact_logits`` of one row, ``compact_topk`` k=1 of its
 log-softmax), median process CPU time (a busy machine disturbs it less than wall time), variants interleaved.
+``--after-verify`` runs the target's verify work of a round before every timed round (untimed: a
+``[depth + 1, H] x [H, V]`` product and its top-3, which sweep the caches as the real verify does), so each round
+starts as it does in the decode loop; without it the rounds run back to back with warm caches.
 Exact counts of the host path's work per op (torch compute ops under a dispatch mode, ``kernels/launch_count.py``,
 and the bytes of the tensors they produce) come with it. The machine this runs on is shared: the JSON says so and
 its timings are indicative; the counts are exact.
@@ -36,6 +39,7 @@ from nanospec_fx.eval.bench.host_counts import host_op_counts
 from nanospec_fx.eval.bench.timing import interleaved_medians
 from nanospec_fx.eagle.speculative import drafter_state
 
+COMPILE = "eager"
 GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_heads=4, num_kv_heads=1,
                    head_dim=256)
 
@@ -51,7 +55,7 @@ def build(vocab: int, active: int, seed: int = 0) -> tuple[dict, torch.Tensor]:
     drafter = EagleDrafter(config, embed=embed, lm_head=head, norm=nn.RMSNorm(config.hidden_size)).eval()
     for p in drafter.parameters():
         p.requires_grad_(False)
-    variants = B.drafter_variants(drafter, None, 3072, which=("context", "body"), compile="eager")
+    variants = B.drafter_variants(drafter, None, 3072, which=("context", "body"), compile=COMPILE)
     named = {"nanospec": next(d for n, d in variants.items() if B.is_nanospec(n)), "body": variants[B.BODY]}
     prompt = torch.randperm(vocab)[:active]
     return named, prompt
@@ -93,9 +97,22 @@ def drafter_config(drafter) -> EagleConfig:
     return module.config
 
 
-def medians(fns: dict, repeats: int, warmup: int = 5) -> dict[str, float]:
-    """Median process CPU time of each function, in us, calls interleaved."""
-    seconds = interleaved_medians(fns, repeats, warmup, clock=time.process_time)
+def after_verify(depth: int, vocab: int, hidden: int = GEMMA3_270M["hidden_size"]):
+    """The target's verify work that precedes a round, as far as the caches see it: its LM head over the
+    ``depth + 1`` verified rows and the top-3 taken over them (a random ``[V, H]`` head: the bytes, not the values,
+    matter here)."""
+    head = torch.randn(vocab, hidden)
+    rows = torch.randn(depth + 1, hidden)
+
+    def verify() -> None:
+        with torch.inference_mode():
+            (rows @ head.t()).topk(3, dim=-1)
+    return verify
+
+
+def medians(fns: dict, repeats: int, warmup: int = 5, before=None) -> dict[str, float]:
+    """Median process CPU time of each function, in us, calls interleaved (``before``: untimed, before each)."""
+    seconds = interleaved_medians(fns, repeats, warmup, clock=time.process_time, before=before)
     return {k: round(1e6 * v, 2) for k, v in seconds.items()}
 
 
@@ -105,6 +122,8 @@ def main() -> None:
     parser.add_argument("--active", type=int, default=105, help="ids in the set (the e2e run's mean |A|: 105)")
     parser.add_argument("--depths", default="1,2")
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--after-verify", action="store_true",
+                        help="run the target's verify-sized head product before each timed round (cold caches)")
     parser.add_argument("--label", default="run")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path)
@@ -112,11 +131,12 @@ def main() -> None:
     report.set_threads(1)
     drafters, prompt = build(args.vocab, args.active)
     result: dict = {"shape": {**GEMMA3_270M, "vocab_size": args.vocab, "capacity": 3072, "active": args.active},
-                    "repeats": args.repeats, "note": args.note, "rounds": {}}
+                    "repeats": args.repeats, "after_verify": args.after_verify, "note": args.note, "rounds": {}}
     for depth in (int(d) for d in args.depths.split(",")):
         rounds = {name: Round(d, prompt, depth) for name, d in drafters.items()}
+        verify = after_verify(depth, args.vocab) if args.after_verify else None
         with torch.inference_mode():
-            us = medians(rounds, args.repeats)
+            us = medians(rounds, args.repeats, before=verify)
         result["rounds"][depth] = {"nanospec_us": us["nanospec"], "body_us": us["body"],
                                    "ratio": round(us["nanospec"] / us["body"], 3)}
         print(f"{args.label}: depth {depth}: round nanospec {us['nanospec']:.0f} us, body alone {us['body']:.0f} us, "

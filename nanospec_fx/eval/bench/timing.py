@@ -74,15 +74,20 @@ def device_timings(fn: Callable[[], object], iters: int, warmup: int = 3, before
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                        clock: Callable[[], float] = time.perf_counter,
+                        before: Callable[[], object] | None = None) -> dict[str, float]:
     """Median seconds of each function, calls interleaved so that load changes hit every variant alike
-    (``clock=time.process_time``: this process's CPU time, as :func:`time_call`)."""
+    (``clock=time.process_time``: this process's CPU time, as :func:`time_call`). ``before``, if given, runs
+    untimed before every timed call: what precedes the call where it really runs (a decode loop's draft round
+    follows the target's verify, which leaves the caches cold), so each call pays what it pays there."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             times[name].append(time_call(fn, clock))
     return {name: statistics.median(t) for name, t in times.items()}
 
