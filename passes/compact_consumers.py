@@ -60,8 +60,9 @@ def compact_consumer(region: Region, user: fx.Node, logits: fx.Node, erased: set
 
     Slots past the count may hold finite values after post-ops (tanh(-inf) is finite), so a
     log_softmax input is re-masked with ``ids >= 0`` (exactly the filled slots) unless it is the compact logits
-    themselves, maybe cast (:func:`_unfilled_already_inf`); top-k and argmax ignore such slots themselves. Not behind a softmax: where k exceeds the active count, the compact
-    top-k pads with -inf, but the probabilities of inactive tokens are 0.
+    themselves, maybe cast (:func:`_unfilled_already_inf`); top-k and argmax ignore such slots themselves. Not behind
+    a softmax: where k exceeds the active count, the compact top-k pads with -inf, but the probabilities of inactive
+    tokens are 0.
     """
     graph, state = region.graph, region.state
     if patterns.match_log_softmax(user, logits):
