@@ -226,10 +226,19 @@ def _topk_untied(values: torch.Tensor, tokens: torch.Tensor, k: int, largest: bo
     nor with the next one, so no tie rule applies and the ``k`` are the only ones). None otherwise (a tie, a NaN,
     -0.0 beside 0.0): the caller applies the tie rule."""
     vals, slots = values.topk(k + 1, dim=-1, largest=largest)
-    head, after = vals[..., :k], vals[..., 1:]
-    if not bool(((head > after) if largest else (head < after)).all()):
+    if vals.numel() <= _CHECK_ON_HOST:  # a draft step's few values: compared in Python, no tensor op per check
+        flat = vals.reshape(-1, k + 1).tolist()
+        ordered = all(a > b if largest else a < b for row in flat for a, b in zip(row, row[1:]))
+    else:
+        head, after = vals[..., :k], vals[..., 1:]
+        ordered = bool(((head > after) if largest else (head < after)).all())
+    if not ordered:
         return None
-    return head.contiguous(), tokens[slots[..., :k]]
+    return vals[..., :k].contiguous(), tokens[slots[..., :k]]
+
+
+#: at most this many selected values are checked for ties in Python (a few us; larger selections as tensor ops)
+_CHECK_ON_HOST = 64
 
 
 # Floats whose order a float32 copy keeps exactly (the keyed selection's domain; float64 takes the sort).
