@@ -38,7 +38,8 @@ def run_ranks(scenario: str, timeout: float = 420) -> list[dict]:
             pytest.xfail(f"{scenario}: rank {rank} aborted in the allocator (heap corruption, intermittent since the "
                          "merge of the TP check-in and the fused observe; open, issue 40): "
                          + killed_rank_report(out))
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n" + (
+            killed_rank_report(out) if p.returncode < 0 else out[-4000:])  # < 0: killed by a signal
     return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) for out in outputs]
 
 
