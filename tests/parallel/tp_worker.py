@@ -35,6 +35,15 @@ def _check_step(model, ids, out, fed: list[int]):
     return state
 
 
+def _no_collective_in_flight(what: str) -> None:
+    """Every functional collective ``what`` issued was waited before it returned (its work left the c10d registry):
+    no tensor it handed to gloo is read, written, freed or reused by this rank while gloo still works on it."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    left = _get_work_registry_size()
+    assert left == 0, f"{what} returned with {left} functional collective(s) not waited"
+
+
 def _all_equal(value) -> bool:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -66,9 +75,11 @@ def exact(rank: int, world: int) -> dict:
             if step == 1:  # the target's picks, observed from Python on every rank (SPMD)
                 extra = torch.randint(0, V, (4,), generator=g)
                 state.observe(extra)
+                _no_collective_in_flight(f"{gather}: an eager observe")
                 fed += extra.tolist()
             with torch.no_grad():
                 out = compiled(ids)
+            _no_collective_in_flight(f"{gather}: a compiled step (its observers' fetches)")
             fed += ids.flatten().tolist()
             state = _check_step(model, ids, out, fed)
         report[gather] = len(state)
@@ -190,8 +201,10 @@ def exchange(rank: int, world: int) -> dict:
                 ids = torch.cat([ids, (ids + V // 2) % V], -1)
             if step == 1:
                 nanospec_fx.active_vocab(model).observe(torch.randint(0, V, (4,), generator=g))
+                _no_collective_in_flight(f"{name}: an eager observe")
             with torch.no_grad():
                 out = compiled(ids)
+            _no_collective_in_flight(f"{name}: a compiled step (its observers' fetches)")
             state = nanospec_fx.active_vocab(model)
             active = state.contains(torch.arange(V))
             assert set(torch.nonzero(active).flatten().tolist()) >= set(ids.flatten().tolist())
@@ -230,6 +243,7 @@ def embedding(rank: int, world: int) -> dict:
             with torch.no_grad():
                 torch.testing.assert_close(model.embed(ids), model.full_embed(ids))  # the drafter is what it says
                 out = compiled(ids)
+            _no_collective_in_flight(f"{style}: a compiled step (its observers' fetches)")
             fed += ids.flatten().tolist()
             state = _check_step(model, ids, out, fed)
         report[style] = len(state)
