@@ -22,6 +22,7 @@ from .graph import node_name, where
 from .lora_delta import lora_deltas
 from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
+from .stacked_heads import match_stacked
 
 
 class HeadSelectionError(ValueError):
@@ -44,6 +45,9 @@ class HeadMatch:
     # the weight is stored [H, V] (``h @ W``, ``F.linear(h, W.t())``): its columns are the rows
     transposed: bool = False
     sources: list[fx.Node] = field(default_factory=list, compare=False)  # other inputs of a weight computed per row
+    # K heads stacked in one 3-D weight ([K, V, H], [K, H, V]...) applied by one einsum/matmul (``stacked_heads``):
+    # the positions of its V, K and H axes; () for a head of one 2-D weight
+    stacked: tuple = ()
 
     __hash__ = object.__hash__
 
@@ -292,6 +296,20 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
         match.biases.append(b)
         match.sources += [n for n in sources if n not in match.sources]
         reach = reaches_output(node, n_out)
+        if reach == "logits" or (reach and not match.reach):
+            match.reach = reach
+    for node in gm.graph.nodes:  # K heads stacked in one weight: one head of one set (``stacked_heads``)
+        s = match_stacked(node)
+        if s is None or not is_weight_like(s.weight, example_of.get(s.weight)):
+            continue
+        match = groups.get((s.weight, s.axes))  # one weight read with its axes in two roles: two heads, never one
+        if match is None:
+            match = groups[(s.weight, s.axes)] = HeadMatch(s.weight, [], parameter_name(s.weight), s.vocab_size,
+                                                           s.hidden_size, module_path=module_path(node),
+                                                           stacked=s.axes)
+        match.nodes.append(node)
+        match.biases.append(None)
+        reach = reaches_output(node, s.vocab_size)
         if reach == "logits" or (reach and not match.reach):
             match.reach = reach
     return list(groups.values())
