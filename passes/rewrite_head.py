@@ -46,7 +46,7 @@ from .lora_delta import delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
-from .stacked_heads import COMPACT_OF, compact_stacked, match_stacked
+from .stacked_heads import COMPACT_OF, compact_stacked, match_stacked, to_head_layout
 
 
 DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
@@ -79,6 +79,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
         if stacked is not None:
             compact = compact_stacked(graph, stacked, x, cache_w, state.cursor, capacity, set_example_value)
+            head_layout = to_head_layout(graph, stacked, compact, set_example_value)  # V where the head had it
         else:
             x, cache_b = _scaled_operands(graph, proj, x, cache_b)
             compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
@@ -86,7 +87,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
     compact.meta.update(
         {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
-    proj.replace_all_uses_with(compact)
+    proj.replace_all_uses_with(head_layout if stacked is not None else compact)
     graph.erase_node(proj)
 
     region = Region(graph, state, vocab, compact)

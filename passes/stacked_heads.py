@@ -67,8 +67,14 @@ class StackedProjection:
 
 
 def compact_equation(p: StackedProjection) -> str:
-    """The equation of the compact head over the state's cache ``[C, K, H]``: the slot axis where V was."""
-    return f"{p.x_spec},{p.v}{p.k}{p.h}->{p.out_spec}"
+    """The equation of the compact head over the state's cache ``[C, K, H]``, the slot axis last (the compact logits'
+    vocabulary axis is last; :func:`compact_stacked` moves it where V was)."""
+    return f"{p.x_spec},{p.v}{p.k}{p.h}->{p.out_spec.replace(p.v, '')}{p.v}"
+
+
+def vocab_axis(p: StackedProjection) -> int:
+    """Where the output holds V, counted from the end (-1: last)."""
+    return p.out_spec.index(p.v) - len(p.out_spec)
 
 
 def match_stacked(node: fx.Node) -> StackedProjection | None:
@@ -109,15 +115,17 @@ def _from_specs(x: Any, w: Any, xs: str, ws: str, out: str, squeeze: int | None 
             or xs.count("...") > 1 or out.count("...") > 1:
         return None
     contracted = [c for c in ws if c not in out]
-    if len(contracted) != 1 or contracted[0] not in x_letters or not out or out[-1] not in ws:
+    if len(contracted) != 1 or contracted[0] not in x_letters or not all(isinstance(d, int) for d in w_shape):
         return None
-    h, v = contracted[0], out[-1]
-    k = next(c for c in ws if c not in (h, v))
+    h = contracted[0]
+    kept = [c for c in ws if c != h]  # both in the output: the vocabulary is the wider (K heads are a few; the finder
+    if not all(c in out for c in kept):  # checks V against the token tables), the later output axis of a square one
+        return None
+    v = max(kept, key=lambda c: (w_shape[ws.index(c)], out.index(c)))
+    k = next(c for c in kept if c != v)
     # every output axis is one of x's (but h and v) or k; x is summed over h only
     if k not in out or v in x_letters or set(out_letters) != (set(x_letters) - {h}) | {k, v}:
         return None
-    if not all(isinstance(d, int) for d in w_shape):
-        return None  # K, V and H must be static
     if h in x_letters and not _same(x_shape, xs, h, w_shape[ws.index(h)]):
         return None
     return StackedProjection(x, w, xs, ws, out, k, v, h, squeeze)
@@ -181,8 +189,9 @@ def _from_matmul(x: Any, m2: Any) -> StackedProjection | None:
 
 def compact_stacked(graph: fx.Graph, p: StackedProjection, x: fx.Node, cache_w: Any, cursor: fx.Node,
                     capacity: int, set_example_value) -> fx.Node:
-    """At the insertion point: the stacked head over the cache, ``[..., C]`` in V's place, -inf at slots past the
-    count (what ``compact_logits`` gives a one-weight head)."""
+    """At the insertion point: the stacked head over the cache, ``[..., C]`` (the slot axis last), -inf at slots past
+    the count (what ``compact_logits`` gives a one-weight head). When the head's output holds V elsewhere, the
+    caller reads it through :func:`to_head_layout` (a ``movedim``: the chain then goes on along the moved axis)."""
     if p.squeeze is not None:
         x = graph.call_method("squeeze", (x, p.squeeze))
         set_example_value(x)
@@ -203,6 +212,16 @@ def compact_stacked(graph: fx.Graph, p: StackedProjection, x: fx.Node, cache_w: 
 
 
 _PARTS = "nanospec_stacked_parts"
+
+
+def to_head_layout(graph: fx.Graph, p: StackedProjection, compact: fx.Node, set_example_value) -> fx.Node:
+    """``compact`` with its slot axis moved where the head's output holds V (``compact`` itself when V is last)."""
+    axis = vocab_axis(p)
+    if axis == -1:
+        return compact
+    moved = graph.call_method("movedim", (compact, -1, axis))
+    set_example_value(moved)
+    return moved
 
 
 def stacked_parts(compact: fx.Node) -> list[fx.Node]:

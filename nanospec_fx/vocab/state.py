@@ -87,7 +87,7 @@ class VocabState(FollowsWeightWrites):
                 raise ValueError(f"a stacked head weight must be 3-D [K, V, H] (stacked: the positions of its V, K and "
                                  f"H axes), got shape {tuple(weight.shape)} and stacked={stacked!r}")
             if bias is not None:
-                raise ValueError("a stacked head has no bias in its state: add a [K, V] bias after the head (a post-op)")
+                raise ValueError("a stacked head has no bias in its state: add a [K, V] bias after the head")
             rows, _, hidden = (weight.shape[d] for d in stacked)
             capacity = min(capacity, rows)
             check_num_pinned(num_pinned, capacity)

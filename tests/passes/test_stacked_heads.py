@@ -53,6 +53,8 @@ class Stacked(nn.Module):
             return torch.einsum("...h,kvh->...kv", h, self.W)
         if s == "matmul_unsqueeze":  # h.unsqueeze(1) @ W.mT: [B, 1, T, H] x [K, H, V] -> [B, K, T, V]
             return torch.matmul(h.unsqueeze(1), self.W.transpose(-1, -2))
+        if s == "matmul_stored_khv":  # a stored [K, H, V] weight, no transpose
+            return h.unsqueeze(1) @ self.W
         if s == "matmul_2d":  # [B, H] @ [K, H, V] -> [K, B, V]
             return last @ self.W.mT
         if s == "bmm_each_own_hidden":
@@ -76,7 +78,7 @@ class Stacked(nn.Module):
 
 
 SPELLINGS = ["einsum_bh", "einsum_bth", "einsum_each_own_hidden", "einsum_weight_first_khv", "einsum_ellipsis",
-             "matmul_unsqueeze", "matmul_2d", "bmm_each_own_hidden"]
+             "matmul_unsqueeze", "matmul_stored_khv", "matmul_2d", "bmm_each_own_hidden"]
 IDS = torch.tensor([[3, 9, 27, 40], [5, 9, 11, 47]])
 
 
@@ -170,15 +172,22 @@ def test_capacity_below_the_fed_ids_keeps_the_newest_and_masks_the_rest():
     torch.testing.assert_close(out, _masked(ref, active), rtol=1e-5, atol=1e-5)
 
 
-def test_v_not_the_last_output_axis_stays_exact_and_says_why():
+@pytest.mark.parametrize("post", ["logits", "log_softmax"])
+def test_v_not_the_last_output_axis(post):
+    """``"bh,kvh->bvk"``: the compact logits keep the slot axis last and are moved where V is; the chain goes on along
+    the moved axis (materialised there), so inactive tokens are -inf in every head, before and after the post-op."""
     class Moved(Stacked):
-        def heads(self, ids):
-            return torch.einsum("bh,kvh->bvk", torch.tanh(self.body(self.embed(ids)))[:, -1], self.W)
+        def forward(self, ids):
+            z = torch.einsum("bh,kvh->bvk", torch.tanh(self.body(self.embed(ids)))[:, -1], self.W) / 0.7
+            return z if self.post == "logits" else torch.log_softmax(z, dim=1)
 
-    model = Moved("einsum_bh").eval()
-    out, ref, said = _run(model)
-    assert len(said) == 1 and "no LM head" in said[0]
-    torch.testing.assert_close(out, ref)
+    model = Moved("einsum_bh", post=post).eval()
+    out, _, said = _run(model)
+    assert not said, said
+    with torch.inference_mode():
+        z = torch.einsum("bh,kvh->bvk", torch.tanh(model.body(model.embed(IDS)))[:, -1], model.W) / 0.7
+    z = z.masked_fill(~_fed()[:, None], NEG)
+    torch.testing.assert_close(out, z if post == "logits" else torch.log_softmax(z, dim=1), rtol=1e-5, atol=1e-5)
 
 
 def test_explain_and_assert_equivalent_see_the_stacked_head():
@@ -190,3 +199,70 @@ def test_explain_and_assert_equivalent_see_the_stacked_head():
     assert "W" in str(report) and f"{K} heads stacked" in str(report)
     state = assert_equivalent(model, (IDS,), options={"capacity": 32})
     assert state.stacked and state.weight.shape == (K, V, H)
+
+
+def test_a_target_observer_feeds_all_k_heads():
+    """The target's top-k joins the one set of the stack: every head of the drafter computes it."""
+    drafter = Stacked("einsum_bh").eval()
+    compiled = compile_nanospec(drafter, capacity=32)
+    with torch.inference_mode():
+        compiled(IDS)
+    state = nanospec_fx.active_vocab(drafter)
+
+    class Target(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(V, H), nn.Linear(H, V)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.embed(ids)))
+
+    target = Target().eval()
+    observer = torch.compile(target, backend="nanospec", options={"observe_topk": 2, "vocab": state,
+                                                                   "inductor": False})
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        logits = observer(ids)
+    top = logits.topk(2, dim=-1).indices.flatten()
+    active = _fed() | torch.isin(torch.arange(V), torch.cat([top, ids.flatten()]))  # its input ids join too
+    assert state.contains(torch.arange(V)).equal(active)
+    with torch.inference_mode():
+        out, ref = compiled(IDS), drafter(IDS)
+    torch.testing.assert_close(out, _masked(ref, active), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_kernels_give_the_same():
+    """The compiled graph on the torch reference (``use_kernels("reference")``: whole capacity, no host read)."""
+    model = Stacked("einsum_each_own_hidden", bias=True).eval()
+    with nanospec_fx.use_kernels("reference"):
+        out, ref, said = _run(model)
+    assert not said, said
+    torch.testing.assert_close(out, _masked(ref, _fed()), rtol=1e-5, atol=1e-5)
+
+
+def test_under_inductor():
+    model = Stacked("einsum_bth", post="log_softmax", bias=True).eval()
+    out, ref, said = _run(model, inductor=True)
+    assert not said, said
+    with torch.inference_mode():
+        z = _masked(model.heads(IDS) + model.b, _fed())
+    torch.testing.assert_close(out, torch.log_softmax(z / 0.7, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_training_the_body_through_the_frozen_stack():
+    """Grad mode on, the stacked weight frozen (EAGLE-style body training): rewritten, and the body's gradients equal
+    eager's through the masked heads."""
+    model = Stacked("einsum_bh").train()
+    model.W.requires_grad_(False)
+    compiled = compile_nanospec(model, capacity=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)  # rewritten, not dense
+        out = compiled(IDS)
+    assert nanospec_fx.active_vocab(model).stacked
+    active = _fed()
+    ref = _masked(model(IDS), active)
+    assert out.requires_grad and ref.requires_grad
+    (g,) = torch.autograd.grad(out[..., active].square().sum(), model.body.weight)
+    (want,) = torch.autograd.grad(ref[..., active].square().sum(), model.body.weight)
+    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(out[..., ~active]).all()
