@@ -1,18 +1,19 @@
 """Medusa heads stacked in one weight: K heads ``[K, V, H]`` (or ``[K, H, V]``) applied by one einsum or matmul.
 
 ``torch.einsum("bh,kvh->bkv", h, W)`` (every head reads one hidden state), ``"bth,kvh->btkv"``, ``"kbh,kvh->kbv"``
-(each head its own hidden state), ``"bh,khv->bkv"`` (stored [K, H, V]), ``torch.matmul(h.unsqueeze(1), W.mT)`` /
-``h[:, None] @ W.transpose(-1, -2)`` / ``torch.bmm(hk, W.transpose(1, 2))``: one contraction over H with a stored
-3-D weight, the stacked axis K and the vocabulary axis V both kept in the output, V its last axis. Each is written
-here as one einsum equation over the weight's stored axes (:class:`StackedProjection`).
+(each head its own hidden state), ``"bh,khv->bkv"`` (stored [K, H, V]), ``"bh,kvh->bvk"`` (V not last),
+``torch.matmul(h.unsqueeze(1), W.mT)`` / ``h[:, None] @ W.transpose(-1, -2)`` / ``torch.bmm(hk, W.transpose(1, 2))`` /
+``h @ W`` (stored [K, H, V]): one contraction over H with a stored 3-D weight, the stacked axis K and the vocabulary
+axis V both kept in the output (V the wider of the two). Each is written here as one einsum equation over the
+weight's stored axes (:class:`StackedProjection`).
 
 Head k of the stack is ``W[k]``; the K heads are one weight, so they read **one** active set (one state per head
 weight, as every head): the state caches, for each active token v, the K rows ``W[:, v, :]`` (``cache_w [C, K, H]``,
 :class:`nanospec_fx.ActiveVocab` with ``stacked=True``), and the compact head is the same equation over that cache,
-with the slot axis in V's place (:func:`compact_equation`): logits of head k at slot s are ``W[k, ids[s]] . h``,
-the same products as the dense head's at the active tokens, and -inf past the count. A spelling this module does
-not read (V not the last output axis, a sum over an axis of the hidden state, a diagonal) is no head: the graph
-runs unchanged, with the warning of a graph without one.
+with the slot axis last (:func:`compact_equation`; moved where the output holds V by :func:`to_head_layout`): logits
+of head k at slot s are ``W[k, ids[s]] . h``, the same products as the dense head's at the active tokens, and -inf
+past the count. A spelling this module does not read (a sum over another axis of the hidden state, a diagonal, a
+weight computed in the graph) is no head: the graph runs unchanged, with the warning of a graph without one.
 """
 from __future__ import annotations
 
