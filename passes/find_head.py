@@ -22,7 +22,7 @@ from .graph import node_name, where
 from .lora_delta import lora_deltas
 from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
-from .stacked_heads import match_stacked
+from .stacked_heads import match_stacked, stacked_operand
 
 
 class HeadSelectionError(ValueError):
@@ -207,11 +207,22 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
               and (shape[-1] in vocabularies or not vocabularies) and reaches_output(n, shape[-1])]
     if unread and notes is not None:  # an addmm / baddbmm onto the vocabulary with a bias or scales not read
         notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
+    stacked = [(n, w, v) for n in gm.graph.nodes if (w := stacked_operand(n)) is not None and match_stacked(n) is None
+               and (shape := patterns.tensor_shape(n)) and (v := next((d for d in shape if d in vocabularies), None))
+               and reaches_output(n, v)]
+    if stacked and notes is not None:  # a stacked weight read onto the vocabulary in a way not read as K heads
+        n, w, v = stacked[0]
+        notes.append(DenseHead(
+            parameter_name(w), f"its {node_name(n)} ({where(n)}) reads the stacked weight {parameter_name(w)} "
+            f"{tuple(patterns.tensor_shape(w))} onto the vocabulary (V={v}) in a way nanospec does not rewrite: only "
+            "one contraction over H that keeps the K and V axes of the weight is read as K Medusa heads "
+            "(passes/stacked_heads.py); it is not rewritten"))
     if heads:
         return heads
     if vocabularies:
         padded = [g for g in reaching if g.hidden_size < g.vocab_size < max(vocabularies)]
-        if padded and notes is not None:  # a padded table: its rows do not say what V is, so nothing is guessed
+        if padded and notes is not None and not stacked:  # a padded table: its rows do not say what V is, so nothing
+            #                                                  is guessed (a stacked weight as wide as it was said)
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          "padded vocabulary name the head's width, "
                          f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "

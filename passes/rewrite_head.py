@@ -59,12 +59,14 @@ def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: 
     deltas = {} if head.stacked else lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)
     own = [*head.nodes, *[d for ds in deltas.values() for d in ds]]
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas.get(proj, []))
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas.get(proj, []),
+                            bool(head.stacked))
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list, deltas: list) -> None:
-    stacked = match_stacked(proj)  # K heads of one [K, V, H] weight: the same einsum over the cache
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list, deltas: list,
+                        stacked_head: bool = False) -> None:
+    stacked = match_stacked(proj) if stacked_head else None  # K heads of one weight: the same einsum over the cache
     x, w, _ = projections.match_projection(proj) if stacked is None else (stacked.x, stacked.weight, None)
     derived = _value_downstream(proj)
     foreign = _other_heads_logits(graph, own, state, vocab)

@@ -12,8 +12,9 @@ weight, as every head): the state caches, for each active token v, the K rows ``
 :class:`nanospec_fx.ActiveVocab` with ``stacked=True``), and the compact head is the same equation over that cache,
 with the slot axis last (:func:`compact_equation`; moved where the output holds V by :func:`to_head_layout`): logits
 of head k at slot s are ``W[k, ids[s]] . h``, the same products as the dense head's at the active tokens, and -inf
-past the count. A spelling this module does not read (a sum over another axis of the hidden state, a diagonal, a
-weight computed in the graph) is no head: the graph runs unchanged, with the warning of a graph without one.
+past the count. A spelling this module does not read (the weight contracted over two axes, a diagonal, a weight
+computed in the graph) is no head: the graph runs unchanged, with one warning naming the stacked weight
+(``find_head``, :func:`stacked_operand`).
 """
 from __future__ import annotations
 
@@ -93,11 +94,10 @@ def match_stacked(node: fx.Node) -> StackedProjection | None:
             return None
         lhs, out = eq.split("->")
         a, b = lhs.split(",")
-        for x, w, xs, ws in ((operands[0], operands[1], a, b), (operands[1], operands[0], b, a)):
-            found = _from_specs(x, w, xs, ws, out)
-            if found is not None:
-                return found
-        return None
+        found = [f for x, w, xs, ws in ((operands[0], operands[1], a, b), (operands[1], operands[0], b, a))
+                 if (f := _from_specs(x, w, xs, ws, out)) is not None]
+        stored = [f for f in found if f.weight.op in ("placeholder", "get_attr")]  # the weight is what is stored
+        return (stored or found or [None])[0]
     if is_call(node, MATMUL_TARGETS | BMM_TARGETS, {"matmul", "__matmul__", "bmm"}) and len(node.args) == 2:
         return _from_matmul(node.args[0], node.args[1])
     return None
@@ -124,8 +124,9 @@ def _from_specs(x: Any, w: Any, xs: str, ws: str, out: str, squeeze: int | None 
         return None
     v = max(kept, key=lambda c: (w_shape[ws.index(c)], out.index(c)))
     k = next(c for c in kept if c != v)
-    # every output axis is one of x's (but h and v) or k; x is summed over h only
-    if k not in out or v in x_letters or set(out_letters) != (set(x_letters) - {h}) | {k, v}:
+    # every output axis is one of x's (but h and v) or k; x is summed over h and maybe over axes of its own
+    # (``"bth,kvh->bkv"``: the same sum for every token, so over the cached rows too)
+    if k not in out or v in x_letters or not set(out_letters) <= (set(x_letters) - {h}) | {k, v}:
         return None
     if h in x_letters and not _same(x_shape, xs, h, w_shape[ws.index(h)]):
         return None
@@ -140,6 +141,25 @@ def _same(x_shape, xs: str, letter: str, size: int) -> bool:
     else:
         pos = xs.index(letter)
     return 0 <= pos < len(x_shape) and x_shape[pos] == size
+
+
+def stacked_operand(node: fx.Node) -> fx.Node | None:
+    """The stored 3-D tensor an ``einsum``/``matmul``/``bmm`` ``node`` reads (directly or through a transpose of its
+    last two axes), whether or not :func:`match_stacked` reads the call: for the warning of one it does not."""
+    if node.op == "call_function" and node.target in EINSUM_TARGETS:
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+            operands = tuple(operands[0])
+    elif is_call(node, MATMUL_TARGETS | BMM_TARGETS, {"matmul", "__matmul__", "bmm"}):
+        operands = node.args
+    else:
+        return None
+    for o in operands:
+        w = _stacked_transpose(o) or o
+        shape = tensor_shape(w) if isinstance(w, fx.Node) else None
+        if shape is not None and len(shape) == 3 and w.op in ("placeholder", "get_attr"):
+            return w
+    return None
 
 
 def _stacked_transpose(node: Any) -> fx.Node | None:

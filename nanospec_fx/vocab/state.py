@@ -158,6 +158,12 @@ class VocabState(FollowsWeightWrites):
         self._seen_versions = self._weight_versions()
 
 
+def stacked_axes(weight: torch.Tensor) -> tuple:
+    """The positions of the V, K and H axes of a stacked head weight whose graph was not seen yet: K first, V the
+    wider of the other two (a few heads of a vocabulary wider than the hidden size), as the pass reads them."""
+    return (1, 0, 2) if weight.shape[1] >= weight.shape[2] else (2, 0, 1)
+
+
 def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -> torch.Tensor:
     """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
     if token_to_row is None:
@@ -209,6 +215,8 @@ class ActiveVocab(VocabState):
             ``passes/stacked_heads.py``), given as the positions of its R, K and H axes: ``(1, 0, 2)`` for [K, R, H],
             ``(2, 0, 1)`` for [K, H, R]. One set for the K heads, whose cache holds the K rows of each active token
             (``cache_w [C, K, H]``); ``head_rows`` is the ``[R, K, H]`` view. No bias (a [K, R] bias is a post-op).
+            A 3-D weight given without it is read [K, R, H] or [K, H, R], R the wider axis (``stacked_axes``); a
+            compiled graph that reads it otherwise rebuilds the state in place, keeping its tokens.
     """
 
     SIGNATURE = f"ActiveVocab(weight, bias=None, capacity={DEFAULT_CAPACITY}, num_pinned=0)"
@@ -227,6 +235,8 @@ class ActiveVocab(VocabState):
         transposed: bool = False,
         stacked: tuple = (),
     ):
+        if not stacked and isinstance(weight, torch.Tensor) and weight.dim() == 3:
+            stacked = stacked_axes(weight)  # ActiveVocab(W), attach(model, head="W") of a stacked weight
         self.transposed, self.stacked = bool(transposed), tuple(stacked)
         rows, hidden, capacity = self._check_arguments(weight, bias, capacity, num_pinned, transposed=self.transposed,
                                                        stacked=self.stacked)

@@ -266,3 +266,44 @@ def test_training_the_body_through_the_frozen_stack():
     (want,) = torch.autograd.grad(ref[..., active].square().sum(), model.body.weight)
     torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
     assert torch.isneginf(out[..., ~active]).all()
+
+
+@pytest.mark.parametrize("spelling", ["einsum_bh", "einsum_weight_first_khv"])
+def test_attach_before_the_first_call(spelling):
+    """``attach(model, head="W")`` creates the stacked weight's one set before any call; the compiled graph then reads
+    that same state (its ids kept), whichever of [K, V, H] / [K, H, V] the weight is stored as."""
+    model = Stacked(spelling).eval()
+    state = nanospec_fx.attach(model, head="W", capacity=32)
+    assert state.stacked and state.rows == V and state.hidden_size == H
+    state.observe([44, 45])
+    out, ref, said = _run(model)
+    assert not said, said
+    assert nanospec_fx.active_vocab(model) is state
+    active = _fed() | torch.isin(torch.arange(V), torch.tensor([44, 45]))
+    torch.testing.assert_close(out, _masked(ref, active), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sum_over_positions_is_rewritten():
+    """``"bth,kvh->bkv"`` also sums over the positions (the same sum for every token): rewritten over the cache."""
+    class SummedOverPositions(Stacked):
+        def heads(self, ids):
+            return torch.einsum("bth,kvh->bkv", torch.tanh(self.body(self.embed(ids))), self.W)
+
+    model = SummedOverPositions("einsum_bh").eval()
+    out, ref, said = _run(model)
+    assert not said, said
+    torch.testing.assert_close(out, _masked(ref, _fed()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stacked_weight_read_otherwise_stays_exact_and_says_why():
+    """``"bkh,kvh->bv"`` contracts the stack's K axis too (the heads summed): not read as K heads of one set: dense,
+    exact, and one warning naming the stacked weight and the reason."""
+    class SummedHeads(Stacked):
+        def heads(self, ids):
+            last = torch.tanh(self.body(self.embed(ids)))[:, -1]
+            return torch.einsum("bkh,kvh->bv", self.mix(last).view(-1, K, H), self.W)
+
+    model = SummedHeads("einsum_bh").eval()
+    out, ref, said = _run(model)
+    assert len(said) == 1 and "stacked weight W" in said[0] and "not rewrite" in said[0], said
+    torch.testing.assert_close(out, ref)
