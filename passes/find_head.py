@@ -207,8 +207,10 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
               and (shape[-1] in vocabularies or not vocabularies) and reaches_output(n, shape[-1])]
     if unread and notes is not None:  # an addmm / baddbmm onto the vocabulary with a bias or scales not read
         notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
+    example_of = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
     stacked = [(n, w, v) for n in gm.graph.nodes if (w := stacked_operand(n)) is not None and match_stacked(n) is None
-               and (shape := patterns.tensor_shape(n)) and (v := next((d for d in shape if d in vocabularies), None))
+               and is_weight_like(w, example_of.get(w)) and (shape := patterns.tensor_shape(n))
+               and (v := next((d for d in shape if isinstance(d, int) and d in vocabularies), None))
                and reaches_output(n, v)]
     if stacked and notes is not None:  # a stacked weight read onto the vocabulary in a way not read as K heads
         n, w, v = stacked[0]

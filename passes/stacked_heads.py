@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .graph import node_name
-from .patterns import MATMUL_TARGETS, is_call, tensor_shape
+from .patterns import MATMUL_TARGETS, is_call, known_equal, tensor_shape
 from .projections import EINSUM_TARGETS, BMM_TARGETS
 
 #: meta of the compact einsum of a stacked head: the cursor of the state it reads (never matched as a head again)
@@ -140,7 +140,7 @@ def _same(x_shape, xs: str, letter: str, size: int) -> bool:
         pos = before.index(letter) if letter in before else len(x_shape) - len(after) + after.index(letter)
     else:
         pos = xs.index(letter)
-    return 0 <= pos < len(x_shape) and x_shape[pos] == size
+    return 0 <= pos < len(x_shape) and known_equal(x_shape[pos], size)
 
 
 def stacked_operand(node: fx.Node) -> fx.Node | None:
@@ -201,9 +201,9 @@ def _from_matmul(x: Any, m2: Any) -> StackedProjection | None:
     batch = "abcdefg"[:len(x_shape) - 3] if len(x_shape) >= 3 else ""
     if len(x_shape) == 2:
         return _from_specs(x, w, "mh", ws, "kmv")
-    if x_shape[-3] == heads:
+    if known_equal(x_shape[-3], heads):
         return _from_specs(x, w, f"{batch}kmh", ws, f"{batch}kmv")
-    if x_shape[-3] == 1:
+    if known_equal(x_shape[-3], 1):
         return _from_specs(x, w, f"{batch}mh", ws, f"{batch}kmv", squeeze=len(x_shape) - 3)
     return None
 

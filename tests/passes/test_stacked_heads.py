@@ -307,3 +307,16 @@ def test_a_stacked_weight_read_otherwise_stays_exact_and_says_why():
     out, ref, said = _run(model)
     assert len(said) == 1 and "stacked weight W" in said[0] and "not rewrite" in said[0], said
     torch.testing.assert_close(out, ref)
+
+
+def test_a_longer_call_recompiles_with_dynamic_shapes_and_stays_exact():
+    """The second shape makes Dynamo compile a graph with symbolic sizes: the stack is found and exact there too."""
+    model = Stacked("matmul_unsqueeze", bias=True).eval()
+    compiled = compile_nanospec(model, capacity=32)
+    longer = torch.tensor([[3, 9, 27, 40, 41, 2], [5, 9, 11, 47, 0, 1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)
+        with torch.inference_mode():
+            compiled(IDS)
+            out, ref = compiled(longer), model(longer)
+    torch.testing.assert_close(out, _masked(ref, _fed(IDS) | _fed(longer)), rtol=1e-5, atol=1e-5)
