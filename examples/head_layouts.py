@@ -1,9 +1,11 @@
-"""Heads that are not ``nn.Linear``: a weight stored [H, V], an int8 weight-only head, a parametrised head.
+"""Heads that are not ``nn.Linear``: a weight stored [H, V], Medusa heads stacked in one [K, V, H] weight, an int8
+weight-only head, a parametrised head.
 
     python examples/head_layouts.py
 
 Each drafter is compiled with the nanospec backend and called on a few ids; its logits must equal the eager
-drafter's with -inf at the tokens outside the active set (the ids it was fed). The quantised and the parametrised
+drafter's with -inf at the tokens outside the active set (the ids it was fed); the K stacked heads read one set (one
+state per head weight: its cache holds the K rows of each active token). The quantised and the parametrised
 heads compute only the active rows of their weight (``passes/row_weight.py``); a parametrisation that mixes rows
 runs dense, with a warning that says so.
 """
@@ -34,6 +36,8 @@ class Drafter(nn.Module):
         w = torch.randn(V, H) / H**0.5
         if kind == "[H, V] weight":
             self.W = nn.Parameter(w.t().contiguous())  # h @ W, as some research code stores it
+        elif kind == "Medusa [K, V, H]":
+            self.W = nn.Parameter(torch.stack([w, w.flip(0), -w]))  # 3 heads in one tensor, applied by one einsum
         elif kind == "int8 weight-only":
             scale = w.abs().amax(1) / 127
             self.register_buffer("q", torch.round(w / scale[:, None]).to(torch.int8))
@@ -49,6 +53,8 @@ class Drafter(nn.Module):
         h = torch.tanh(self.body(self.embed(ids)))
         if self.kind == "[H, V] weight":
             return h @ self.W
+        if self.kind == "Medusa [K, V, H]":
+            return torch.einsum("bth,kvh->btkv", h, self.W)  # [B, T, K, V]
         if self.kind == "int8 weight-only":
             return F.linear(h, self.q.to(h.dtype) * self.scale[:, None])
         return self.lm_head(h)
@@ -61,7 +67,7 @@ class ColumnNorm(nn.Module):
 
 def main() -> None:
     ids = torch.tensor([[5, 17, 256, 999]])
-    for kind in ("[H, V] weight", "int8 weight-only", "weight_norm", "column-normalised"):
+    for kind in ("[H, V] weight", "Medusa [K, V, H]", "int8 weight-only", "weight_norm", "column-normalised"):
         torch._dynamo.reset()
         drafter = Drafter(kind).eval()
         compiled = torch.compile(drafter, backend="nanospec", options={"capacity": 64, "inductor": False})

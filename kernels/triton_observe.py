@@ -273,12 +273,21 @@ def observe(
     n = tok.numel()
     grid = padded_length(n)
     dest = torch.empty(grid, dtype=torch.int64, device=ids.device)
-    weight = contiguous_rows(weight)  # a transposed/tied head: copied once, not read strided per call
     with device_guard(ids):
         wrap_triton(_observe_alloc_kernel)[(1,)](
             tok, n, ids, slot_of, cursor, dest, vocab, capacity, num_pinned, RENEW_IDS=RENEW, BLOCK=_BLOCK,
         )
-        launch_copy(tok, dest, n, grid, weight, bias, cache_w, cache_b)
+        for rows_of, cached in _row_slices(weight, cache_w):
+            launch_copy(tok, dest, n, grid, rows_of, bias, cached, cache_b)
+
+
+def _row_slices(weight: torch.Tensor, cache_w: torch.Tensor):
+    """``(weight [V, H] with contiguous rows, cache_w [C, H])`` pairs the copy kernel fills: the head itself, or, for
+    K heads stacked in one weight (``weight`` [V, K, H], ``cache_w`` [C, K, H]), each head's slice (one launch per
+    head; a slice of the cache is [C, H] with a row stride of K * H, which the kernel takes)."""
+    if weight.dim() == 2:
+        return [(contiguous_rows(weight), cache_w)]  # a transposed/tied head: copied once, not read strided per call
+    return [(contiguous_rows(weight[:, k]), cache_w[:, k]) for k in range(weight.shape[1])]
 
 
 def _observe_rows(token_ids, weight, bias, ids, slot_of, cursor, cache_w, cache_b, num_pinned, rows) -> None:

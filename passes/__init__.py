@@ -10,6 +10,7 @@ In stage order (each imports only the ones above it; ``tests/test_layout.py`` re
 * ``effects``           - what a node writes and may alias (op schemas); which nodes are known pure
 * ``patterns``          - what is matched and why: node values, post-ops, consumers, writes
 * ``projections``       - which calls project a hidden state onto a weight (linear, matmul, addmm, bmm, einsum)
+* ``stacked_heads``     - Medusa heads stacked in one [K, V, H] weight (one einsum / batched matmul): one set for K
 * ``vocab_views``       - views, reshapes and permutations that keep every token's column whole
 * ``transforms``        - where the graph runs inside torch.vmap / torch.func transforms (no nanospec op goes there)
 * ``lora_delta``        - a LoRA delta on a head (``W(h) + s * B(A(h))``): one head over one set, not two heads

@@ -66,3 +66,4 @@ class ObserveInto:
     #: the state is a vocabulary-parallel head's (tensor_parallel): a lookup into a ``V / tp``-row table at
     #: ``ids - start`` is its token embedding's shard, and ``ids`` are tokens (:func:`sharded_token_lookups`)
     sharded: bool = False
+    stacked: tuple = ()  # ``weight`` is K stacked heads (``stacked_heads``), its V, K, H axes: K rows per token

@@ -22,6 +22,7 @@ from .graph import node_name, where
 from .lora_delta import lora_deltas
 from .lookups import embedding_lookups, rows_chosen_in_graph
 from .row_weight import row_weight
+from .stacked_heads import match_stacked, stacked_operand
 
 
 class HeadSelectionError(ValueError):
@@ -44,6 +45,9 @@ class HeadMatch:
     # the weight is stored [H, V] (``h @ W``, ``F.linear(h, W.t())``): its columns are the rows
     transposed: bool = False
     sources: list[fx.Node] = field(default_factory=list, compare=False)  # other inputs of a weight computed per row
+    # K heads stacked in one 3-D weight ([K, V, H], [K, H, V]...) applied by one einsum/matmul (``stacked_heads``):
+    # the positions of its V, K and H axes; () for a head of one 2-D weight
+    stacked: tuple = ()
 
     __hash__ = object.__hash__
 
@@ -203,11 +207,24 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
               and (shape[-1] in vocabularies or not vocabularies) and reaches_output(n, shape[-1])]
     if unread and notes is not None:  # an addmm / baddbmm onto the vocabulary with a bias or scales not read
         notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
+    example_of = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
+    stacked = [(n, w, v) for n in gm.graph.nodes if (w := stacked_operand(n)) is not None and match_stacked(n) is None
+               and is_weight_like(w, example_of.get(w)) and (shape := patterns.tensor_shape(n))
+               and (v := next((d for d in shape if isinstance(d, int) and d in vocabularies), None))
+               and reaches_output(n, v)]
+    if stacked and notes is not None:  # a stacked weight read onto the vocabulary in a way not read as K heads
+        n, w, v = stacked[0]
+        notes.append(DenseHead(
+            parameter_name(w), f"its {node_name(n)} ({where(n)}) reads the stacked weight {parameter_name(w)} "
+            f"{tuple(patterns.tensor_shape(w))} onto the vocabulary (V={v}) in a way nanospec does not rewrite: only "
+            "one contraction over H that keeps the K and V axes of the weight is read as K Medusa heads "
+            "(passes/stacked_heads.py); it is not rewritten"))
     if heads:
         return heads
     if vocabularies:
         padded = [g for g in reaching if g.hidden_size < g.vocab_size < max(vocabularies)]
-        if padded and notes is not None:  # a padded table: its rows do not say what V is, so nothing is guessed
+        if padded and notes is not None and not stacked:  # a padded table: its rows do not say what V is, so nothing
+            #                                                  is guessed (a stacked weight as wide as it was said)
             notes.append(f"the token embedding has {max(vocabularies)} rows and no projection that many outputs; for a "
                          "padded vocabulary name the head's width, "
                          f"e.g. options={{'vocab_size': {padded[0].vocab_size}}} "
@@ -292,6 +309,20 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
         match.biases.append(b)
         match.sources += [n for n in sources if n not in match.sources]
         reach = reaches_output(node, n_out)
+        if reach == "logits" or (reach and not match.reach):
+            match.reach = reach
+    for node in gm.graph.nodes:  # K heads stacked in one weight: one head of one set (``stacked_heads``)
+        s = match_stacked(node)
+        if s is None or not is_weight_like(s.weight, example_of.get(s.weight)):
+            continue
+        match = groups.get((s.weight, s.axes))  # one weight read with its axes in two roles: two heads, never one
+        if match is None:
+            match = groups[(s.weight, s.axes)] = HeadMatch(s.weight, [], parameter_name(s.weight), s.vocab_size,
+                                                           s.hidden_size, module_path=module_path(node),
+                                                           stacked=s.axes)
+        match.nodes.append(node)
+        match.biases.append(None)
+        reach = reaches_output(node, s.vocab_size)
         if reach == "logits" or (reach and not match.reach):
             match.reach = reach
     return list(groups.values())

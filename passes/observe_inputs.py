@@ -22,6 +22,7 @@ from .contract import DenseFallback, ObserveInto, StateNodes
 from .graph import ancestors, describe, downstream, precedes, where
 from .lookups import Lookup, sharded_token_lookups, table_lookups, token_id_lookups
 from .patterns import set_example_value
+from .stacked_heads import COMPACT_OF, stacked_parts
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
@@ -40,6 +41,9 @@ def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
     weight = into.weight
     if into.transposed:  # the head rows of a [H, V] weight: a view, made where the observer runs
         weight = graph.call_method("t", (into.weight,))
+        set_example_value(weight)
+    elif into.stacked:  # the K rows of each token of a stacked weight: its [V, K, H] view
+        weight = graph.call_method("permute", (into.weight, *into.stacked))
         set_example_value(weight)
     node = op_call(graph, "observe", token_ids=rows, weight=weight, bias=into.bias, ids=s.ids, slot_of=s.slot_of,
                    cursor=s.cursor, cache_w=s.cache_w, cache_b=s.cache_b, num_pinned=into.num_pinned)
@@ -260,7 +264,7 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         compact = n.meta.get("nanospec_compact")
-        if compact in present and op_arg(compact, "cursor") is state.cursor and (
+        if compact in present and _cursor_of(compact) is state.cursor and (
                 state.ids in n.all_input_nodes or state.cursor in n.all_input_nodes):
             groups.setdefault(compact, []).append(n)
     taken = 0
@@ -268,7 +272,8 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
         last = max(reads)  # the latest, by graph order (the clones inserted below do not move it)
         if not any(precedes(compact, o) and precedes(o, last) for o in observes):
             continue
-        with graph.inserting_before(compact):
+        parts = stacked_parts(compact)  # a stacked head's compact logits: an einsum over the cache, then a mask
+        with graph.inserting_before(parts[0] if parts else compact):
             ids = graph.call_method("clone", (state.ids,))
             cursor = graph.call_method("clone", (state.cursor,))
         set_example_value(ids)
@@ -276,7 +281,15 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
         for r in reads:
             r.replace_input_with(state.ids, ids)
             r.replace_input_with(state.cursor, cursor)
-        if grad:
+        if grad and parts:
+            for part in parts:
+                part.replace_input_with(state.cursor, cursor)
+            einsum = next(p for p in parts if p.target is torch.einsum)
+            with graph.inserting_before(einsum):
+                copy = graph.call_method("clone", (einsum.args[2],))
+            set_example_value(copy)
+            einsum.replace_input_with(einsum.args[2], copy)
+        elif grad:
             compact.replace_input_with(state.cursor, cursor)
             for cached in (op_arg(compact, "cache_w"), op_arg(compact, "cache_b")):
                 if isinstance(cached, fx.Node):
@@ -286,6 +299,11 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
                     compact.replace_input_with(cached, copy)
         taken += 1
     return taken
+
+
+def _cursor_of(compact: fx.Node) -> fx.Node:
+    """The cursor a head's compact logits read: the ``compact_logits`` op's, or a stacked head's (its meta)."""
+    return compact.meta[COMPACT_OF] if COMPACT_OF in compact.meta else op_arg(compact, "cursor")
 
 
 def insert_topk_observers(graph: fx.Graph, head_nodes: list[fx.Node], k: int, into: ObserveInto,

@@ -46,6 +46,7 @@ from .lora_delta import delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
+from .stacked_heads import COMPACT_OF, compact_stacked, match_stacked, to_head_layout
 
 
 DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
@@ -54,15 +55,19 @@ DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor 
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
-    deltas = lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)  # read over this head's set
+    # read over this head's set (a stacked head takes none: another projection added to it is another head's logits)
+    deltas = {} if head.stacked else lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)
     own = [*head.nodes, *[d for ds in deltas.values() for d in ds]]
     for proj, bias in zip(head.nodes, head.biases):
-        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas[proj])
+        _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas.get(proj, []),
+                            bool(head.stacked))
     return report
 
 
-def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list, deltas: list) -> None:
-    x, w, _ = projections.match_projection(proj)
+def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: list, deltas: list,
+                        stacked_head: bool = False) -> None:
+    stacked = match_stacked(proj) if stacked_head else None  # K heads of one weight: the same einsum over the cache
+    x, w, _ = projections.match_projection(proj) if stacked is None else (stacked.x, stacked.weight, None)
     derived = _value_downstream(proj)
     foreign = _other_heads_logits(graph, own, state, vocab)
     cache_w, cache_b = state.cache_w, state.cache_b if bias is not None else None
@@ -74,13 +79,17 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
             cache_w = gathered_rows(graph, rows, state.cache_w, safe_ids, state.ids)
     with graph.inserting_before(proj):
         x, cache_w, cache_b = _autocast_operands(graph, proj, x, cache_w, cache_b)
-        x, cache_b = _scaled_operands(graph, proj, x, cache_b)
-        compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
+        if stacked is not None:
+            compact = compact_stacked(graph, stacked, x, cache_w, state.cursor, capacity, set_example_value)
+            head_layout = to_head_layout(graph, stacked, compact, set_example_value)  # V where the head had it
+        else:
+            x, cache_b = _scaled_operands(graph, proj, x, cache_b)
+            compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
     stands_for(compact, proj)
     compact.meta.update(
         {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
-    proj.replace_all_uses_with(compact)
+    proj.replace_all_uses_with(head_layout if stacked is not None else compact)
     graph.erase_node(proj)
 
     region = Region(graph, state, vocab, compact)
@@ -123,7 +132,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
                 patterns.is_comparison(n) or patterns.is_elementwise(n) or vocab_views.is_reshape_or_permute(n)):
             region.side.add(n)
     scatters = [u for u in compact.users if is_op(u, "scatter_logits")]
-    if len(compact.users) == 1 and scatters:
+    if len(compact.users) == 1 and scatters and is_op(compact, "compact_logits"):
         _fuse_plain_head(graph, compact, scatters[0], vocab)
 
 
@@ -158,7 +167,8 @@ def _other_heads_logits(graph: fx.Graph, own: list, state: StateNodes, vocab: in
     read its state): another head, rewritten (its nanospec ops read another state) or not."""
     others = [n for n in graph.nodes if n not in own and (
         (is_op(n, "compact_logits") or is_op(n, "head_logits")) and op_arg(n, "cursor") is not state.cursor
-        or projections.match_projection(n) is not None and patterns.tensor_shape(n)
+        or n.meta.get(COMPACT_OF, state.cursor) is not state.cursor  # another stacked head's compact logits
+        or (projections.match_projection(n) is not None or match_stacked(n) is not None) and patterns.tensor_shape(n)
         and patterns.tensor_shape(n)[-1] == vocab and n.meta.get(DELTA_OF) is not state.cursor)]
     if not others:
         return set()

@@ -109,6 +109,20 @@ EXTRA_OUTPUTS = ("hidden", "wide_proj", "router")
 # of its own (its own ActiveVocab); the oracle masks head i's output with ``extra_masks[i]`` (bool over the rows, or
 # None where that head runs dense), which the fuzzer sets from head i's state before each eager call.
 EXTRA_HEADS = (0, 1, 2)
+# -- issue 40 item 6: Medusa heads stacked in one weight. With ``stacked``, the extra heads are ONE parameter
+# ``stacked_W`` (``[K, V, H]``, or ``[K, H, V]`` for the ``khv`` spellings; K = max(extra_heads, 2)) applied by that
+# spelling (an equation or a form -> (where the output holds K, where it holds V), axes from the end), then
+# ``stacked_post``; one head of one set (one state per weight): the oracle masks every head's logits along V by that
+# state's set.
+STACKED = {
+    "bth,kvh->btkv": (-2, -1), "bth,kvh->bktv": (-3, -1), "...h,kvh->...kv": (-2, -1), "khv,bth->btkv": (-2, -1),
+    "bth,kvh->btvk": (-1, -2),  # V not last
+    "kbth,kvh->kbtv": (-4, -1),  # each head its own hidden state
+    "matmul_mT": (-3, -1),       # h.unsqueeze(1) @ W.mT: [B, K, T, V]
+    "matmul_khv": (-3, -1),      # h.unsqueeze(1) @ W, W stored [K, H, V]
+    "bmm": (-3, -1),             # torch.bmm(hk [K, B*T, H], W.transpose(1, 2)): [K, B*T, V]
+}
+STACKED_POSTS = ("temperature", "bias", "log_softmax", "softcap", "sum_heads", "argmax")
 # -- issues 40 item 2 / 45 item 2, heads that meet: with two extra heads, ``combine`` names an op that combines their
 # logits into one output (``COMBINE``: every elementwise binary op kind, ``where``, a gather of one at the other's
 # top-k ids, a stack then a reduction across the heads). The oracle reads each head's logits masked by its own set
@@ -186,6 +200,8 @@ class Recipe:
     draft_feed: str = "argmax"  # "argmax" (the step's argmax) or "input" (ids given as the input "future")
     extra_heads: int = 0       # several heads: more nn.Linear(H, V) heads on the head's input, see EXTRA_HEADS
     combine: str = ""          # COMBINE: the two extra heads' logits meet in one op (one output for both)
+    stacked: str = ""          # STACKED: the extra heads are one stacked [K, V, H] weight applied by this spelling
+    stacked_post: str = "temperature"  # STACKED_POSTS: what follows the stacked heads (then returned)
     head_vmap: bool = False    # the head projection under torch.vmap over the batch: dense, with one warning
     second_lookup: str = ""    # SECOND_LOOKUPS: a second token lookup of ``ids2`` in the body
     bad_call: str = ""         # BAD_CALLS: after the first call, a call with one invalid id (eager raises)
@@ -355,10 +371,16 @@ class FuzzDrafter(nn.Module):
                     self.lm_head.bias.copy_(b)
             torch.nn.utils.parametrize.register_parametrization(
                 self.lm_head, "weight", RowNorm() if r.head == "param_rownorm" else ColumnNorm())
-        self.extra_heads = nn.ModuleList(nn.Linear(H, Vh, bias=False) for _ in range(r.extra_heads))
+        self.extra_heads = nn.ModuleList(nn.Linear(H, Vh, bias=False) for _ in range(0 if r.stacked else r.extra_heads))
         with torch.no_grad():
             for head in self.extra_heads:
                 head.weight.copy_(randn(Vh, H, scale=H**-0.5 * 2))
+        if r.stacked:
+            k = max(r.extra_heads, 2)
+            w3 = randn(k, Vh, H, scale=H**-0.5 * 2)
+            self.stacked_W = nn.Parameter(w3.transpose(1, 2).contiguous() if "khv" in r.stacked else w3)
+            self.stacked_b = nn.Parameter(randn(k, Vh))
+            self.stacked_mix = nn.Linear(H, k * H)  # per-head hidden states, for the spellings that take them
         self.extra_masks: list | None = None  # per extra head, set by the fuzzer before an eager oracle call
         if r.hook and r.head in ("linear", "linear_tied"):
             self.lm_head.register_forward_hook(scale_output_hook)
@@ -388,7 +410,7 @@ class FuzzDrafter(nn.Module):
             self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
-                if (name.startswith(("lm_head", "W", "b", "logit_bias", "extra_heads"))
+                if (name.startswith(("lm_head", "W", "b", "logit_bias", "extra_heads", "stacked_W", "stacked_b"))
                         or (name.startswith("embed") and "tied" in r.head)):
                     p.requires_grad_(False)
         self.eval()
@@ -639,9 +661,66 @@ class FuzzDrafter(nn.Module):
                 record.append(("values", None, None))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    def _stacked(self, h):
+        """The stacked heads' logits (see STACKED)."""
+        r, W = self.recipe, self.stacked_W
+        k = W.shape[0]
+        if r.stacked == "matmul_mT":
+            return h.unsqueeze(1) @ W.mT
+        if r.stacked == "matmul_khv":
+            return h.unsqueeze(1) @ W
+        if r.stacked == "bmm":
+            hk = self.stacked_mix(h).reshape(-1, k, h.shape[-1]).transpose(0, 1)
+            return torch.bmm(hk, W.transpose(1, 2))
+        if r.stacked.startswith("kbth"):
+            hk = self.stacked_mix(h).unflatten(-1, (k, h.shape[-1])).movedim(-2, 0)
+            return torch.einsum(r.stacked, hk, W)
+        if r.stacked.startswith("khv"):
+            return torch.einsum(r.stacked, W, h)
+        return torch.einsum(r.stacked, h, W)
+
+    def _stacked_block(self, h, outputs, record):
+        """The stacked heads, masked along V by the one set of their weight (``extra_masks[0]``), then the post-op."""
+        r = self.recipe
+        mask = self.extra_masks[0] if self.extra_masks is not None else None
+        z = self._stacked(h)
+        k_axis, axis = STACKED[r.stacked]
+
+        def along(t, at):  # ``t`` [K, V] / [V] laid out along z's axes ``at`` (from the end), 1 elsewhere
+            shape = [1] * z.dim()
+            for size, a in zip(t.shape, at):
+                shape[z.dim() + a] = size
+            return t.reshape(shape)
+
+        if r.stacked_post == "bias":  # a [K, V] bias laid out along z's K and V axes
+            b = self.stacked_b if k_axis < axis else self.stacked_b.t()
+            z = z + along(b, sorted((k_axis, axis)))
+        z = z / 0.7
+
+        def masked(t):
+            return t if mask is None else t.masked_fill(~along(mask[: t.shape[axis]], (axis,)), float("-inf"))
+
+        kind, x = "values", None
+        if r.stacked_post == "log_softmax":
+            out = torch.log_softmax(masked(z), dim=axis)
+        elif r.stacked_post == "softcap":
+            out = masked(2.0 * torch.tanh(z / 2.0))
+        elif r.stacked_post == "sum_heads":  # every head's logits summed: one set, exact on it
+            out = masked(z).sum(dim=k_axis)
+        elif r.stacked_post == "argmax":
+            x = masked(z).movedim(axis, -1)
+            out, kind = z.movedim(axis, -1).argmax(-1), "argmax"
+        else:
+            out = masked(z)
+        outputs.append(out)
+        if record is not None:
+            record.append((kind, None if x is None else x.detach().clone(), None))
+
     def _extra_heads(self, h, outputs, record):
         """The several-heads block: each extra head's logits, masked by its own set (see EXTRA_HEADS); with
-        ``combine``, the first two meet in one op (see COMBINE)."""
+        ``combine``, the first two meet in one op (see COMBINE); with ``stacked``, one stacked weight."""
+        if self.recipe.stacked:
+            return self._stacked_block(h, outputs, record)
         logits = []
         for i, head in enumerate(self.extra_heads):
             mask = self.extra_masks[i] if self.extra_masks is not None else None
@@ -1031,13 +1110,15 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
     draft_steps = 0 if order == "head_first" or draw(st.integers(0, 7)) else draw(st.integers(2, 3))
     chain = () if draft_steps else draw(_steps(vocab, head_pad, min(capacity, vocab + head_pad), grad, max_steps))
     extra_heads = 0 if draft_steps or draw(st.integers(0, 5)) else draw(st.sampled_from(EXTRA_HEADS[1:]))
-    combine = draw(st.sampled_from(sorted(COMBINE))) if extra_heads == 2 and draw(st.booleans()) else ""
+    stacked = draw(st.sampled_from(sorted(STACKED))) if extra_heads and draw(st.integers(0, 2)) == 0 else ""
+    combine = draw(st.sampled_from(sorted(COMBINE))) if extra_heads == 2 and not stacked and draw(st.booleans()) \
+        else ""
     second_lookup = draw(st.sampled_from(SECOND_LOOKUPS + ("",) * 4))
     bad_call = draw(st.sampled_from(BAD_CALLS + ("",) * 3))
     d2t = draw(st.sampled_from(D2T + ("",) * 10)) if head in D2T_HEADS else ""
     if d2t:  # a draft vocabulary of head_rows target ids among embed_rows: an untied head, no padding, no extra heads
         head_pad, embed_pad, extra_heads = 0, draw(st.sampled_from([16, 40])), 0
-        combine = ""
+        combine = stacked = ""
     if draft_steps:
         dtype, autocast, capacity = "float32", False, 512  # argmax fed back: no near ties, no eviction inside a call
     seq = draw(st.integers(1, 4))
@@ -1054,7 +1135,8 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         lookup=lookup, head_break=draw(st.sampled_from(("",) * 4 + BREAKS)),
         hook=head in ("linear", "linear_tied") and draw(st.integers(0, 5)) == 0,
         draft_steps=draft_steps, draft_feed=draw(st.sampled_from(["argmax", "input"])) if draft_steps else "argmax",
-        extra_heads=extra_heads, combine=combine,
+        extra_heads=extra_heads, combine=combine, stacked=stacked,
+        stacked_post=draw(st.sampled_from(STACKED_POSTS if dtype == "float32" else STACKED_POSTS[:-1])),
         head_vmap=order == "embed_first" and not draft_steps and head in TRANSFORM_HEADS and draw(st.integers(0, 7)) == 0,
         second_lookup=second_lookup, bad_call=bad_call,
         bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,

@@ -54,13 +54,14 @@ class DenseHeadKind:
 
     def state_for(self, head, weight: torch.Tensor, bias: torch.Tensor | None, config) -> ActiveVocab:
         """The head's registered state (looked up, or created): once its graph's stages succeeded."""
-        return state_for(weight, bias, config, name=head.name, transposed=head.transposed)
+        return state_for(weight, bias, config, name=head.name, transposed=head.transposed,
+                         stacked=getattr(head, "stacked", ()))
 
     def layout_of(self, head, weight: torch.Tensor, bias: torch.Tensor | None, config) -> ActiveVocab:
         """A state of the head's layout that no registry holds (no seeds: only its tensors' shapes matter), for the
         graph's inputs while its stages run; the registered one is made only if they all succeed."""
-        return self.factory(head)(weight, bias, **dataclasses.replace(config, seed_ids=None).keywords(),
-                                  transposed=head.transposed)
+        layout = {"stacked": head.stacked} if getattr(head, "stacked", ()) else {"transposed": head.transposed}
+        return self.factory(head)(weight, bias, **dataclasses.replace(config, seed_ids=None).keywords(), **layout)
 
     def factory(self, head):
         return ActiveVocab

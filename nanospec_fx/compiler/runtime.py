@@ -149,7 +149,7 @@ class DrafterBinding(Binding):
         else:
             old = self.state
             self.track(state_for(args[self.weight_pos], bias, old.config(), factory=old._fresh_factory(),
-                                 transposed=old.transposed))
+                                 transposed=old.transposed, stacked=getattr(old, "stacked", ())))
             pass_reports.carry(old, self.state)
             self.sync()
             changed = True

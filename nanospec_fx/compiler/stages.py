@@ -69,6 +69,7 @@ def rewrite(builder: GraphCopy, work: HeadWork) -> None:
                                          sharded=kind.sharded)
     if head.transposed:  # observers copy head rows: the columns of a [H, V] weight
         into.transposed = True
+    into.stacked = head.stacked  # ... or the K rows of each token of a stacked weight
     work.report = rewrite_head(builder.graph, mapped, into.state, layout.capacity)
     position = work.position
     if work.report.chain_outputs and (position.ends_at or position.called_from):

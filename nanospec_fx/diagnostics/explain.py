@@ -102,7 +102,9 @@ class Explanation:
             lines += [
                 f"  head {public_names([h.name, *h.names])[0]}"
                 + (f" (module {h.module_path})" if h.module_path else "")
-                + f": V={h.vocab_size}, H={h.hidden_size}",
+                + f": V={h.vocab_size}, H={h.hidden_size}"
+                + (f", {s.cache_w.shape[1]} heads stacked in one weight (Medusa), one active set for all of them"
+                   if getattr(s, "stacked", ()) else ""),
                 f"    names: {', '.join(public_names(h.names))}",
                 f"    active vocabulary: {len(s)} / {s.capacity} slots, policy={s.policy}, pinned={s.num_pinned}, "
                 f"device={s.ids.device}",
@@ -164,8 +166,10 @@ def explain(module: nn.Module, calibrate: bool = False, *, quiet: bool = False,
         compact_only = bool(reports) and all(not r.exits for r in reports)
         path = path_for(state.cache_w.device)
         size = torch.empty((), dtype=state.cache_w.dtype).element_size()
-        machine = _constants(path, state.hidden_size, state.cache_w.dtype, calibrate)
-        cost = HeadCost.for_path(state.rows, state.hidden_size, size, compact_only, path, state.capacity, machine)
+        # K stacked heads (one weight, one set) read K rows of H per token: a row of K * H for the cost model
+        width = state.hidden_size * (state.cache_w.shape[1] if getattr(state, "stacked", ()) else 1)
+        machine = _constants(path, width, state.cache_w.dtype, calibrate)
+        cost = HeadCost.for_path(state.rows, width, size, compact_only, path, state.capacity, machine)
         shard = getattr(state, "shard", None)  # a vocabulary-parallel head (sharded_state.ShardedActiveVocab)
         world = shard.world_size if shard is not None else 1
         collective = CollectiveCost(state.rows, state.hidden_size, state.capacity, size) if shard is not None else None

@@ -81,7 +81,8 @@ def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.T
     module = unwrap(module)
     if head is not None:
         tensors = dict(module_tensors(module))
-        name = head if head in tensors and tensors[head].dim() == 2 else f"{head}.weight"
+        # a 2-D head weight, or K Medusa heads stacked in one 3-D weight (read [K, V, H]: ActiveVocab's stacked_axes)
+        name = head if head in tensors and tensors[head].dim() in (2, 3) else f"{head}.weight"
         if name not in tensors:
             two_d = sorted(n for n, t in tensors.items() if t.dim() == 2)
             raise KeyError(f"{type(module).__name__} has no 2-D parameter or buffer {head!r}; its 2-D tensors: {two_d}")

@@ -65,7 +65,7 @@ class VocabState(FollowsWeightWrites):
     SIGNATURE = ""
 
     def _check_arguments(self, weight: Any, bias: Any, capacity: Any, num_pinned: Any, *, transposed: bool = False,
-                         **counts: Any) -> tuple[int, int, int]:
+                         stacked: tuple = (), **counts: Any) -> tuple[int, int, int]:
         """The constructors' one argument check (every state kind, sharded ones included): ``(rows, hidden,
         capacity)`` with the capacity clamped to the head's rows. A clear ``TypeError`` for arguments in the wrong
         places before anything reads their attributes (``RequestVocabs(weight, 8, 3072)`` leaves out the bias: 8
@@ -82,8 +82,19 @@ class VocabState(FollowsWeightWrites):
                 raise TypeError(f"{name} must be a positive int, got a tensor: {self.SIGNATURE}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if stacked:  # K heads stacked in one weight (axes ``stacked`` = V, K, H): one set, K rows per token
+            if weight.dim() != 3 or sorted(stacked) != [0, 1, 2]:
+                raise ValueError(f"a stacked head weight must be 3-D [K, V, H] (stacked: the positions of its V, K and "
+                                 f"H axes), got shape {tuple(weight.shape)} and stacked={stacked!r}")
+            if bias is not None:
+                raise ValueError("a stacked head has no bias in its state: add a [K, V] bias after the head")
+            rows, _, hidden = (weight.shape[d] for d in stacked)
+            capacity = min(capacity, rows)
+            check_num_pinned(num_pinned, capacity)
+            return rows, hidden, capacity
         if weight.dim() != 2:
-            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed), got shape {tuple(weight.shape)}")
+            raise ValueError(f"head weight must be 2-D [V, H] (or [H, V] transposed, or [K, V, H] stacked), got shape "
+                             f"{tuple(weight.shape)}")
         local_rows = weight.shape[1] if transposed else weight.shape[0]  # rows this weight holds
         rows, hidden = (local_rows, weight.shape[0]) if transposed else (self._head_rows(weight), weight.shape[1])
         if bias is not None and tuple(bias.shape) != (local_rows,):
@@ -147,6 +158,12 @@ class VocabState(FollowsWeightWrites):
         self._seen_versions = self._weight_versions()
 
 
+def stacked_axes(weight: torch.Tensor) -> tuple:
+    """The positions of the V, K and H axes of a stacked head weight whose graph was not seen yet: K first, V the
+    wider of the other two (a few heads of a vocabulary wider than the hidden size), as the pass reads them."""
+    return (1, 0, 2) if weight.shape[1] >= weight.shape[2] else (2, 0, 1)
+
+
 def rows_of_tokens(token_ids: torch.Tensor, token_to_row: torch.Tensor | None) -> torch.Tensor:
     """Head rows of token ids (identity without a token map); -1 where the head has no row or out of range."""
     if token_to_row is None:
@@ -194,6 +211,12 @@ class ActiveVocab(VocabState):
             not head rows.
         transposed: the weight is stored [H, R] (a head ``h @ W``): its columns are the head rows. The state
             is keyed on that stored tensor, never on a ``W.t()`` view (a new object every call).
+        stacked: the weight is K heads stacked in one 3-D tensor (Medusa heads applied by one einsum,
+            ``passes/stacked_heads.py``), given as the positions of its R, K and H axes: ``(1, 0, 2)`` for [K, R, H],
+            ``(2, 0, 1)`` for [K, H, R]. One set for the K heads, whose cache holds the K rows of each active token
+            (``cache_w [C, K, H]``); ``head_rows`` is the ``[R, K, H]`` view. No bias (a [K, R] bias is a post-op).
+            A 3-D weight given without it is read [K, R, H] or [K, H, R], R the wider axis (``stacked_axes``); a
+            compiled graph that reads it otherwise rebuilds the state in place, keeping its tokens.
     """
 
     SIGNATURE = f"ActiveVocab(weight, bias=None, capacity={DEFAULT_CAPACITY}, num_pinned=0)"
@@ -210,9 +233,13 @@ class ActiveVocab(VocabState):
         policy: str = DEFAULT_POLICY,
         token_to_row: torch.Tensor | None = None,
         transposed: bool = False,
+        stacked: tuple = (),
     ):
-        self.transposed = bool(transposed)
-        rows, hidden, capacity = self._check_arguments(weight, bias, capacity, num_pinned, transposed=self.transposed)
+        if not stacked and isinstance(weight, torch.Tensor) and weight.dim() == 3:
+            stacked = stacked_axes(weight)  # ActiveVocab(W), attach(model, head="W") of a stacked weight
+        self.transposed, self.stacked = bool(transposed), tuple(stacked)
+        rows, hidden, capacity = self._check_arguments(weight, bias, capacity, num_pinned, transposed=self.transposed,
+                                                       stacked=self.stacked)
         dev = weight.device
         # A state of the registry (state_for) holds its weight weakly: the registry maps the weight to the
         # state, so a strong reference back would keep both alive forever. A state built directly holds it.
@@ -229,7 +256,8 @@ class ActiveVocab(VocabState):
             self.ids = torch.full((capacity,), -1, dtype=torch.int64, device=dev)
             self.slot_of = torch.full((rows,), -1, dtype=torch.int32, device=dev)
             self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
-            self.cache_w = torch.zeros(capacity, hidden, dtype=weight.dtype, device=dev)
+            per_row = (weight.shape[self.stacked[1]], hidden) if self.stacked else (hidden,)  # K rows per token
+            self.cache_w = torch.zeros(capacity, *per_row, dtype=weight.dtype, device=dev)
             self.cache_b = torch.zeros(capacity, dtype=bias.dtype if bias is not None else weight.dtype, device=dev)
         self.seed_ids = None
         if seed_ids is not None:
@@ -258,7 +286,10 @@ class ActiveVocab(VocabState):
 
     @property
     def head_rows(self) -> torch.Tensor:
-        """The weight as [R, H] head rows: the weight itself, or a ``.t()`` view of a transposed one."""
+        """The weight as [R, H] head rows: the weight itself, or a ``.t()`` view of a transposed one ([R, K, H]
+        for a stacked one: ``permute(1, 0, 2)``)."""
+        if self.stacked:
+            return self.weight.permute(*self.stacked)
         return self.weight.t() if self.transposed else self.weight
 
     def is_weight(self, tensor: Any) -> bool:
@@ -377,7 +408,10 @@ class ActiveVocab(VocabState):
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether the cache still has ``weight``'s shape, dtype and device."""
         shape = tuple(weight.shape)[::-1] if self.transposed else tuple(weight.shape)
-        return (shape == (self.rows, self.hidden_size) and weight.dtype == self.cache_w.dtype
+        if self.stacked:
+            shape = tuple(shape[d] for d in self.stacked)
+        wanted = (self.rows, self.cache_w.shape[1], self.hidden_size) if self.stacked else (self.rows, self.hidden_size)
+        return (shape == wanted and weight.dtype == self.cache_w.dtype
                 and weight.device == self.cache_w.device)
 
     def differences(self, config: StateConfig) -> list[str]:
@@ -398,10 +432,10 @@ class ActiveVocab(VocabState):
         tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
         return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
 
-    def _reconfigure(self, weight, bias, config: StateConfig, transposed: bool) -> None:
+    def _reconfigure(self, weight, bias, config: StateConfig, transposed: bool, stacked: tuple = ()) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
-        fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed))
+        fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed, stacked))
         with state_lock(self.ids):  # no observe of the old tensors is lost between reading and replacing them
             kept = self.token_ids() if self.observes else None
             keep = {"_users": self._users, "generation": self.generation + 1,
@@ -486,9 +520,9 @@ def _check_token_map(token_to_row: torch.Tensor, rows: int, device) -> tuple[tor
 # as long as its weight (the state holds the weight weakly, so the entry never keeps its own key
 # alive), and nothing is stored on the tensor, so pickling, torch.save and deepcopy of a drafter,
 # its state_dict(keep_vars=True) or the weight alone never meet it. A copy gets its own state.
-def _layout(transposed: bool | None) -> dict:
+def _layout(transposed: bool | None, stacked: tuple | None = ()) -> dict:
     """The layout keyword of a state's constructor (only [V, H] states of other kinds take none)."""
-    return {"transposed": True} if transposed else {}
+    return {"stacked": tuple(stacked)} if stacked else {"transposed": True} if transposed else {}
 
 
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -497,7 +531,8 @@ VOCAB_OPTIONS = ", ".join(f.name for f in fields(VocabConfig))
 
 
 def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConfig | VocabConfig, *,
-              name: str | None = None, factory: Any = ActiveVocab, transposed: bool | None = None) -> ActiveVocab:
+              name: str | None = None, factory: Any = ActiveVocab, transposed: bool | None = None,
+              stacked: tuple | None = None) -> ActiveVocab:
     """The ActiveVocab of ``weight`` for ``config`` (a VocabConfig is resolved first). One state per head weight:
 
     * the existing one when it matches;
@@ -510,22 +545,29 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
     ``factory(weight, bias, **keywords)`` builds a new state (a vocabulary-parallel head's builds a
     :class:`nanospec_fx.parallel.sharded_state.ShardedActiveVocab`).
     ``transposed``: the weight is stored [H, V] (``h @ W``); None keeps the existing state's layout (else [V, H]).
+    ``stacked``: the weight is K heads in one 3-D tensor, the positions of its V, K and H axes (one set for the K
+    heads; ``ActiveVocab``); a 3-D weight is read stacked by every graph, a 2-D one never.
     """
     if isinstance(config, VocabConfig):
         config = resolve(config)
     with _LOCK:
         state = registered_state(weight)
         if state is None:
-            state = factory(weight, bias, **config.keywords(), **_layout(transposed))
+            state = factory(weight, bias, **config.keywords(), **_layout(transposed, stacked))
             state._weight_strong = None  # the registry keys it by the weight: hold the weight weakly
             _REGISTRY[weight] = state
             return state
         layout = state.transposed if transposed is None else bool(transposed)
+        stack = tuple(stacked) if stacked else getattr(state, "stacked", ())
+        if stack != getattr(state, "stacked", ()):  # [K, V, H] read as [K, H, V]: a square stack, another layout
+            diffs_layout = [f"the stacked weight's axes (V, K, H at {stack}, not {getattr(state, 'stacked', ())})"]
+        else:
+            diffs_layout = []
         if bias is not state.bias and state.fits(weight) and state.bias_fits(bias) and layout == state.transposed:
             state.set_bias(bias)  # the head's bias was replaced by a tensor of the same shape: follow it
-        if layout == state.transposed and state.matches(weight, bias, config):
+        if layout == state.transposed and not diffs_layout and state.matches(weight, bias, config):
             return state
-        diffs = state.differences(config)
+        diffs = state.differences(config) + diffs_layout
         if layout != state.transposed:
             diffs.append(f"the weight's layout ({'[H, V]' if layout else '[V, H]'}: the weight is read "
                          f"{'transposed' if layout else 'as stored'} by this graph)")
@@ -539,7 +581,7 @@ def state_for(weight: torch.Tensor, bias: torch.Tensor | None, config: StateConf
                 f"wrapper (and target observer) of this head with the same vocabulary options ({VOCAB_OPTIONS}), "
                 "or drop the other wrapper first (torch._dynamo.reset())."
             )
-        state._reconfigure(weight, bias, config, layout)
+        state._reconfigure(weight, bias, config, layout, stack)
         return state
 
 

@@ -41,6 +41,6 @@ def test_tensor_parallel_example():
 @pytest.mark.slow
 def test_head_layouts_example():
     out = run("examples/head_layouts.py")
-    for kind in ("[H, V] weight", "int8 weight-only", "weight_norm"):
+    for kind in ("[H, V] weight", "Medusa [K, V, H]", "int8 weight-only", "weight_norm"):
         assert f"{kind:18s} rewritten, exact: True, active tokens: 4" in out
     assert "column-normalised  dense: True" in out

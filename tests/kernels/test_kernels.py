@@ -112,6 +112,32 @@ def test_observe_transposed_weight(device):
     assert_same_state(got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axes", [(1, 0, 2), (2, 0, 1)])
+def test_observe_stacked_weight(device, axes):
+    """K heads stacked in one weight (``ActiveVocab(stacked=...)``): ``weight`` is its [V, K, H] view, the cache
+    [C, K, H]; each token's K rows are copied (one launch per head), as the reference and the host path do."""
+    vocab, heads, hidden, capacity = 50, 3, 9, 12
+    stored = torch.randn(*[(vocab, heads, hidden)[axes.index(d)] for d in range(3)], device=device)
+    w = stored.permute(*axes)  # [V, K, H], strided
+    t = torch.tensor([4, 9, 4, 49, 0, 17], device=device)
+
+    def state():
+        s = make_state(vocab, hidden, capacity, torch.float32, device)
+        s[3] = torch.zeros(capacity, heads, hidden, device=device)
+        return s
+
+    got, want, host = state(), state(), state()
+    run(T.observe, t, w, None, *got, 1)
+    R.observe(t, w, None, *want, 1)
+    assert_same_state(got, want)
+    assert torch.equal(want[3][want[1][9].long()], w[9])  # token 9's K rows, in its slot
+    if device == "cpu":
+        from nanospec_fx.kernels import host as HOST
+        HOST.observe(t, w, None, *host, 1)
+        assert_same_state(host, want)
+
+
 # --------------------------------------------------------------------------- head
 def filled_state(vocab, hidden, capacity, n_tokens, dtype, device, with_bias, seed):
     g = torch.Generator().manual_seed(seed)

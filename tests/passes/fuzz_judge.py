@@ -189,9 +189,10 @@ def _state(model):
 def _extra_states(model) -> list:
     """The state of each extra head (several-heads block), None where it has none or none of its graphs ran."""
     states = []
-    for head in model.extra_heads:
+    weights = [head.weight for head in model.extra_heads] + ([model.stacked_W] if model.recipe.stacked else [])
+    for weight in weights:  # stacked heads: one weight, one state (one set for the K heads)
         try:
-            state = nanospec_fx.active_vocab(head.weight)
+            state = nanospec_fx.active_vocab(weight)
         except LookupError:
             state = None
         states.append(state if state is not None and pass_reports.reports(state) else None)

@@ -65,7 +65,7 @@ def test_every_field_of_a_head_match_is_mapped():
     g, node_map = _graph_and_copy()
     x, w, b, s, y, z = list(g.nodes)[:6]
     head = HeadMatch(w, [y], "lm_head.weight", 97, 8, biases=[b], module_path="lm_head", reach="selection",
-                     transposed=True, sources=[s])
+                     transposed=True, sources=[s], stacked=(1, 0, 2))
     _every_field_set(head)
     _check_mapped(head, map_nodes(head, node_map), node_map)
 
@@ -75,7 +75,7 @@ def test_every_field_of_a_gathered_head_is_mapped_exchanges_included():
     x, w, b, s, y, z = list(g.nodes)[:6]
     exchange = Exchange(y, [z], 2, "group", 3, {z: 1}, nodes=[z], dtensor_input=x, proj=y, head_nodes=[s])
     head = GatheredHead(w, [y], "lm_head.weight", 97, 8, biases=[b], module_path="lm_head", reach="selection",
-                        transposed=True, sources=[s], world_size=2, group_name="group", shard_rows=49,
+                        transposed=True, sources=[s], stacked=(1, 0, 2), world_size=2, group_name="group", shard_rows=49,
                         exchanges={y: exchange})
     _every_field_set(head)
     mapped = map_nodes(head, node_map)
