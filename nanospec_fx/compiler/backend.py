@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.compiler.execute import execute
-from nanospec_fx.compiler.options import option_error
+from nanospec_fx.compiler.options import hold_options, option_error
 from nanospec_fx.compiler.plan import CompilePlan
 from nanospec_fx.diagnostics.limits import record_compiled_frame
 from nanospec_fx.passes import HeadSelectionError
@@ -31,6 +31,7 @@ def nanospec_backend(
     gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None, **_: Any
 ) -> Callable:
     """torch.compile backend: rewrite the LM head to the active vocabulary, compile the rest."""
+    hold_options(options)  # the caller's dict, which torch.compile compares with ==: no tensor left in it
     record_compiled_frame()
     diagnosis.backend_called()
     try:

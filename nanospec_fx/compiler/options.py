@@ -77,7 +77,7 @@ class NanoSpecOptions:
     def _parse(cls, options: dict | None) -> "NanoSpecOptions":
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"options must be a dict, got {type(options).__name__}")
-        options = dict(options or {})
+        options = {k: v.value if isinstance(v, HeldOption) else v for k, v in (options or {}).items()}
         names = option_names()
         ours = {k: options.pop(k) for k in list(options) if k in names}
         unknown = [k for k in options if not _is_inductor_key(k)]
@@ -103,6 +103,43 @@ class NanoSpecOptions:
                 "observe_topk and vocab go together: options={'observe_topk': 3, 'vocab': drafter}")
         require(isinstance(self.observe_prompt, bool), f"observe_prompt must be a bool, got {self.observe_prompt!r}")
         require(isinstance(self.inductor, bool), f"inductor must be a bool, got {self.inductor!r}")
+
+
+class HeldOption:
+    """An option value that is not a plain scalar (a tensor, a FrequencyTable, a list of ids), as the backend leaves
+    it in the caller's ``options`` dict: compared by identity.
+
+    ``torch.compile`` keeps that dict and Dynamo compares two compiled functions' options with ``==`` when it picks a
+    cache entry (a second drafter of the same class compiled with its own ``draft_to_target``): a tensor answers
+    elementwise, and the comparison raised "Boolean value of Tensor with more than one value is ambiguous" at that
+    drafter's first call. Held, two options are equal only when they are the same object (otherwise Dynamo compiles
+    again, which is always right)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HeldOption) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return f"HeldOption({self.value!r})"
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def hold_options(options: dict | None) -> None:
+    """Replace, in place, every value of ``options`` that is not a plain scalar by a :class:`HeldOption` (the parse
+    unwraps them): the dict is the one ``torch.compile`` compares (see :class:`HeldOption`)."""
+    if isinstance(options, dict):
+        for key, value in list(options.items()):
+            if not isinstance(value, (_SCALARS, HeldOption)):
+                options[key] = HeldOption(value)
 
 
 def option_names() -> set[str]:

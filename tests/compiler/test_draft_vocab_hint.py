@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import nanospec_fx
 from helpers import compile_nanospec
+from nanospec_fx.compiler.options import HeldOption
 
 V, R, H = 120, 30, 8
 
@@ -78,3 +79,30 @@ def test_a_buffer_that_is_not_a_row_map_is_not_named(dtype, values):
     message = " ".join(str(w.message) for w in caught)
     assert "integer buffer" not in message
     assert "draft_to_target" in message  # the generic remedy for a narrower head is still named
+
+
+def test_two_drafters_each_with_its_own_tensor_option():
+    """Two drafters of one class, each ``torch.compile``d with its own ``draft_to_target`` tensor: Dynamo compares the
+    second's options with the first's cache entry's with ``==`` at its first call, which a tensor answered elementwise
+    ("Boolean value of Tensor ... is ambiguous", a crash where eager runs). Both run rewritten, each exact on its own
+    set; the caller's dict then holds the tensor it was given in a ``HeldOption`` (compared by identity)."""
+    torch._dynamo.reset()
+    models = [Eagle3().eval(), Eagle3().eval()]
+    with torch.no_grad():
+        models[1].lm_head.weight.mul_(2)  # another drafter: other logits
+    maps = [torch.arange(R) + m.d2t for m in models]
+    options = [{"inductor": False, "capacity": 16, "draft_to_target": d2t, "target_vocab_size": V}
+               for d2t in maps]
+    compiled = [torch.compile(m, backend="nanospec", options=o) for m, o in zip(models, options)]
+    targets = _targets(models[0])
+    for i, (model, fn) in enumerate(zip(models, compiled)):
+        ids = targets[[1, 4, 9 + i]].unsqueeze(0)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", nanospec_fx.NanoSpecWarning)
+            out = fn(ids)
+            dense = model(ids)
+        rows = torch.zeros(R, dtype=torch.bool)
+        rows[[1, 4, 9 + i]] = True
+        torch.testing.assert_close(out, dense.masked_fill(~rows, float("-inf")))
+    held = options[0]["draft_to_target"]
+    assert isinstance(held, HeldOption) and held.value is maps[0] and options[0]["capacity"] == 16
