@@ -308,7 +308,7 @@ def test_both_state_classes_check_their_arguments_alike(kind):
         with pytest.raises(ValueError, match=rf"capacity must be a positive int, got {capacity!r}"):
             kind(weight, capacity=capacity)
     with pytest.raises(ValueError, match=r"head weight must be 2-D"):
-        kind(torch.randn(2, V, H))
+        kind(torch.randn(2, 2, V, H))  # 3-D is a stacked head for ActiveVocab
     with pytest.raises(ValueError, match=rf"head bias must have shape \({V},\)"):
         kind(weight, torch.zeros(V + 1))
     with pytest.raises(ValueError, match=r"num_pinned must be in \[0, capacity=4\), got 4"):
