@@ -31,10 +31,6 @@ def _mask_unfilled(region: Region, user: fx.Node, logits: fx.Node) -> None:
     user.replace_input_with(logits, masked)
 
 
-#: methods that only cast (or copy) a tensor: a floating result keeps every -inf an -inf
-_CASTS = {"float", "half", "bfloat16", "double", "to", "contiguous"}
-
-
 def _unfilled_already_inf(region: Region, user: fx.Node, logits: fx.Node) -> bool:
     """Whether ``user`` reads the projection's ``compact_logits`` as the op returned them, maybe cast to a floating
     dtype, with nothing else reading them (so nothing wrote them in place, ``clamp_``): every implementation returns
@@ -46,7 +42,8 @@ def _unfilled_already_inf(region: Region, user: fx.Node, logits: fx.Node) -> boo
             return False
         if node is region.compact:
             return True
-        if not (node.op == "call_method" and node.target in _CASTS and node.all_input_nodes == [node.args[0]]):
+        if not (node.op == "call_method" and node.target in patterns.CAST_METHODS
+                and node.all_input_nodes == [node.args[0]]):  # one input: type_as(other) reads another tensor
             return False
         value = patterns.example_value(node)
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
