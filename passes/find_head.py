@@ -173,7 +173,7 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
         if not chosen:
             raise HeadSelectionError(
                 f"nanospec: options['head']={head!r} matches no projection in this graph. "
-                f"Candidates: {_describe(groups) or 'none (no linear/matmul/einsum with a 2-D parameter weight)'}"
+                f"Candidates: {_describe(groups) or _NO_CANDIDATE}"
             )
         return _unique(chosen)
     reaching = {g: g.reach for g in groups if g.reach}
@@ -272,6 +272,9 @@ def _unique(heads: list[HeadMatch]) -> list[HeadMatch]:
             "torch.compile(..., backend='nanospec', options={'head': '<name>'})"
         )
     return heads
+
+
+_NO_CANDIDATE = "none (no linear/matmul/einsum with a 2-D parameter weight, or a 3-D one of stacked heads)"
 
 
 def _describe(heads: list[HeadMatch]) -> str:

@@ -22,7 +22,7 @@ from .contract import DenseFallback, ObserveInto, StateNodes
 from .graph import ancestors, describe, downstream, precedes, where
 from .lookups import Lookup, sharded_token_lookups, table_lookups, token_id_lookups
 from .patterns import set_example_value
-from .stacked_heads import COMPACT_OF, stacked_parts
+from .stacked_heads import compact_cursor, stacked_parts
 
 
 def insert_observe(graph: fx.Graph, ids: fx.Node, into: ObserveInto) -> fx.Node:
@@ -264,7 +264,7 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         compact = n.meta.get("nanospec_compact")
-        if compact in present and _cursor_of(compact) is state.cursor and (
+        if compact in present and compact_cursor(compact) is state.cursor and (
                 state.ids in n.all_input_nodes or state.cursor in n.all_input_nodes):
             groups.setdefault(compact, []).append(n)
     taken = 0
@@ -299,11 +299,6 @@ def snapshot_state_reads(graph: fx.Graph, state: StateNodes, grad: bool = False)
                     compact.replace_input_with(cached, copy)
         taken += 1
     return taken
-
-
-def _cursor_of(compact: fx.Node) -> fx.Node:
-    """The cursor a head's compact logits read: the ``compact_logits`` op's, or a stacked head's (its meta)."""
-    return compact.meta[COMPACT_OF] if COMPACT_OF in compact.meta else op_arg(compact, "cursor")
 
 
 def insert_topk_observers(graph: fx.Graph, head_nodes: list[fx.Node], k: int, into: ObserveInto,

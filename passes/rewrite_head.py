@@ -46,7 +46,7 @@ from .lora_delta import delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
-from .stacked_heads import COMPACT_OF, compact_stacked, match_stacked, to_head_layout
+from .stacked_heads import compact_cursor, compact_stacked, match_stacked, to_head_layout
 
 
 DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
@@ -166,8 +166,7 @@ def _other_heads_logits(graph: fx.Graph, own: list, state: StateNodes, vocab: in
     """Nodes computed from the logits of a projection onto the vocabulary other than ``own`` (this head's, which
     read its state): another head, rewritten (its nanospec ops read another state) or not."""
     others = [n for n in graph.nodes if n not in own and (
-        (is_op(n, "compact_logits") or is_op(n, "head_logits")) and op_arg(n, "cursor") is not state.cursor
-        or n.meta.get(COMPACT_OF, state.cursor) is not state.cursor  # another stacked head's compact logits
+        compact_cursor(n) not in (None, state.cursor)  # another rewritten head's compact logits (a stacked one too)
         or (projections.match_projection(n) is not None or match_stacked(n) is not None) and patterns.tensor_shape(n)
         and patterns.tensor_shape(n)[-1] == vocab and n.meta.get(DELTA_OF) is not state.cursor)]
     if not others:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from nanospec_fx.kernels.schema import is_op, op_arg
+
 from .graph import node_name
 from .patterns import MATMUL_TARGETS, is_call, known_equal, tensor_shape
 from .projections import EINSUM_TARGETS, BMM_TARGETS
@@ -249,6 +251,16 @@ def stacked_parts(compact: fx.Node) -> list[fx.Node]:
     """The nodes computing a stacked head's compact logits before ``compact`` (the mask), in graph order, the first
     one first (state snapshots go before it); empty for any other node."""
     return [n for n in compact.meta.get(_PARTS, ()) if n.graph is compact.graph]
+
+
+def compact_cursor(node: fx.Node) -> fx.Node | None:
+    """The cursor of the state a head's compact logits read: a ``compact_logits`` or ``head_logits`` op's argument,
+    or a stacked head's compact einsum's (its meta); None for any other node."""
+    if node.meta.get(COMPACT_OF) is not None:
+        return node.meta[COMPACT_OF]
+    if is_op(node, "compact_logits") or is_op(node, "head_logits"):
+        return op_arg(node, "cursor")
+    return None
 
 
 def stacked_call(node: fx.Node) -> bool:

@@ -45,9 +45,9 @@ def active_vocab(module: nn.Module | torch.Tensor, head: str | None = None) -> A
             if created is not None:
                 return created
         known = sorted({n for names in found.values() for n in names})
-        candidates = sorted(n for n, t in module_tensors(module) if t.dim() == 2)
         raise KeyError(f"no single active vocabulary for head {head!r}; names of heads with one: {known or 'none'}; "
-                       f"the 2-D parameters and buffers of {type(module).__name__} it may name: {candidates or 'none'}")
+                       f"the parameters and buffers of {type(module).__name__} it may name (2-D, or 3-D: heads "
+                       f"stacked in one weight): {_head_candidates(module) or 'none'}")
     if not found:
         if wrapper is None:
             created = _create_on_demand(module, None)
@@ -74,6 +74,11 @@ def _create_on_demand(module: nn.Module, head: str | None) -> ActiveVocab | None
         return None
 
 
+def _head_candidates(module: nn.Module) -> list[str]:
+    """The names of the tensors a ``head=`` may name: 2-D (one head) or 3-D (K heads stacked in one weight)."""
+    return sorted(n for n, t in module_tensors(module) if t.dim() in (2, 3))
+
+
 def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight, bias)`` of a model's LM head: the parameter or buffer named ``head`` (``"lm_head.weight"``,
     or the module ``"lm_head"``; its bias beside it) or, without a name, ``get_output_embeddings()``
@@ -84,8 +89,8 @@ def head_parameters(module: nn.Module, head: str | None = None) -> tuple[torch.T
         # a 2-D head weight, or K Medusa heads stacked in one 3-D weight (read [K, V, H]: ActiveVocab's stacked_axes)
         name = head if head in tensors and tensors[head].dim() in (2, 3) else f"{head}.weight"
         if name not in tensors:
-            two_d = sorted(n for n, t in tensors.items() if t.dim() == 2)
-            raise KeyError(f"{type(module).__name__} has no 2-D parameter or buffer {head!r}; its 2-D tensors: {two_d}")
+            raise KeyError(f"{type(module).__name__} has no parameter or buffer {head!r} of 2 dims (a head) or 3 "
+                           f"(heads stacked in one weight); its tensors of 2 or 3 dims: {_head_candidates(module)}")
         bias = tensors.get(name.rsplit(".", 1)[0] + ".bias") if name.endswith(".weight") else None
         return tensors[name], bias
     get_head = getattr(module, "get_output_embeddings", None)

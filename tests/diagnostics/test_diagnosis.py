@@ -284,6 +284,16 @@ def test_active_vocab_lists_the_candidate_heads_of_a_name_it_does_not_know():
     assert "embed.weight" in str(error.value)
 
 
+def test_active_vocab_lists_stacked_head_weights_among_the_candidates():
+    """A 3-D weight is K heads stacked in one tensor, so a name that matches nothing lists it; a 4-D one is no head."""
+    model = torch.nn.Module()
+    model.heads = torch.nn.Parameter(torch.randn(2, 16, 8))
+    model.conv = torch.nn.Parameter(torch.randn(1, 2, 3, 4))
+    with pytest.raises(KeyError, match="nope") as error:
+        nanospec_fx.active_vocab(model, head="nope")
+    assert "'heads'" in str(error.value) and "conv" not in str(error.value)
+
+
 def test_a_failed_compile_is_no_diagnosis_of_another_instance():
     """A bad option raises to its caller: it is not said later as another never-compiled instance's cause."""
     failed, other = Prefill().eval(), Prefill().eval()
