@@ -432,12 +432,25 @@ class ActiveVocab(VocabState):
         tensors = self.tensors() + ([self.token_to_row] if self.token_to_row is not None else [])
         return [(tuple(t.shape), t.dtype, t.device) for t in tensors] + [self.bias is None]
 
+    def _tokens_oldest_first(self) -> torch.Tensor:
+        """The active tokens in the order re-observing them rebuilds this set: the pinned slots, then the ring from its
+        oldest insertion (the slot the next insertion claims) to its newest. Slot order is that order only until the
+        ring wraps; after it, re-observing in slot order would make the newest token the next one evicted."""
+        cursor, ring = int(self.cursor), self.capacity - self.num_pinned
+        if cursor <= self.capacity:
+            slots = torch.arange(min(cursor, self.capacity))
+        else:
+            oldest = (cursor - self.num_pinned) % ring
+            slots = torch.cat([torch.arange(self.num_pinned), self.num_pinned + (oldest + torch.arange(ring)) % ring])
+        rows = self.ids[slots.to(self.ids.device)]
+        return self._tokens_of(rows[rows >= 0])
+
     def _reconfigure(self, weight, bias, config: StateConfig, transposed: bool, stacked: tuple = ()) -> None:
         """Rebuild in place (same object, new tensors) keeping the active tokens, so that every
         handle the user holds stays valid. The new configuration is validated before anything changes."""
         fresh = self._fresh_factory()(weight, bias, **config.keywords(), **_layout(transposed, stacked))
         with state_lock(self.ids):  # no observe of the old tensors is lost between reading and replacing them
-            kept = self.token_ids() if self.observes else None
+            kept = self._tokens_oldest_first() if self.observes else None
             keep = {"_users": self._users, "generation": self.generation + 1,
                     "_weight_strong": fresh._weight_strong if self._weight_strong is not None else None}
             self.__dict__.update(fresh.__dict__)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import nanospec_fx
 from nanospec_fx.vocab.state import ActiveVocab, state_for
 from nanospec_fx.vocab.config import VocabConfig
+from nanospec_fx.vocab.ring_model import RingModel
 from drafters import TinyDrafter
 from helpers import compile_nanospec
 
@@ -123,6 +124,25 @@ def test_state_for_reuses_and_rebuilds():
     a.observe([3, 1])
     b = state_for(w, None, VocabConfig(capacity=5))  # no compiled wrapper reads it: rebuilt in place, tokens kept
     assert b is a and b.capacity == 5 and b.token_ids().tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("num_pinned", [0, 2])
+@pytest.mark.parametrize("insertions", [3, 6, 9, 14])  # before the ring fills, at its end, after one wrap, two
+def test_a_rebuild_in_place_keeps_the_ring_age_order(num_pinned, insertions):
+    """A state rebuilt in place (the head's dtype changed) evicts next what it would have evicted without the rebuild:
+    the ring's oldest token, not the token of its first slot. The plain-Python ring is the oracle."""
+    w = nn.Parameter(torch.randn(40, 4))
+    config = VocabConfig(capacity=6, num_pinned=num_pinned)
+    state, ring = state_for(w, None, config), RingModel(6, num_pinned)
+    for token in range(insertions):
+        state.observe([token])
+        ring.observe([token])
+    w.data = w.data.double()
+    assert state_for(w, None, config) is state and state.cache_w.dtype == torch.float64  # rebuilt in place
+    for token in range(20, 28):  # each new token evicts the oldest
+        state.observe([token])
+        ring.observe([token])
+        assert sorted(state.token_ids().tolist()) == sorted(ring.slot_of), token
 
 
 def test_active_vocab_lookup_from_compiled_and_original_module():
