@@ -31,7 +31,14 @@ class FrequencyTable:
     counts: torch.Tensor  # int64 [V]
 
     def __post_init__(self):
-        self.counts = torch.as_tensor(self.counts, dtype=torch.int64).flatten().cpu()
+        counts = torch.as_tensor(self.counts).flatten().cpu()
+        if counts.dtype == torch.bool or counts.is_complex():
+            raise TypeError(f"frequency counts must be numbers of occurrences, one per token id, not {counts.dtype}")
+        if counts.is_floating_point() and not (torch.isfinite(counts).all() and (counts == counts.round()).all()):
+            # probabilities cast to int64 would all be 0: the set would be the first ids, not the frequent ones
+            raise ValueError("frequency counts must be whole numbers of occurrences; got fractional values (scale "
+                             "probabilities first, e.g. (p * 1e6).round())")
+        self.counts = counts.to(torch.int64)
         if (self.counts < 0).any():
             raise ValueError("frequency counts must be non-negative")
 
@@ -55,10 +62,12 @@ class FrequencyTable:
         size = vocab_size or len(tokenizer)
         return cls.from_token_ids((tokenizer.encode(t) for t in texts), size)
 
-    def top(self, n: int) -> torch.Tensor:
-        """The ``n`` most frequent token ids, most frequent first (ties: smaller id first)."""
-        n = min(n, self.vocab_size)
+    def top(self, n: int, among: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``n`` most frequent token ids, most frequent first (ties: smaller id first); with ``among`` (a bool
+        mask over the table's ids), the most frequent of those ids only (fewer when fewer are there)."""
         order = torch.argsort(-self.counts, stable=True)
+        if among is not None:
+            order = order[among[order]]
         return order[:n].clone()
 
     def save(self, path: str | Path) -> None:
@@ -73,6 +82,7 @@ class FrequencyTable:
             raise ValueError(f"{path} is not a nanospec-fx frequency table "
                              f"(first line must be '{_HEADER} vocab_size=V')")
         counts = torch.zeros(int(lines[0].split("vocab_size=")[1]), dtype=torch.int64)
+        seen = set()
         for n, line in enumerate(lines[1:], start=2):
             if not line.strip():
                 continue
@@ -80,6 +90,11 @@ class FrequencyTable:
                 token, count = (int(v) for v in line.split())
             except ValueError:
                 raise ValueError(f"{path}:{n}: expected 'token_id count', got {line!r}") from None
+            if not 0 <= token < counts.numel() or count < 0 or token in seen:
+                why = ("a token id outside [0, vocab_size)" if not 0 <= token < counts.numel()
+                       else "a negative count" if count < 0 else "a token id listed twice")
+                raise ValueError(f"{path}:{n}: {why} (vocab_size={counts.numel()}): {line!r}")
+            seen.add(token)
             counts[token] = count
         return cls(counts)
 
@@ -101,19 +116,34 @@ def as_frequency_table(frequencies, policy: str) -> FrequencyTable:
 
 def resolve(config: VocabConfig) -> StateConfig:
     """What ``config`` asks of an ActiveVocab once its policy is applied (reads the frequencies; clear errors)."""
+    rows = token_to_row(config.draft_to_target, config.target_vocab_size)
     if config.policy == "context":
         state = StateConfig(config.capacity, config.num_pinned, policy=config.policy)
     else:
         table = as_frequency_table(config.frequencies, config.policy)
+        # a head over a draft vocabulary can hold only the tokens it has a row for: the seeds are the most frequent
+        # of those (a seed without a row would leave its slot to the context, and a static set larger than the head)
+        has_row = None if rows is None else _has_row(rows, table.vocab_size)
         if config.policy == "static":
-            state = StateConfig(config.static_size, 0, seed_ids=table.top(config.static_size), observes=False,
-                                policy=config.policy)
+            seeds = table.top(config.static_size, has_row)
+            require(seeds.numel() > 0, "static policy with draft_to_target: no token of the frequency table has a "
+                                       "head row (is the table counted over the target's vocabulary?)")
+            state = StateConfig(config.static_size, 0, seed_ids=seeds, observes=False, policy=config.policy)
         else:
             require(0 < config.pinned_size < config.capacity,
                     f"hybrid policy: pinned_size must be in (0, capacity={config.capacity}), got {config.pinned_size}")
-            state = StateConfig(config.capacity, config.pinned_size, seed_ids=table.top(config.pinned_size),
-                                policy=config.policy)
-    return replace(state, token_to_row=token_to_row(config.draft_to_target, config.target_vocab_size))
+            seeds = table.top(config.pinned_size, has_row)
+            state = StateConfig(config.capacity, seeds.numel(), seed_ids=seeds, policy=config.policy)
+    return replace(state, token_to_row=rows)
+
+
+def _has_row(rows: torch.Tensor, table_size: int) -> torch.Tensor:
+    """Which ids of a frequency table of ``table_size`` ids have a row in a draft-vocabulary head (``rows``, the
+    token -> row map)."""
+    known = torch.zeros(table_size, dtype=torch.bool)
+    n = min(table_size, rows.numel())
+    known[:n] = rows[:n] >= 0
+    return known
 
 
 def token_to_row(draft_to_target, target_vocab_size: int | None = None) -> torch.Tensor | None:
@@ -126,6 +156,10 @@ def token_to_row(draft_to_target, target_vocab_size: int | None = None) -> torch
     size = target_vocab_size or int(d2t.max()) + 1
     if int(d2t.max()) >= size:
         raise ValueError(f"draft_to_target has ids >= target_vocab_size={size}")
+    unique, counts = torch.unique(d2t, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"draft_to_target maps several head rows to one target token id "
+                         f"({unique[counts > 1][:8].tolist()}): one row per token, or a row could never be active")
     t2r = torch.full((size,), -1, dtype=torch.int64)
     t2r[d2t] = torch.arange(d2t.numel())
     return t2r

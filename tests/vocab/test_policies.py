@@ -112,3 +112,48 @@ def test_draft_vocabulary_lives_in_target_id_space():
     torch.testing.assert_close(logits[..., rows_active], model(ids)[..., rows_active])
     state.observe(d2t[10:12])  # observe takes target ids
     assert state.contains(d2t[10:12]).all()
+
+
+def test_frequencies_that_are_not_counts_are_refused(tmp_path):
+    """Probabilities cast to int64 would all be 0 (the set would be the first ids), a mask is no count, and a table
+    file's bad line is named by its line number instead of being read as another token's count."""
+    with pytest.raises(ValueError, match="whole numbers"):
+        FrequencyTable(torch.tensor([0.0, 0.5, 0.3, 0.2]))
+    with pytest.raises(TypeError, match="numbers of occurrences"):
+        FrequencyTable(torch.tensor([True, False]))
+    assert FrequencyTable(torch.tensor([0.0, 3.0, 1.0])).top(1).tolist() == [1]  # whole floats are counts
+    for line, why in [("-1 100", "outside"), ("8 1", "outside"), ("2 -3", "negative count"), ("1 4", "twice")]:
+        path = tmp_path / "freq.txt"
+        path.write_text(f"# nanospec-fx frequency table vocab_size=8\n1 2\n{line}\n")
+        with pytest.raises(ValueError, match=rf"freq.txt:3: .*{why}"):
+            FrequencyTable.load(path)
+
+
+def test_a_draft_vocabulary_with_a_repeated_target_id_is_refused():
+    with pytest.raises(ValueError, match=r"several head rows to one target token id \(\[2\]\)"):
+        nanospec_fx.vocab.policies.token_to_row([0, 2, 2, 5], 8)
+
+
+def test_static_and_hybrid_sets_over_a_draft_vocabulary_seed_tokens_the_head_has():
+    """Seeds are target ids; only those with a head row can be active. The static set is the most frequent of those
+    (the default static_size, larger than the head, fits); the hybrid core pins as many of them as it seeds, so no
+    context token takes a pinned slot (the plain-Python ring with that core is the oracle)."""
+    from nanospec_fx.vocab.config import VocabConfig
+    from nanospec_fx.vocab.ring_model import RingModel
+    from nanospec_fx.vocab.state import state_for
+
+    target_vocab, d2t = 20, torch.arange(0, 16, 2)  # head row r predicts target token 2r: the odd ids have no row
+    counts = torch.zeros(target_vocab, dtype=torch.int64)
+    counts[[1, 0, 3, 4, 6]] = torch.tensor([9, 8, 7, 6, 5])
+    common = dict(frequencies=counts, draft_to_target=d2t, target_vocab_size=target_vocab)
+    weights = torch.randn(8, 4), torch.randn(8, 4)  # held: a state holds its head weight weakly
+    static = state_for(weights[0], None, VocabConfig(policy="static", **common))
+    assert static.token_ids().tolist() == [0, 4, 6, 2, 8, 10, 12, 14]  # by count, then by id; every row fits
+    hybrid = state_for(weights[1], None, VocabConfig(policy="hybrid", pinned_size=2, capacity=4, **common))
+    assert hybrid.token_ids().tolist() == [0, 4]
+    ring = RingModel(4, num_pinned=2)
+    ring.observe([0, 4])
+    for token in (10, 12, 14, 6, 8):
+        hybrid.observe([token])
+        ring.observe([token])
+        assert sorted(hybrid.token_ids().tolist()) == sorted(ring.slot_of), token
