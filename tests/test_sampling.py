@@ -12,7 +12,7 @@ import torch
 
 from nanospec_fx.sampling import SpeculativeSampler
 from nanospec_fx.testing import (
-    ChiSquareResult, assert_same_distribution, chi2_sf, chi_square_test, sequence_distribution,
+    ChiSquareResult, assert_same_distribution, chi2_sf, chi_square_test, sequence_cells, sequence_distribution,
     two_sample_chi_square_test,
 )
 
@@ -171,6 +171,19 @@ def test_two_sample_test_compares_with_samples_of_the_target_alone():
     c = torch.multinomial(other, 3000, True, generator=g)
     assert isinstance(assert_same_distribution(a, reference_samples=b, vocab_size=10), ChiSquareResult)
     assert two_sample_chi_square_test(c, b, 10).rejected
+
+
+def test_two_sample_test_sees_every_token_of_long_sequences_over_a_large_vocabulary():
+    """Sequences are numbered by what was seen, not by a base-V index: at V = 128256 and L = 9 that index wraps past
+    int64 (V**8 is a multiple of 2**64) and two samples whose first tokens always differ would pass."""
+    g = torch.Generator().manual_seed(0)
+    vocab, rest = 128256, torch.randint(0, 3, (2000, 8), generator=g)
+    a = torch.cat([torch.zeros(2000, 1, dtype=torch.long), rest], 1)
+    b = torch.cat([torch.full((2000, 1), 5), rest[torch.randperm(2000, generator=g)]], 1)
+    assert two_sample_chi_square_test(a, b, vocab).rejected
+    assert not two_sample_chi_square_test(a, a[torch.randperm(2000, generator=g)], vocab).rejected
+    with pytest.raises(ValueError, match="do not fit int64"):
+        sequence_cells(a, vocab)
 
 
 def test_sequence_distribution_enumerates_prefixes():

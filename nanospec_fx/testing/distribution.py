@@ -52,7 +52,9 @@ def chi2_sf(statistic: float, dof: int) -> float:
 
 
 def sequence_cells(samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Cell index of each sampled sequence: ``samples [N, L]`` (or ``[N]``) -> ``[N]`` in ``[0, V**L)``."""
+    """Cell index of each sampled sequence: ``samples [N, L]`` (or ``[N]``) -> ``[N]`` in ``[0, V**L)``.
+    Refuses a ``V**L`` past int64 (the index would wrap: sequences that differ would share a cell); the two-sample
+    test numbers only the sequences it sees (:func:`sample_cells`)."""
     samples = torch.as_tensor(samples).long().cpu()
     if samples.dim() == 1:
         samples = samples[:, None]
@@ -60,8 +62,28 @@ def sequence_cells(samples: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"samples must be [N] or [N, L] token ids, got shape {tuple(samples.shape)}")
     if samples.numel() and (samples.min() < 0 or samples.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got {int(samples.min())}..{int(samples.max())}")
+    if vocab_size ** samples.shape[1] > 2 ** 63:
+        raise ValueError(f"{vocab_size}**{samples.shape[1]} sequences do not fit int64 cell indices; compare two "
+                         "samples with two_sample_chi_square_test, which numbers only the sequences it sees")
     weights = vocab_size ** torch.arange(samples.shape[1] - 1, -1, -1, dtype=torch.int64)
     return (samples * weights).sum(-1)
+
+
+def sample_cells(*samples: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:
+    """One cell per distinct sequence seen in any of ``samples`` (each ``[N, L]`` or ``[N]``, ids checked in
+    ``[0, V)``), numbered ``0 .. D-1``: the cells of each sample. Exact at any V and L, where a base-V index would
+    wrap past int64."""
+    rows = [torch.as_tensor(s).long().cpu() for s in samples]
+    rows = [r[:, None] if r.dim() == 1 else r for r in rows]
+    for r in rows:
+        if r.dim() != 2:
+            raise ValueError(f"samples must be [N] or [N, L] token ids, got shape {tuple(r.shape)}")
+        if r.numel() and (r.min() < 0 or r.max() >= vocab_size):
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got {int(r.min())}..{int(r.max())}")
+    if len({r.shape[1] for r in rows}) > 1:
+        raise ValueError(f"the samples' sequences differ in length: {[r.shape[1] for r in rows]}")
+    _, cells = torch.unique(torch.cat(rows), dim=0, return_inverse=True)
+    return list(cells.split([r.shape[0] for r in rows]))
 
 
 def _pool(observed: list[torch.Tensor], expected: list[torch.Tensor], min_expected: float):
@@ -122,10 +144,10 @@ def two_sample_chi_square_test(samples: torch.Tensor, reference_samples: torch.T
     For targets too large for :func:`sequence_distribution`: compare speculative samples with
     samples of the target alone (``reference_samples``), ``[N, L]`` and ``[M, L]`` token ids.
     """
-    a, b = sequence_cells(samples, vocab_size), sequence_cells(reference_samples, vocab_size)
-    cells = torch.cat([a, b]).unique()
-    count_a = (a[:, None] == cells).sum(0).double()
-    count_b = (b[:, None] == cells).sum(0).double()
+    a, b = sample_cells(samples, reference_samples, vocab_size=vocab_size)
+    cells = int(torch.cat([a, b]).max()) + 1 if a.numel() + b.numel() else 0
+    count_a = torch.bincount(a, minlength=cells).double()
+    count_b = torch.bincount(b, minlength=cells).double()
     n_a, n_b = a.numel(), b.numel()
     total = count_a + count_b
     expected_a, expected_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)

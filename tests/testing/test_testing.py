@@ -156,6 +156,16 @@ def test_fails_on_a_wrong_reference():
         assert_equivalent(model, (x,), reference=lambda mask: model(x))  # unmasked: not what nanospec computes
 
 
+def test_fails_on_a_reference_with_minus_inf_where_the_drafter_has_a_finite_logit():
+    """An infinite expectation is met only exactly: its relative bound is infinite, so a finite logit where the
+    reference says -inf (a token the set holds that the reference masks) would pass any rtol > 0."""
+    model, x = tiny(seed=5), ids()
+    one_more = torch.zeros(V, dtype=torch.bool)
+    one_more[int(x[0, 0])] = True  # fed, so active: the compiled logit is finite there
+    with pytest.raises(AssertionError, match=r"differ from reference\(mask\)"):
+        assert_equivalent(model, (x,), reference=lambda mask: model(x, _mask=mask & ~one_more))
+
+
 def test_fails_on_a_wrong_reference_structure():
     model, x = tiny(returns="tuple", seed=6), ids()
     with pytest.raises(AssertionError, match="output structure differs from the reference"):
