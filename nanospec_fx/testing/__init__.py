@@ -86,7 +86,8 @@ def assert_equivalent(
         active_ids: if given, the active set is reset to these ids before the checked call (the
             call then adds the input tokens, as it always does).
         reference: ``reference(mask)`` -> the eager outputs with inactive logits masked to -inf,
-            where ``mask`` is bool ``[V]``. Needed for drafters that run softmax/top-k/argmax
+            where ``mask`` is bool ``[V]`` (a draft-vocabulary head, ``draft_to_target``: ``[R]``, one entry per
+            head row, True where that row's target token is active). Needed for drafters that run softmax/top-k/argmax
             themselves: every output is then compared with it instead of with the eager drafter.
         rtol, atol: tolerance for floating outputs; by default per dtype (:data:`TOLERANCES`).
         token_inputs: positions (or keyword names) of the inputs holding token ids, which must
@@ -134,8 +135,7 @@ def assert_equivalent(
         elif len(states) > 1:
             _tell_apart(states)
         actual = checked.compiled(*args, **kwargs)
-        masks = {name: state.contains(torch.arange(state.vocab_size, device=state.ids.device))
-                 for name, state in states.items()}
+        masks = {name: state.contains(_logit_columns(state)) for name, state in states.items()}
         eager = _eager(module)(*args, **kwargs)
         expected = None
         if reference is not None:
@@ -148,7 +148,7 @@ def assert_equivalent(
             _check_close(name, a, e, rtol, atol, "reference(mask)")
     else:
         for name, a, e in _leaves(actual, eager):
-            heads = {n: m for n, m in masks.items() if _is_logits(e, states[n].vocab_size)}
+            heads = {n: m for n, m in masks.items() if _is_logits(e, m.numel())}
             if len(heads) == 1:
                 _check_logits(name, a, e, next(iter(heads.values())), rtol, atol)
             elif heads:
@@ -360,6 +360,14 @@ def _check_structure(actual: Any, expected: Any, what: str) -> None:
             )
 
 
+def _logit_columns(state: ActiveVocab) -> torch.Tensor:
+    """The token id of each column of the head's logits: a draft-vocabulary head's columns are its rows (row ``r``
+    predicts target token ``draft_to_target[r]``), any other head's are the token ids ``0 .. V-1``."""
+    if state.row_to_token is not None:
+        return state.row_to_token
+    return torch.arange(state.vocab_size, device=state.ids.device)
+
+
 def _is_logits(t: Any, vocab_size: int) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0 and t.shape[-1] == vocab_size
 
@@ -430,6 +438,8 @@ def _check_inputs_active(state: ActiveVocab, args: tuple, kwargs: dict, token_in
         chosen = [(k, args[k] if isinstance(k, int) else kwargs[k]) for k in token_inputs]
     for key, ids in chosen:
         unique = torch.unique(ids.to(state.ids.device))
+        if state.token_to_row is not None:  # a draft vocabulary: only the fed ids its head has a row for can join
+            unique = unique[state.rows_of(unique) >= 0]
         if unique.numel() > state.capacity - state.num_pinned:
             assert len(state) == state.capacity, (
                 f"input {key!r}: {unique.numel()} distinct tokens exceed the capacity, yet the set is not full"

@@ -157,3 +157,30 @@ def test_static_and_hybrid_sets_over_a_draft_vocabulary_seed_tokens_the_head_has
         hybrid.observe([token])
         ring.observe([token])
         assert sorted(hybrid.token_ids().tolist()) == sorted(ring.slot_of), token
+
+
+def test_assert_equivalent_checks_a_draft_vocabulary_head_over_its_rows():
+    """A draft-vocabulary head's logits are over its R rows: the checker masks them per row (the row's target token
+    active or not) and expects only the fed ids the head has a row for to be active; a reference gets the row mask.
+    A reference that does not mask inactive rows still fails."""
+    from nanospec_fx.testing import assert_equivalent
+
+    torch.manual_seed(0)
+    target_vocab, draft_vocab = 200, 50
+    d2t = torch.randperm(target_vocab)[:draft_vocab]
+    model = Eagle3StyleDrafter(target_vocab, draft_vocab, 8).eval()
+    outside = torch.tensor([t for t in range(target_vocab) if t not in set(d2t.tolist())][:2])
+    ids = torch.cat([d2t[:3], outside]).unsqueeze(0)
+    options = {"draft_to_target": d2t, "target_vocab_size": target_vocab, "capacity": 16}
+    state = assert_equivalent(model, (ids,), options=options)
+    assert sorted(state.token_ids().tolist()) == sorted(d2t[:3].tolist())
+    seen = []
+
+    def reference(mask):
+        seen.append(mask)
+        return model(ids).masked_fill(~mask, float("-inf"))
+
+    assert_equivalent(model, (ids,), options=options, reference=reference)
+    assert seen[0].shape == (draft_vocab,) and seen[0].sum() == 3
+    with pytest.raises(AssertionError, match=r"differ from reference\(mask\)"):
+        assert_equivalent(model, (ids,), options=options, reference=lambda mask: model(ids))
