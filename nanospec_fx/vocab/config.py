@@ -58,7 +58,8 @@ class VocabConfig:
 
     def __post_init__(self) -> None:
         require(is_positive_int(self.capacity), f"capacity must be a positive int, got {self.capacity!r}")
-        require(isinstance(self.num_pinned, int) and 0 <= self.num_pinned < self.capacity,
+        require(isinstance(self.num_pinned, int) and not isinstance(self.num_pinned, bool)
+                and 0 <= self.num_pinned < self.capacity,
                 f"num_pinned must be an int in [0, capacity), got {self.num_pinned!r}")
         require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         require(is_positive_int(self.static_size), f"static_size must be a positive int, got {self.static_size!r}")

@@ -32,6 +32,7 @@ def test_every_vocabulary_option_is_a_backend_option_and_a_keyword():
     ({"capacity": 0}, "capacity must be a positive int"),
     ({"capacity": True}, "capacity must be a positive int"),
     ({"capacity": 4, "num_pinned": 4}, "num_pinned must be an int in [0, capacity)"),
+    ({"num_pinned": True}, "num_pinned must be an int in [0, capacity)"),
     ({"policy": "lru"}, "policy must be one of"),
     ({"static_size": -1}, "static_size must be a positive int"),
     ({"target_vocab_size": 0}, "target_vocab_size must be a positive int"),
