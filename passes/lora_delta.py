@@ -12,19 +12,29 @@ narrower than the head's input (the rank), and its value goes, one user at a tim
 other operands are numbers (the scaling, a cast) into an ``add`` whose other operand is computed from the head's
 logits. Anything else (two full heads added, a delta read elsewhere) is left to the finder, where two heads whose
 logits meet run dense with a warning.
+
+Several calls of one head in a graph (a draft loop in ``forward``, MTP depths sharing a head) each have their own
+delta. :func:`lora_deltas` gives a delta to the call whose logits its ``add`` reads; when that sum is computed from
+several calls (a later step of a draft loop is computed from the earlier steps' logits too), to the last of them
+(no other is computed from it), and only when the delta reads that call's own hidden state (its input, up to
+dropout and casts). A delta that fits no one call that way is ambiguous: the rewrite runs the head dense with a
+warning naming it.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from . import patterns, projections
-from .graph import downstream
+from .graph import describe, downstream, node_name, where
 
 ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 ADD_METHODS = {"add", "add_", "__add__", "__iadd__"}
+# what stands between a hidden state and a projection of it without changing which hidden state it is
+_SAME_HIDDEN_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "contiguous"}
 
 
 def delta_steps(proj: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
@@ -61,14 +71,66 @@ def lora_delta(proj: fx.Node, head_logits: set[fx.Node], head_hidden: int) -> fx
     return add if len(other) == 1 and isinstance(other[0], fx.Node) and other[0] in head_logits else None
 
 
-def lora_deltas(graph: fx.Graph, head_nodes: list[fx.Node], vocab: int, hidden: int) -> dict[fx.Node, list[fx.Node]]:
-    """Each of ``head_nodes`` (a head's projections onto ``vocab`` tokens from ``hidden``) -> the LoRA deltas added
-    onto its logits in ``graph``: projections onto the vocabulary with a stored weight [V, r] (parameter, buffer,
-    input: its rows are gathered at the set's slots) that :func:`lora_delta` takes. The finder and the rewrite
-    both ask this, each on its own graph."""
+def _hidden_source(node) -> object:
+    """The hidden state ``node`` is, up to dropout (``F.dropout``, PEFT's ``lora_dropout``) and casts or copies."""
+    while isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node) and (
+            "dropout" in (node_name(node) or "") or node.op == "call_method" and node.target in _SAME_HIDDEN_METHODS
+            and not any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))):
+        node = node.args[0]
+    return node
+
+
+def _projection_input(proj: fx.Node) -> object:
+    """The hidden state a projection reads (None for one it cannot match)."""
+    m = projections.match_projection(proj)
+    return _hidden_source(m[0]) if m is not None else None
+
+
+def _delta_input(delta: fx.Node) -> object:
+    """The hidden state a delta ``B(A(h))`` reads: ``h``."""
+    return _projection_input(projections.match_projection(delta)[0])
+
+
+@dataclass
+class LoraDeltas:
+    """A head's LoRA deltas: ``of`` each projection (the ones read over its set), and the ``ambiguous`` ones, each
+    with the reason no one projection's set is provably its own."""
+
+    of: dict[fx.Node, list[fx.Node]]
+    ambiguous: dict[fx.Node, str] = field(default_factory=dict)
+
+    def all(self) -> set[fx.Node]:
+        return {d for ds in self.of.values() for d in ds} | set(self.ambiguous)
+
+
+def lora_deltas(graph: fx.Graph, head_nodes: list[fx.Node], vocab: int, hidden: int) -> LoraDeltas:
+    """``head_nodes`` (a head's projections onto ``vocab`` tokens from ``hidden``) -> the LoRA deltas added onto their
+    logits in ``graph``: projections onto the vocabulary with a stored weight [V, r] (parameter, buffer, input: its
+    rows are gathered at the set's slots) that :func:`lora_delta` takes. Each delta goes to one projection: the
+    one whose logits its ``add`` reads; of several, the last (none of the others computed from it), if the delta
+    reads that projection's own hidden state; otherwise it is ``ambiguous``. The finder and the rewrite both ask
+    this, each on its own graph."""
     candidates = [n for n in graph.nodes if n not in head_nodes and (m := projections.match_projection(n))
                   and m[1].op in ("placeholder", "get_attr") and not projections.projection_transposed(n)
                   and (shape := patterns.tensor_shape(n)) and shape[-1] == vocab]
+    found = LoraDeltas({p: [] for p in head_nodes})
     if not candidates:
-        return {p: [] for p in head_nodes}
-    return {p: [d for d in candidates if lora_delta(d, {p} | downstream(p), hidden) is not None] for p in head_nodes}
+        return found
+    after = {p: downstream(p) for p in head_nodes}
+    for d in candidates:
+        onto = [p for p in head_nodes if lora_delta(d, {p} | after[p], hidden) is not None]
+        if len(onto) == 1:
+            found.of[onto[0]].append(d)
+            continue
+        if not onto:
+            continue
+        last = [p for p in onto if not any(q in after[p] for q in onto)]
+        own = [p for p in last if _projection_input(p) is _delta_input(d) is not None]
+        if len(own) == 1:
+            found.of[own[0]].append(d)
+        else:
+            found.ambiguous[d] = (
+                f"the LoRA delta {describe(d)} ({where(d)}) is added to logits computed from {len(onto)} calls of "
+                "the head, and it reads the hidden state of no one last call: which call's active set it is read "
+                "over is not clear. Add each call's delta to that call's own logits, computed from its own input")
+    return found

@@ -129,6 +129,11 @@ CASES.update({
                              _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads "
                                          "of the same call")),
     "draft_loop_argmax": (R(draft_steps=3), ()),
+    # review of the passes: a LoRA head in a draft loop: the later step's delta (its add is computed from the earlier
+    # step's logits too) was given to both head calls, compacted with the first and then read erased (a crash)
+    "draft_loop_lora_head": (R(head="lora", draft_steps=2), ()),
+    # (and with given ids, in grad mode: each step computed from its own ids alone)
+    "draft_loop_lora_head_given_ids_grad": (R(head="lora", draft_steps=3, draft_feed="input", mode="grad"), ()),
     "draft_loop_graph_break_in_body": (R(vocab=40, hidden=8, head="functional_tied", body=("mlp", "graph_break"),
                                          return_logits=False, capacity=512, batch=1, seq=1, seq2=1, n_ban=1,
                                          draft_steps=2),
