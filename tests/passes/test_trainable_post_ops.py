@@ -63,6 +63,8 @@ class Drafter(nn.Module):
         elif self.form == "no_grad_step":  # grad mode off at the step: its operand is trainable, nothing records it
             with torch.no_grad():
                 z = z * self.log_t
+        elif self.form == "type_as_hidden":  # reads only the dtype of h (which needs gradients)
+            z = z.type_as(h) / 0.7
         if self.mask is not None:
             z = z.masked_fill(~self.mask, NEG)
         return z
@@ -104,12 +106,14 @@ def test_a_trainable_post_op_operand_in_grad_mode_runs_the_head_dense(form):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-@pytest.mark.parametrize("form", [*TRAINABLE, "no_grad_step"])
+@pytest.mark.parametrize("form", [*TRAINABLE, "no_grad_step", "type_as_hidden"])
 def test_a_trainable_post_op_operand_without_gradients_stays_rewritten(form):
-    """Under torch.no_grad() (or a step in a no_grad block) nothing reads the compact logits backward: rewritten,
-    and equal to the masked eager drafter."""
+    """Under torch.no_grad() (or a step in a no_grad block, or one that reads only the dtype of a tensor needing
+    gradients) no gradient of the operand reads the compact logits: rewritten, and equal to the masked eager
+    drafter."""
     model = Drafter(form)
-    out, warned = _call(model, grad=form == "no_grad_step")
+    grad = form in ("no_grad_step", "type_as_hidden")
+    out, warned = _call(model, grad=grad)
     assert not warned
     state = nanospec_fx.active_vocab(model)
     assert pass_reports.reports(state), "the head should be rewritten"
@@ -117,7 +121,14 @@ def test_a_trainable_post_op_operand_without_gradients_stays_rewritten(form):
     assert active[IDS.flatten()].all() and not active.all()
     oracle = copy.deepcopy(model)
     oracle.mask = active
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         expected = oracle(IDS)
-    assert not out.requires_grad
+    assert out.requires_grad == expected.requires_grad == (form == "type_as_hidden")
     torch.testing.assert_close(out, expected)
+    if out.requires_grad:  # the body's gradients through the compact head: as the masked eager drafter's
+        out.masked_fill(~active, 0.0).sum().backward()
+        expected.masked_fill(~active, 0.0).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), oracle.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
