@@ -42,14 +42,12 @@ from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
 from .grad_mode import stands_for
 from .graph import describe, where
-from .lora_delta import delta_steps, lora_deltas
+from .lora_delta import DELTA_OF, delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
 from .stacked_heads import compact_cursor, compact_stacked, match_stacked, to_head_layout
 
-
-DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
 
 
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:

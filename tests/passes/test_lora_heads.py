@@ -210,3 +210,44 @@ def test_a_delta_that_is_no_one_calls_own_runs_dense_with_a_warning():
     assert sum(issubclass(w.category, nanospec_fx.NanoSpecWarning) for w in caught) == 1
     with torch.no_grad():
         torch.testing.assert_close(out, model(IDS))
+
+
+class TwoHeadsLoop(nn.Module):
+    """Two heads of their own weights, each with a LoRA delta, the second fed the first's argmax (MTP depths with a
+    head each, drafting in ``forward``). ``masks``: the oracle's, one per head (-inf outside its set)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Embedding(V, H)
+        self.body = nn.Linear(H, H)
+        self.first = LoraLinear(nn.Linear(H, V), {"default": R}, seed=2)
+        self.second = LoraLinear(nn.Linear(H, V), {"default": R}, seed=3)
+
+    def forward(self, ids, masks=(None, None)):
+        h = torch.tanh(self.body(self.embed(ids)))[:, -1]
+        z1 = self.first(h)
+        if masks[0] is not None:
+            z1 = z1.masked_fill(~masks[0], float("-inf"))
+        z2 = self.second(torch.tanh(self.body(self.embed(z1.argmax(-1)))))
+        if masks[1] is not None:
+            z2 = z2.masked_fill(~masks[1], float("-inf"))
+        return z1, z2
+
+
+def test_a_later_heads_delta_is_read_over_that_heads_set():
+    """The second head's delta is computed from the first head's logits too (through the argmax): it is the second
+    head's, read over its set, not the first's (which holds other tokens here)."""
+    model = TwoHeadsLoop().eval()
+    compiled = compile_nanospec(model, capacity=16)
+    with torch.no_grad():
+        compiled(IDS)
+        nanospec_fx.active_vocab(model.second.base_layer.weight).observe(torch.tensor([0, 1, 4, 6, 7, 8]))
+        nanospec_fx.active_vocab(model.first.base_layer.weight).observe(torch.tensor([36, 37]))
+        out = compiled(IDS)
+        masks = tuple(nanospec_fx.active_vocab(m.base_layer.weight).contains(torch.arange(V))
+                      for m in (model.first, model.second))
+        expected = model(IDS, masks)
+    assert not torch.equal(*masks)
+    for got, want in zip(out, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
