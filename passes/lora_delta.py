@@ -112,8 +112,8 @@ def lora_deltas(graph: fx.Graph, head_nodes: list[fx.Node], vocab: int, hidden: 
     rows are gathered at the set's slots) that :func:`delta_onto` takes. Each delta goes to one projection: the
     one whose logits its ``add`` reads; of several projections onto the vocabulary (any head's), the last (none of
     the others computed from it), if it is one of ``head_nodes`` and the delta reads its own hidden state;
-    otherwise it is ``ambiguous`` (or another head's). The finder and the rewrite both ask
-    this, each on its own graph."""
+    otherwise it is ``ambiguous`` (or another head's). The finder and the rewrite both ask this, each on its own
+    graph."""
     candidates = [n for n in graph.nodes if n not in head_nodes and (m := projections.match_projection(n))
                   and m[1].op in ("placeholder", "get_attr") and not projections.projection_transposed(n)
                   and (shape := patterns.tensor_shape(n)) and shape[-1] == vocab]

@@ -49,7 +49,6 @@ from .row_weight import gathered_rows, row_weight
 from .stacked_heads import compact_cursor, compact_stacked, match_stacked, to_head_layout
 
 
-
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
