@@ -40,7 +40,8 @@ The contract these passes implement (README, "The contract"):
 * **Fed ids.** Every id the call looks up in a table with >= V rows is active before any head of the call
   reads the set (ids computed from a head's output: before every later read). Where a pass cannot prove
   this (an unreadable lookup, a graph that is only a piece of the call, a write to the head weight, grad
-  mode at a trainable head, a step on a view it cannot map), the head runs dense with one warning. Ids a
+  mode at a trainable head or at a chain step with an operand that needs gradients, a step on a view it
+  cannot map), the head runs dense with one warning. Ids a
   head-less whole call (a prefill) looks up are kept with their table and the call's other parameters and
   buffers (``nanospec_fx.vocab.prefill``), and observed by each head of a graph that looks up that table and receives
   all of those (the same model). A lookup's ids are observed only when all of them are rows it reads (a call

@@ -3,7 +3,8 @@
 A use of a compact value is an exact compact op (post-op, cast, vocabulary-keeping view, in-place post-op), a
 compact consumer (:mod:`compact_consumers`), or a materialisation point; a use of a materialised value is a step
 of the chain on that tensor (re-masked after every write and elementwise step) or the end of the chain. Anything
-else the walk cannot classify raises ``DenseFallback`` with the reason: the head then stays dense.
+else the walk cannot classify raises ``DenseFallback`` with the reason: the head then stays dense. So does a chain step
+whose other operand needs gradients (:func:`refuse_trainable_operands`).
 """
 from __future__ import annotations
 
@@ -15,9 +16,21 @@ import torch.fx as fx
 from . import effects, patterns, vocab_views
 from .compact_consumers import compact_consumer
 from .contract import DenseFallback, RewriteReport
+from .find_head import parameter_name
 from .graph import describe, where
 from .patterns import set_example_value
 from .region import Mask, Member, Region
+
+
+def _trainable_sources(node: fx.Node) -> str:
+    """``, computed from temp_proj.weight, ...``: the graph inputs needing gradients that ``node`` is computed
+    from, nearest first."""
+    names, seen, frontier = [], {node}, [node]
+    while frontier:
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen and not seen.add(a)]
+        names += [parameter_name(a) for a in frontier if a.op == "placeholder" and isinstance(
+            v := patterns.example_value(a), torch.Tensor) and v.requires_grad]
+    return f", computed from {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" if names else ""
 
 
 def _chain_operands_ok(region: Region, n: fx.Node, inputs: list, width: int, values: set) -> bool:
@@ -35,7 +48,31 @@ def _chain_operands_ok(region: Region, n: fx.Node, inputs: list, width: int, val
             "op it does not know): it cannot prove what inactive tokens hold after it. Use masked_fill/clamp/where "
             "with a mask that does not depend on the logits")
     # another head's logits (its own active set, or dense): the chain ends here, whatever the op (heads_meet.py)
-    return not any(a in region.derived or a in region.foreign for a in others)
+    if any(a in region.derived or a in region.foreign for a in others):
+        return False
+    refuse_trainable_operands(n, others)
+    return True
+
+
+def refuse_trainable_operands(n: fx.Node, others: list) -> None:
+    """A chain step whose other operand needs gradients (a learned temperature ``z * exp(-log_t)``, ``z / t(h)``, a
+    trainable soft-cap or logit bias) where autograd records it (``n``'s own value requires grad: grad mode is on
+    there) raises ``DenseFallback``. Its gradient reads the logits (``mul``/``div``: ``sum(grad * z)``; an op after
+    a trainable ``add`` may read them too), and the compact logits hold -inf at the slots no token uses, which
+    autograd multiplies by their zero gradient: NaN in the operand and in every weight it is computed from, where
+    eager's are finite. One simple rule for every op: the head runs dense."""
+    value = patterns.example_value(n)
+    if not (isinstance(value, torch.Tensor) and value.requires_grad) or patterns.is_call(n, set(), {"type_as", "to"}):
+        return  # ``z.type_as(h)`` reads only ``h``'s dtype: no gradient reaches it
+    for a in others:
+        operand = patterns.example_value(a)
+        if isinstance(operand, torch.Tensor) and operand.requires_grad:
+            name = parameter_name(a) if a.op == "placeholder" else f"{describe(a)} ({where(a)}{_trainable_sources(a)})"
+            raise DenseFallback(
+                f"{describe(n)} ({where(n)}) combines the logits with {name}, which needs gradients here (grad mode is "
+                "on, and it is trainable or computed from trainable weights): its gradient would read the -inf the "
+                "compact logits hold at unused slots (NaN). Detach it or freeze it (requires_grad_(False)) to have "
+                "the head rewritten, or call the drafter under torch.no_grad()")
 
 
 def check_aliases(region: Region, n: fx.Node) -> None:
@@ -212,7 +249,10 @@ def _dense_operands_ok(region: Region, n: fx.Node, inputs: list, width: int, tra
             continue
         if len(shape) > trailing and shape[len(shape) - 1 - trailing] not in (1, width):
             return False
-    return out is not None and len(out) > trailing and out[len(out) - 1 - trailing] == width
+    if out is None or len(out) <= trailing or out[len(out) - 1 - trailing] != width:
+        return False
+    refuse_trainable_operands(n, [a for a in n.all_input_nodes if a not in inputs])
+    return True
 
 
 def _remask_after(region: Region, n: fx.Node, written: list) -> None:

@@ -336,7 +336,7 @@ def _without_lora_deltas(graph: fx.Graph, groups: list[HeadMatch]) -> tuple[list
     are read over that head's set (the rewrite gathers their rows), not heads of their own; and those projections."""
     found = set()
     for g in groups:
-        found.update(*lora_deltas(graph, g.nodes, g.vocab_size, g.hidden_size).values())
+        found.update(lora_deltas(graph, g.nodes, g.vocab_size, g.hidden_size).all())
     merged = [d for d in groups if d.nodes and set(d.nodes) <= found]
     return [g for g in groups if g not in merged], {n for d in merged for n in d.nodes}
 

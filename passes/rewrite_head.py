@@ -42,22 +42,22 @@ from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
 from .grad_mode import stands_for
 from .graph import describe, where
-from .lora_delta import delta_steps, lora_deltas
+from .lora_delta import DELTA_OF, delta_steps, lora_deltas
 from .patterns import set_example_value
 from .region import Member, Region
 from .row_weight import gathered_rows, row_weight
 from .stacked_heads import compact_cursor, compact_stacked, match_stacked, to_head_layout
 
 
-DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
-
-
 def rewrite_head(graph: fx.Graph, head: HeadMatch, state: StateNodes, capacity: int) -> RewriteReport:
     """Replace every projection of ``head`` in ``graph`` (in place) and return what was done."""
     report = RewriteReport(head.name, head.module_path, head.vocab_size, head.hidden_size, len(head.nodes), [], [], [])
     # read over this head's set (a stacked head takes none: another projection added to it is another head's logits)
-    deltas = {} if head.stacked else lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)
-    own = [*head.nodes, *[d for ds in deltas.values() for d in ds]]
+    found = None if head.stacked else lora_deltas(graph, head.nodes, head.vocab_size, head.hidden_size)
+    if found is not None and found.ambiguous:
+        raise DenseFallback(next(iter(found.ambiguous.values())))
+    deltas = {} if found is None else found.of
+    own = [*head.nodes, *found.all()] if found is not None else list(head.nodes)
     for proj, bias in zip(head.nodes, head.biases):
         _rewrite_projection(graph, proj, bias, state, head.vocab_size, capacity, report, own, deltas.get(proj, []),
                             bool(head.stacked))
@@ -194,8 +194,10 @@ def _compact_delta(region: Region, delta: fx.Node) -> fx.Node:
     ``compact_logits``: an observe placed before that reads the set for both (``snapshot_state_reads`` keeps both
     on one slot table)."""
     graph, state = region.graph, region.state
-    a, w, b = projections.match_projection(delta)
-    steps, add = delta_steps(delta)
+    match, path = projections.match_projection(delta), delta_steps(delta)
+    if match is None or path is None:  # lora_deltas gives each delta to one projection: never met
+        raise DenseFallback(f"the LoRA delta {describe(delta)} ({where(delta)}) changed before its head's rewrite")
+    (a, w, b), (steps, add) = match, path
     with graph.inserting_before(add):
         ids = region.tag(graph.call_function(torch.clamp, (state.ids,), {"min": 0}))
         rows = [region.tag(graph.call_function(torch.index_select, (t, 0, ids))) if t is not None else None

@@ -208,6 +208,8 @@ class Recipe:
     bad_at: str = "ids"        # which input holds it: "ids" or "ids2"
     d2t: str = ""              # D2T: the head has ``head_rows`` rows over a draft vocabulary of the embed_rows ids
     small_tables: int = 0      # SMALL_TABLES: small tables (3, 4, ... rows) all read at one segment id ``ids % 3``
+    trainable_post: bool = False  # grad modes: the chain's logit_bias and logit_scale (bias, iadd_bias, scale_vec)
+    #                            stay trainable: a post-op operand that needs gradients (the head runs dense, warned)
 
     @property
     def head_rows(self) -> int:
@@ -389,7 +391,11 @@ class FuzzDrafter(nn.Module):
         if "router" in r.extra_outputs:
             self.router = nn.Linear(H, 4, bias=False)
         self.logit_bias = nn.Parameter(randn(Vh))
-        self.register_buffer("logit_scale", 0.5 + torch.rand(Vh, generator=g))
+        scale = 0.5 + torch.rand(Vh, generator=g)
+        if r.trainable_post:
+            self.logit_scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("logit_scale", scale)
         # Banned ids: tokens the first call feeds (so they are active: a lost ban shows) and one random token.
         fed = make_inputs(r, 0)["ids"].flatten()
         fed = fed[fed < r.vocab].unique()
@@ -410,6 +416,8 @@ class FuzzDrafter(nn.Module):
             self.qweight = self.qweight.to(torch.float8_e4m3fn)
         if r.mode in GRAD_MODES:  # EAGLE training: the head (and a tied embedding) frozen, the body trainable
             for name, p in self.named_parameters():
+                if name.startswith("logit_") and r.trainable_post:
+                    continue
                 if (name.startswith(("lm_head", "W", "b", "logit_bias", "extra_heads", "stacked_W", "stacked_b"))
                         or (name.startswith("embed") and "tied" in r.head)):
                     p.requires_grad_(False)
@@ -1141,4 +1149,5 @@ def recipes(draw, max_steps: int = 6) -> Recipe:
         second_lookup=second_lookup, bad_call=bad_call,
         bad_at=draw(st.sampled_from(["ids", "ids2"])) if second_lookup and bad_call else "ids", d2t=d2t,
         small_tables=draw(st.sampled_from(SMALL_TABLES + (0,) * 5)),
+        trainable_post=grad and any(s[0] in ("bias", "iadd_bias", "scale_vec") for s in chain) and draw(st.booleans()),
     )

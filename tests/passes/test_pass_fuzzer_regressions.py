@@ -129,6 +129,11 @@ CASES.update({
                              _issue16(8, "ids embedded by later draft steps are -inf at the earlier heads "
                                          "of the same call")),
     "draft_loop_argmax": (R(draft_steps=3), ()),
+    # review of the passes: a LoRA head in a draft loop: the later step's delta (its add is computed from the earlier
+    # step's logits too) was given to both head calls, compacted with the first and then read erased (a crash)
+    "draft_loop_lora_head": (R(head="lora", draft_steps=2), ()),
+    # (and with given ids, in grad mode: each step computed from its own ids alone)
+    "draft_loop_lora_head_given_ids_grad": (R(head="lora", draft_steps=3, draft_feed="input", mode="grad"), ()),
     "draft_loop_graph_break_in_body": (R(vocab=40, hidden=8, head="functional_tied", body=("mlp", "graph_break"),
                                          return_logits=False, capacity=512, batch=1, seq=1, seq2=1, n_ban=1,
                                          draft_steps=2),
@@ -138,6 +143,11 @@ CASES.update({
     "draft_loop_with_gradients": (R(vocab=40, hidden=8, body=(), mode="grad", draft_steps=2),
                                   _issue16(8, "a draft loop under autograd: the compiled backward raises "
                                               "'modified by an inplace operation' where eager works")),
+    # review of the passes: a post-op operand that needs gradients (a trainable [V] logit scale or bias, frozen head,
+    # grad mode): run on the compact logits, its gradient read their -inf unused slots (NaN); now dense, warned
+    "trainable_logit_scale": (R(mode="grad", chain=(("scale_vec",), ("softcap", 2.0)), trainable_post=True), ()),
+    "trainable_logit_scale_after_a_ban": (R(mode="grad", chain=(("setitem", -1e4), ("scale_vec",)), trainable_post=True), ()),
+    "trainable_logit_bias_in_place": (R(mode="enable_grad_inside", chain=(("iadd_bias",), ("log_softmax",)), trainable_post=True), ()),
     # class 11: max_norm renormalises the tied table in place during the lookup, after the rows were copied
     "max_norm_tied_embedding": (R(lookup="max_norm", head="linear_tied"),
                                 _issue16(11, "embedding max_norm renormalises the tied head rows "

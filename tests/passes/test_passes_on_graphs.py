@@ -37,7 +37,9 @@ class _Call(nn.Module):
 
 
 def trace(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
-    """A traced graph whose nodes carry their example values (what the passes read), like Dynamo's."""
+    """A traced graph whose nodes carry their example values (what the passes read), like Dynamo's: recorded under
+    torch.no_grad(), the mode the tests run it in (Dynamo records each value in its call's grad mode, and a chain
+    step whose operand needs gradients runs the head dense)."""
     root = _Call(model)
     gm = fx.GraphModule(root, _Tracer().trace(root))
 
@@ -46,7 +48,8 @@ def trace(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
             node.meta["val"] = value = super().run_node(node)
             return value
 
-    Record(gm).run(example)
+    with torch.no_grad():
+        Record(gm).run(example)
     return gm
 
 
