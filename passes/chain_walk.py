@@ -281,13 +281,14 @@ _VIEW_OR_COPY = {"contiguous", "reshape", "reshape_as", "flatten", "unflatten", 
 def _returns_input(region: Region, n: fx.Node, a: fx.Node) -> bool:
     """Whether ``n`` (a cast or view of the chain value ``a``, its compact value set) shares ``a``'s storage, as it
     did in eager: read from the values Dynamo traced (their strides are the eager tensors'), and then required of the
-    compact values too, so that an in-place step on either reaches the other in both or in neither. Where eager
+    compact values too where they are known, so that an in-place step on either reaches the other in both or in
+    neither (the compact head's output is laid out as the head's, so they agree but at sizes of 1). Where eager
     copied, ``n`` is a value of its own (a write to it never reaches ``a``: ``z[:, -1].contiguous()`` banned)."""
     if node_name(n) not in _VIEW_OR_COPY:
         return True
     eager = _same_storage(region.eager.get(n), region.eager.get(a))
     compact = _same_storage(patterns.example_value(n), patterns.example_value(a))
-    if eager is None or eager != compact:
+    if eager is None or compact not in (None, eager):
         raise DenseFallback(
             f"{describe(n)} ({where(n)}) returns its input or a copy of it as the input's layout allows, and nanospec "
             "cannot prove that it does the same on the compact logits as on the logits "
