@@ -108,9 +108,10 @@ def is_elementwise(node: fx.Node) -> bool:
     other ops with a bool or integer result are not steps of the logits chain.
 
     Elementwise in the form called, not by name: ``torch.max(z, other)`` is (``aten::max.other`` is tagged
-    pointwise), ``z.max()`` is a reduction that ends the chain, and ``torch.where(z)`` returns indices. So the call
-    must return one tensor that reduces none of its value operands (:func:`_reduces`), and an op found by its tag
-    must be tagged in the overload its arguments select (:func:`_pointwise_call`)."""
+    pointwise), ``z.max()`` is a reduction that ends the chain, and ``torch.where(z)`` returns indices. Which overload a
+    name's tag belongs to does not say it (``aten::rsub.Tensor`` is elementwise and untagged); what every
+    elementwise form does, and no other form of these names does, is return one tensor that drops no axis of the
+    tensors it reads the values of (:func:`_reduces`)."""
     if node.op not in ("call_function", "call_method") or _reduces(node):
         return False
     if is_call(node, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS):
@@ -119,31 +120,20 @@ def is_elementwise(node: fx.Node) -> bool:
     value = example_value(node)
     if not isinstance(name, str) or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return False
-    return _pointwise_call(node, name)
+    return _aten_pointwise(name)
 
 
 def _reduces(node: fx.Node) -> bool:
     """Not one tensor, or one of lower rank than a tensor it reads the values of: no elementwise op (broadcasting
-    never drops an axis) returns that. Shapes are compared by rank only: while the rewrite walks the chain a node's
-    inputs may hold compact values ``[..., C]`` and the node its own ``[..., V]`` one."""
+    never drops an axis) returns that; ``z.max()``, ``torch.min(z)`` and ``z.max(-1)`` do. Shapes are compared by
+    rank only: while the rewrite walks the chain a node's inputs may hold compact values ``[..., C]`` and the node its
+    own ``[..., V]`` one."""
     value = example_value(node)
     if not isinstance(value, torch.Tensor):
         return True
     metadata = metadata_operands(node)
     return any(isinstance(v := example_value(a), torch.Tensor) and v.dim() > value.dim()
                for a in node.all_input_nodes if a not in metadata)
-
-
-def _pointwise_call(node: fx.Node, name: str) -> bool:
-    """The ATen overload of ``name`` that ``node``'s arguments select is tagged pointwise; when they bind no
-    overload (``F.silu(z, inplace=False)``: an argument the ATen op lacks), any overload of ``name`` is (the
-    rank check of :func:`_reduces` has left out the reductions)."""
-    args, kwargs = fx.map_arg((node.args, node.kwargs), example_value)
-    try:
-        overload = torch._C._jit_resolve_packet(f"aten::{name}", *args, **kwargs)
-        return torch.Tag.pointwise in getattr(getattr(torch.ops.aten, name), overload or "default").tags
-    except Exception:  # noqa: BLE001 - the arguments bind no overload: decided by name
-        return _aten_pointwise(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +205,7 @@ def is_comparison(node: fx.Node) -> bool:
                                                       operator.invert, operator.not_):
         return True
     name = node_name(node)
-    return isinstance(name, str) and not _reduces(node) and _pointwise_call(node, name)
+    return isinstance(name, str) and not _reduces(node) and _aten_pointwise(name)
 
 
 def source_name(node: fx.Node) -> str:

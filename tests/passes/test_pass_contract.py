@@ -679,3 +679,31 @@ def test_a_write_to_a_copy_of_the_logits_never_reaches_them_and_one_to_an_alias_
     out, oracle, warned = _run(WrittenCopy(kind).eval(), IDS2)
     assert not warned
     _close(out, oracle)
+
+
+# The forms of pointwise-tagged ATen names that torch does not tag (on tensors, out= variants left out). The pass takes
+# a call of such a name for an elementwise step when it returns one tensor that drops no axis of its operands
+# (patterns.is_elementwise); that holds of exactly the elementwise forms only if every untagged form is elementwise
+# (masked_fill.Tensor, rsub.Tensor, true_divide.Scalar, where.Scalar*, xlogy_.Scalar_Other) or returns a tuple or a
+# reduced tensor (max/min with one tensor, where(cond)). A torch that adds a form must be read again.
+_UNTAGGED_FORMS = {
+    "masked_fill.Tensor", "max.default", "max.dim", "min.default", "min.dim", "rsub.Tensor", "true_divide.Scalar",
+    "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "where.default", "xlogy_.Scalar_Other",
+}
+
+
+def test_every_untagged_tensor_form_of_a_pointwise_name_is_known():
+    found = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        overloads = [(o, getattr(packet, o)) for o in packet.overloads()]
+        if not any(torch.Tag.pointwise in op.tags for _, op in overloads):
+            continue
+        for o, op in overloads:
+            args = op._schema.arguments
+            out_variant = any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in args)
+            if torch.Tag.pointwise not in op.tags and not out_variant and any(str(a.type) == "Tensor" for a in args):
+                found.add(f"{name}.{o}")
+    assert found == _UNTAGGED_FORMS
