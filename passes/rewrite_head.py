@@ -94,7 +94,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
     graph.erase_node(proj)
 
     region = Region(graph, state, vocab, compact)
-    region.eager = {n: patterns.example_value(n) for n in derived} | {
+    region.eager = {n: patterns.example_value(n) for n in graph.nodes} | {
         head_layout if stacked is not None else compact: logits}
     region.capacity = capacity
     region.transforms = transforms.transform_regions(graph)
@@ -209,6 +209,7 @@ def _compact_delta(region: Region, delta: fx.Node) -> fx.Node:
     for r in rows:
         if r is not None:
             r.meta["nanospec_active_rows"] = True  # reads rows of the active set: no token lookup to observe
+    region.eager[compact] = patterns.example_value(delta)
     delta.replace_all_uses_with(compact)
     graph.erase_node(delta)
     for step in steps:  # each reads only the one before it and numbers: valid anywhere before the add
