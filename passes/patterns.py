@@ -31,8 +31,11 @@ inactive tokens, and every *use* of a chain value is exactly one of
 
 1. **a step of the chain with exact compact semantics** - an elementwise post-op whose other
    operands are numbers, tensors with last dim 1, or ``[..., V]`` tensors outside the region
-   (gathered at the active ids); a cast; a view that keeps the vocabulary axis last; the
-   *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
+   (gathered at the active ids; ``bias.type_as(z)`` is such a tensor: an op that reads the logits
+   for their dtype or shape only computes nothing from them, :func:`metadata_operands`); a cast; a
+   view that keeps the vocabulary axis last (a cast, ``contiguous`` or ``reshape`` is an alias of
+   its input where eager returned the input or a view of it, a value of its own where eager copied);
+   the *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
    compact alias sees the write just as the dense aliases would; or a compact consumer:
    ``topk(largest=True)``/``argmax`` (behind ``log_softmax`` over V or not), which read slots and map
    them to token ids (behind ``softmax`` they read the materialised probabilities: an inactive token's is 0);
