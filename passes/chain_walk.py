@@ -12,12 +12,13 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import effects, patterns, vocab_views
 from .compact_consumers import compact_consumer
 from .contract import DenseFallback, RewriteReport
 from .find_head import parameter_name
-from .graph import describe, where
+from .graph import describe, node_name, where
 from .patterns import set_example_value
 from .region import Mask, Member, Region
 
@@ -84,8 +85,9 @@ def check_aliases(region: Region, n: fx.Node) -> None:
     column-keeping view (the chain goes on: later steps must keep inactive tokens at -inf) or not; a
     later elementwise step or write there cannot be proven either way.
     """
-    selections = [a for a in n.all_input_nodes if a in region.selections]
-    unknown = [a for a in n.all_input_nodes if a in region.unknown]
+    values = [a for a in n.all_input_nodes if a not in patterns.metadata_operands(n)]
+    selections = [a for a in values if a in region.selections]
+    unknown = [a for a in values if a in region.unknown]
     if not (selections or unknown):
         return
     written = set(effects.mutated_inputs(n))
@@ -118,18 +120,20 @@ def visit(
         target = writes[0] if writes else a
         if writes and (len(writes) > 1 or (n.args and n.args[0] is not target)):
             return _materialise(region, n, compact_inputs, report)
-        if writes or _is_noop_cast(n, a):
+        set_example_value(n)
+        if writes or _is_cast(n) and _returns_input(region, n, a):
             region.members[n] = Member(region.members[target].root, target, identity=True)
         else:
             region.members[n] = Member(n)
-        set_example_value(n)
         report.post_ops.append(describe(n))
         return
     if not writes and len(compact_inputs) == 1 and vocab_views.view_keeps_vocab(n, a, vocab):
         region.original_args[n] = (n.args, n.kwargs)
         _retarget_view(n, capacity)
-        region.members[n] = Member(region.members[a].root, a)
         set_example_value(n)
+        # a view of its parent's class (replayed on the dense parent when the class is materialised), or, where eager
+        # copied (``reshape`` of a layout no view has), a value of its own: a write to one never reaches the other
+        region.members[n] = Member(region.members[a].root, a) if _returns_input(region, n, a) else Member(n)
         report.post_ops.append(describe(n))
         return
     if not writes and len(compact_inputs) == 1:
@@ -153,6 +157,14 @@ def _exit(region: Region, n: fx.Node, compact_inputs: list, writes: list, report
     report.exits.append(describe(n))
     if _elementwise_into(n) and _chain_operands_ok(region, n, [n.args[0]], region.vocab, set()):
         _region_written_out(region, n, Mask(region.inactive(n)))  # ``torch.tanh(z, out=buf)``: buf is in the chain
+
+
+def read_metadata(region: Region, n: fx.Node, a: fx.Node) -> None:
+    """``n`` reads the compact value ``a`` for its dtype, device or shape only (``bias.type_as(z)``,
+    ``torch.zeros_like(z)``, ``z.size(-1)``): no step of the chain, and its result is no chain value. The compact
+    value has the logits' dtype, device and rows; a read of its width gets the [..., V] value as of this point."""
+    if patterns.reads_shape(n) and not vocab_views.reads_row_size(n, a):
+        n.replace_input_with(a, region.scatter(a, n))
 
 
 def _elementwise_into(n: fx.Node) -> bool:
@@ -183,6 +195,10 @@ def visit_dense(region: Region, n: fx.Node, dense_inputs: list) -> None:
     writes = [w for w in effects.mutated_inputs(n) if w in region.dense_masks]
     other_writes = [w for w in effects.mutated_inputs(n) if w not in region.dense_masks]
     aligned = all(region.dense_masks[d] == mask for d in dense_inputs)
+    if not writes and not other_writes and dense_inputs == [a] and n.args[0] is a and _is_cast(n) \
+            and getattr(patterns.example_value(n), "is_floating_point", lambda: False)():
+        region.dense_masks[n] = mask  # a copy or ``a`` itself, as in eager: -inf stays -inf in every floating dtype
+        return
     if not other_writes and aligned and _dense_operands_ok(region, n, dense_inputs, width, mask.trailing):
         if writes:
             _remask_after(region, n, writes)
@@ -245,7 +261,7 @@ def _dense_operands_ok(region: Region, n: fx.Node, inputs: list, width: int, tra
         shape = patterns.tensor_shape(arg)
         if shape is None:
             continue  # a SymInt/SymFloat scalar
-        if n.op == "call_method" and n.target in ("type_as", "to"):
+        if arg in patterns.metadata_operands(n):
             continue
         if len(shape) > trailing and shape[len(shape) - 1 - trailing] not in (1, width):
             return False
@@ -291,20 +307,51 @@ def _materialise(region: Region, n: fx.Node, compact_inputs: list, report: Rewri
     report.exits.append(f"{describe(n)} (writes or aliases the logits: materialised there)")
 
 
-def _is_noop_cast(n: fx.Node, a: fx.Node) -> bool:
-    """A cast or ``contiguous`` that returns its input itself (same dtype): an alias, not a copy."""
-    if not (n.op == "call_method" and n.target in patterns.CAST_METHODS):
-        return False
-    before, after = patterns.example_value(a), patterns.example_value(n)
-    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+def _is_cast(n: fx.Node) -> bool:
+    """A cast or ``contiguous``: its input itself or a copy of it (``patterns.CAST_METHODS``)."""
+    return n.op == "call_method" and n.target in patterns.CAST_METHODS
+
+
+# Ops that return their input (or a view of it) or a copy, as its layout allows: ``contiguous`` copies a
+# non-contiguous tensor, ``reshape`` / ``flatten`` copy when no view has the shape, a cast copies when the dtype
+# changes or ``copy=True``. The others the walk keeps in the chain (indexing, ``view``, squeeze) always return a view.
+_VIEW_OR_COPY = {"contiguous", "reshape", "reshape_as", "flatten", "unflatten", *patterns.CAST_METHODS}
+
+
+def _returns_input(region: Region, n: fx.Node, a: fx.Node) -> bool:
+    """Whether ``n`` (a cast or view of the chain value ``a``, its compact value set) shares ``a``'s storage, as it
+    did in eager: read from the values Dynamo traced (their strides are the eager tensors'), and then required of the
+    compact values too where they are known, so that an in-place step on either reaches the other in both or in
+    neither (the compact head's output is laid out as the head's, so they agree but at sizes of 1). Where eager
+    copied, ``n`` is a value of its own (a write to it never reaches ``a``: ``z[:, -1].contiguous()`` banned)."""
+    if node_name(n) not in _VIEW_OR_COPY:
+        return True
+    eager = _same_storage(region.eager.get(n), region.eager.get(a))
+    compact = _same_storage(patterns.example_value(n), patterns.example_value(a))
+    if eager is None or compact not in (None, eager):
+        raise DenseFallback(
+            f"{describe(n)} ({where(n)}) returns its input or a copy of it as the input's layout allows, and nanospec "
+            "cannot prove that it does the same on the compact logits as on the logits "
+            f"({'unknown' if eager is None else 'a copy' if not eager else 'the input'} in eager); use clone() for a "
+            "copy, or view() for a view")
+    return eager
+
+
+def _same_storage(x, y) -> bool | None:
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return None
+    try:
+        return StorageWeakRef(x.untyped_storage()) == StorageWeakRef(y.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor with no storage to read (a functorch wrapper): unknown
+        return None
 
 
 def _gather_vocab_operands(graph: fx.Graph, user: fx.Node, region: set, vocab: int, safe_ids: fx.Node) -> None:
-    """Make a post-op's V-sized operands compact: ``b`` -> ``b.index_select(-1, ids)``."""
-    if user.op == "call_method" and user.target in ("type_as", "to"):
-        return
+    """Make a post-op's V-sized operands compact: ``b`` -> ``b.index_select(-1, ids)`` (not one read for its dtype
+    only: ``z.type_as(b)``)."""
+    metadata = patterns.metadata_operands(user)
     for arg in list(user.all_input_nodes):
-        if arg in region:
+        if arg in region or arg in metadata:
             continue
         shape = patterns.tensor_shape(arg)
         if shape and shape[-1] == vocab:

@@ -31,8 +31,6 @@ from . import effects, patterns, vocab_views
 from .graph import call_arg, describe, node_name, where
 
 _KEEP_APART_FUNCTIONS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.hstack, torch.vstack}
-_METADATA_ONLY = {"size", "dim", "numel", "sym_size", "sym_numel", "stride", "empty_like", "zeros_like", "ones_like",
-                  "new_empty", "new_zeros", "new_ones", "full_like", "rand_like", "randn_like"}
 # ops whose ``dim`` argument (position 1 as FX records it, or the keyword) says which axis they run along
 _ALONG_DIM = {"softmax", "log_softmax", "logsumexp", "amax", "amin", "max", "min", "sum", "mean", "sort", "argsort",
               "argmax", "argmin", "cumsum", "cumprod", "std", "var", "norm", "prod", "nansum", "logcumsumexp", "all",
@@ -84,11 +82,10 @@ def logits_sources(graph: fx.Graph, projections: list[list[fx.Node]], combined=N
         for p in nodes:
             carries[p] = frozenset({i})
     for n in graph.nodes:
-        if n in carries or n.op in ("placeholder", "get_attr") or node_name(n) in _METADATA_ONLY:
+        if n in carries or n.op in ("placeholder", "get_attr"):
             continue
-        if n.op == "call_function" and n.target is getattr and n.args[1] in ("shape", "dtype", "device"):
-            continue
-        inputs = [a for a in n.all_input_nodes if carries.get(a)]
+        metadata = patterns.metadata_operands(n)  # ``bias.type_as(za)``: za's dtype only, no logits of head a
+        inputs = [a for a in n.all_input_nodes if carries.get(a) and a not in metadata]
         if not inputs or _floating(n) and not any(_floating(a) for a in inputs):
             continue  # ids from a head's output looking up another table (a draft loop's embedding): no logits
         heads = frozenset().union(*(carries[a] for a in inputs))

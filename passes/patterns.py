@@ -31,8 +31,11 @@ inactive tokens, and every *use* of a chain value is exactly one of
 
 1. **a step of the chain with exact compact semantics** - an elementwise post-op whose other
    operands are numbers, tensors with last dim 1, or ``[..., V]`` tensors outside the region
-   (gathered at the active ids); a cast; a view that keeps the vocabulary axis last; the
-   *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
+   (gathered at the active ids; ``bias.type_as(z)`` is such a tensor: an op that reads the logits
+   for their dtype or shape only computes nothing from them, :func:`metadata_operands`); a cast; a
+   view that keeps the vocabulary axis last (a cast, ``contiguous`` or ``reshape`` is an alias of
+   its input where eager returned the input or a view of it, a value of its own where eager copied);
+   the *in-place* forms of those post-ops, which then run in place on the compact tensor, so every
    compact alias sees the write just as the dense aliases would; or a compact consumer:
    ``topk(largest=True)``/``argmax`` (behind ``log_softmax`` over V or not), which read slots and map
    them to token ids (behind ``softmax`` they read the materialised probabilities: an inactive token's is 0);
@@ -105,16 +108,35 @@ CONSUMER_METHODS = {*SOFTMAX_METHODS, "topk", "argmax", "max", "sort", "argsort"
 def is_elementwise(node: fx.Node) -> bool:
     """An elementwise step with a floating result: the listed post-ops, or any op torch tags ``pointwise``
     (``log1p``, ``F.softplus``, ``F.silu``, ...), looked up by name among the ATen ops. Comparisons and
-    other ops with a bool or integer result are not steps of the logits chain."""
+    other ops with a bool or integer result are not steps of the logits chain.
+
+    Elementwise in the form called, not by name: ``torch.max(z, other)`` is (``aten::max.other`` is tagged
+    pointwise), ``z.max()`` is a reduction that ends the chain, and ``torch.where(z)`` returns indices. Which overload a
+    name's tag belongs to does not say it (``aten::rsub.Tensor`` is elementwise and untagged); what every
+    elementwise form does, and no other form of these names does, is return one tensor that drops no axis of the
+    tensors it reads the values of (:func:`_reduces`)."""
+    if node.op not in ("call_function", "call_method") or _reduces(node):
+        return False
     if is_call(node, ELEMENTWISE_FUNCTIONS, ELEMENTWISE_METHODS):
         return True
-    if node.op not in ("call_function", "call_method"):
-        return False
     name = node_name(node)
     value = example_value(node)
     if not isinstance(name, str) or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return False
     return _aten_pointwise(name)
+
+
+def _reduces(node: fx.Node) -> bool:
+    """Not one tensor, or one of lower rank than a tensor it reads the values of: no elementwise op (broadcasting
+    never drops an axis) returns that; ``z.max()``, ``torch.min(z)`` and ``z.max(-1)`` do. Shapes are compared by
+    rank only: while the rewrite walks the chain a node's inputs may hold compact values ``[..., C]`` and the node its
+    own ``[..., V]`` one."""
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor):
+        return True
+    metadata = metadata_operands(node)
+    return any(isinstance(v := example_value(a), torch.Tensor) and v.dim() > value.dim()
+               for a in node.all_input_nodes if a not in metadata)
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,6 +148,52 @@ def _aten_pointwise(name: str) -> bool:
         return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
     except Exception:  # noqa: BLE001 - an overload that cannot be read: not known to be pointwise
         return False
+
+
+# Ops that read some tensor operands only for their dtype and device (``bias.type_as(z)``, ``bias.to(z)``,
+# ``z.new_zeros(n)``) or also their shape (``bias.expand_as(z)``, ``torch.zeros_like(z)``, ``z.size()``), never their
+# values: what they return is not computed from those operands (``bias.type_as(z)`` is the bias, not the logits).
+# Method -> the positions read so (0: self; None: every tensor operand but self).
+_DTYPE_READS = {"type_as": None, "to": None, "new_empty": 0, "new_zeros": 0, "new_ones": 0, "new_full": 0,
+                "new_empty_strided": 0, "new_tensor": 0}
+_SHAPE_READS = {"view_as": None, "reshape_as": None, "expand_as": None, "size": 0, "dim": 0, "ndimension": 0,
+                "numel": 0, "nelement": 0, "stride": 0, "sym_size": 0, "sym_numel": 0, "sym_stride": 0}
+_LIKE_FUNCTIONS = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like"}
+_METADATA_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
+
+
+def metadata_operands(node: fx.Node) -> set[fx.Node]:
+    """The tensor operands ``node`` reads only for their dtype, device or shape, not for any value (and not also
+    as a value operand: in ``z.type_as(z)`` z is the value cast)."""
+    if node.op not in ("call_function", "call_method"):
+        return set()
+    name = node_name(node, attribute=True)
+    if node.op == "call_function" and node.target is getattr:
+        return {node.args[0]} if name in _METADATA_ATTRIBUTES and isinstance(node.args[0], fx.Node) else set()
+    positions = {**_DTYPE_READS, **_SHAPE_READS}
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if name in _LIKE_FUNCTIONS and node.op == "call_function":
+        read = [args.pop(0)] if args else [kwargs.pop("input", None)]
+    elif name in positions and (node.op == "call_method" or positions[name] == 0):  # ``torch.numel(z)``, sym_size
+        if positions[name] == 0:
+            read = [args.pop(0)] if args else []
+        else:
+            read, args, kwargs = [*args[1:], *kwargs.values()], args[:1], {}
+    else:
+        return set()
+    read_nodes: set[fx.Node] = set()
+    value_nodes: set[fx.Node] = set()
+    fx.map_arg(read, read_nodes.add)
+    fx.map_arg((args, kwargs), value_nodes.add)
+    return read_nodes - value_nodes
+
+
+def reads_shape(node: fx.Node) -> bool:
+    """``node``'s metadata operands (:func:`metadata_operands`) are read for their sizes too, not only for their
+    dtype, device and rank (which compact logits share with the logits)."""
+    name = node_name(node, attribute=True)
+    return not (name in _DTYPE_READS or name in ("dim", "ndimension") and node.op == "call_method"
+                or node.op == "call_function" and node.target is getattr and name != "shape")
 
 
 def is_comparison(node: fx.Node) -> bool:
@@ -140,7 +208,7 @@ def is_comparison(node: fx.Node) -> bool:
                                                       operator.invert, operator.not_):
         return True
     name = node_name(node)
-    return isinstance(name, str) and _aten_pointwise(name)
+    return isinstance(name, str) and not _reduces(node) and _aten_pointwise(name)
 
 
 def source_name(node: fx.Node) -> str:
@@ -209,7 +277,8 @@ def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: i
     if not is_elementwise(node):
         return False
     inputs = set(logits) if isinstance(logits, (list, tuple, set)) else {logits}
-    operands = list(node.args) + list(node.kwargs.values())
+    metadata = metadata_operands(node)  # ``bias.type_as(z)``: a cast of the bias, no step of the logits
+    operands = [a for a in (*node.args, *node.kwargs.values()) if not (isinstance(a, fx.Node) and a in metadata)]
     if not any(isinstance(a, fx.Node) and a in inputs for a in operands):
         return False
     for a in operands:
@@ -224,8 +293,6 @@ def elementwise_operands_ok(node: fx.Node, logits: fx.Node | list, vocab_size: i
             if isinstance(example_value(a), (torch.SymInt, torch.SymFloat, int, float)):
                 continue
             return False
-        if node.op == "call_method" and node.target in ("type_as", "to"):
-            continue  # a tensor used only for its dtype/device
         if len(shape) and shape[-1] not in (1, vocab_size):
             return False
     return True

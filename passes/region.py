@@ -26,7 +26,7 @@ class Member:
 
     root: fx.Node
     parent: fx.Node | None = None
-    identity: bool = False  # same tensor as the parent (an in-place op's result, a no-op cast)
+    identity: bool = False  # same tensor as the parent (an in-place op's result, a cast that returned its input)
 
 
 class Region:
@@ -49,6 +49,9 @@ class Region:
         self.foreign: set[fx.Node] = set()
         self.transforms: dict[fx.Node, str] = {}  # nodes inside torch.vmap & co (``transforms.transform_regions``)
         self.capacity = 0
+        # each region node's value as Dynamo traced it, before the walk gave it a compact one: whether an op that
+        # returns its input, a view of it or a copy (``contiguous``, ``reshape``, a cast) copied in eager
+        self.eager: dict[fx.Node, object] = {}
         self._inactive: fx.Node | None = None
         self._mask_views: dict[tuple, fx.Node] = {}
 

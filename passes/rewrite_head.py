@@ -37,7 +37,7 @@ import torch.fx as fx
 from nanospec_fx.kernels.schema import is_op, op_arg, op_call
 
 from . import effects, heads_meet, patterns, projections, transforms, vocab_views
-from .chain_walk import check_aliases, visit, visit_dense
+from .chain_walk import check_aliases, read_metadata, visit, visit_dense
 from .contract import DenseFallback, RewriteReport, StateNodes
 from .find_head import HeadMatch
 from .grad_mode import stands_for
@@ -86,6 +86,7 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
             x, cache_b = _scaled_operands(graph, proj, x, cache_b)
             compact = op_call(graph, "compact_logits", x=x, cache_w=cache_w, cache_b=cache_b, cursor=state.cursor)
     stands_for(compact, proj)
+    logits = patterns.example_value(proj)  # the head's [..., V] output as Dynamo traced it (strides included)
     compact.meta.update(
         {k: v for k, v in proj.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     set_example_value(compact)
@@ -93,6 +94,8 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
     graph.erase_node(proj)
 
     region = Region(graph, state, vocab, compact)
+    region.eager = {n: patterns.example_value(n) for n in graph.nodes} | {
+        head_layout if stacked is not None else compact: logits}
     region.capacity = capacity
     region.transforms = transforms.transform_regions(graph)
     region.derived = derived | {compact}
@@ -109,19 +112,21 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
         for a in list(n.all_input_nodes):  # uses of an already materialised class read its [..., V] tensor
             if a in region.members and region.members[a].root in region.materialised:
                 n.replace_input_with(a, region.dense(a, n))
+        metadata = patterns.metadata_operands(n)  # ``bias.type_as(z)``: z's dtype only, no value of the chain
+        for a in metadata & set(region.members):
+            read_metadata(region, n, a)
+        values = [a for a in n.all_input_nodes if a not in metadata]
         check_aliases(region, n)
-        chain_inputs = [a for a in n.all_input_nodes if a in region.members or a in region.dense_masks
-                        or a in region.side]
+        chain_inputs = [a for a in values if a in region.members or a in region.dense_masks or a in region.side]
         # column by column from chain values only (z > 0), not after a reduction (z < z.max(-1, keepdim=True))
-        reads_chain = bool(chain_inputs) and not any(a in region.derived and a not in chain_inputs
-                                                     for a in n.all_input_nodes)
-        compact_inputs = [a for a in n.all_input_nodes if a in region.members]
-        if n.op == "output" and (compact_inputs or any(a in region.dense_masks for a in n.all_input_nodes)):
+        reads_chain = bool(chain_inputs) and not any(a in region.derived and a not in chain_inputs for a in values)
+        compact_inputs = [a for a in values if a in region.members]
+        if n.op == "output" and (compact_inputs or any(a in region.dense_masks for a in values)):
             report.chain_outputs += 1
         if compact_inputs:
             visit(region, n, compact_inputs, capacity, report, erased)
         else:
-            dense_inputs = [a for a in n.all_input_nodes if a in region.dense_masks]
+            dense_inputs = [a for a in values if a in region.dense_masks]
             if dense_inputs and n in region.transforms:  # reads the materialised logits: ends the chain
                 if set(effects.mutated_inputs(n)) & set(dense_inputs):
                     raise DenseFallback(f"{describe(n)} ({where(n)}) writes the logits inside "
@@ -136,25 +141,21 @@ def _rewrite_projection(graph, proj, bias, state, vocab, capacity, report, own: 
         _fuse_plain_head(graph, compact, scatters[0], vocab)
 
 
-_METADATA_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
-                  "new_full", "size", "dim", "numel", "sym_size", "sym_numel", "stride", "rand_like", "randn_like",
-                  "randint_like"}
-
-
 def _value_downstream(node: fx.Node) -> set[fx.Node]:
-    """Every node whose value is computed from ``node``'s values (not only from its shape or dtype), in graph
-    order: a value written into another tensor (``torch.tanh(z, out=buf)``, ``buf.copy_(z)``) makes that tensor,
-    and what reads it later, computed from ``node`` too."""
+    """Every node whose value is computed from ``node``'s values (not only from its shape, dtype or device:
+    ``bias.type_as(z)`` and ``torch.zeros_like(z)`` are not; ``patterns.metadata_operands``), in graph order: a value
+    written into another tensor (``torch.tanh(z, out=buf)``, ``buf.copy_(z)``) makes that tensor, and what reads it
+    later, computed from ``node`` too."""
     seen: set[fx.Node] = {node}
     started = False
     for user in node.graph.nodes:
         if user is node:
             started = True
             continue
-        if not started or describe(user) in _METADATA_ONLY or (
-                user.op == "call_function" and user.target is getattr and user.args[1] in ("shape", "dtype", "device")):
+        if not started:
             continue
-        if any(a in seen for a in user.all_input_nodes if a not in effects.mutated_inputs(user)) or any(
+        values = [a for a in user.all_input_nodes if a not in patterns.metadata_operands(user)]
+        if any(a in seen for a in values if a not in effects.mutated_inputs(user)) or any(
                 a in seen for a in effects.mutated_inputs(user) if a is user.args[0] and not user.kwargs.get("out")):
             seen.add(user)
             seen.update(effects.mutated_inputs(user))
@@ -210,6 +211,7 @@ def _compact_delta(region: Region, delta: fx.Node) -> fx.Node:
     for r in rows:
         if r is not None:
             r.meta["nanospec_active_rows"] = True  # reads rows of the active set: no token lookup to observe
+    region.eager[compact] = patterns.example_value(delta)
     delta.replace_all_uses_with(compact)
     graph.erase_node(delta)
     for step in steps:  # each reads only the one before it and numbers: valid anywhere before the add

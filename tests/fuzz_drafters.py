@@ -73,13 +73,14 @@ SPECIAL_IDS = (1, 2)  # the Python list of "python_ids"
 # Steps of the logits program. Each is a tuple (name, *params) with params plain numbers/strings.
 ELEMENTWISE = {  # out-of-place, column j -> column j: the chain continues
     "temperature", "scale", "bias", "scale_vec", "softcap", "cast", "clamp", "masked_fill", "gumbel", "where_ban",
-    "scatter_ban",
+    "scatter_ban", "bias_like",  # bias_like: a [V] bias cast or shaped after the logits (``b.type_as(z)``)
 }
 MUTATIONS = {  # in place on the current logits (or a view of them): the chain continues
     "div_", "itruediv", "iadd_bias", "imul", "clamp_", "clamp_fn_", "masked_fill_", "setitem", "setitem_view",
     "out_self", "copy_clamp", "nan_to_num_fn", "index_fill_", "scatter_",
+    "copy_ban",  # contiguous/reshape/cast of z (z itself or a copy, as its layout allows), scaled and banned, emitted
 }
-ROW_OPS = {"sub_lse", "sub_max"}  # z - z.logsumexp(..), z - z.max(..): end the chain, z becomes the result
+ROW_OPS = {"sub_lse", "sub_max", "sub_global_max"}  # z - z.logsumexp(..), z - z.max(..), z - z.max(): end the chain
 NORMALISE = {"to_log_softmax", "to_neg_log_softmax", "to_probs"}  # end the chain, z becomes the result
 VIEWS = {  # column-keeping views: the chain continues
     "last", "last_ellipsis", "flatten", "reshape", "view_n", "transpose", "permute", "unsqueeze", "squeeze",
@@ -88,7 +89,7 @@ VIEWS = {  # column-keeping views: the chain continues
 CONSUMERS = {  # read z, emit an output; z is unchanged
     "topk", "argmax", "max", "sort", "softmax", "log_softmax", "gather_ids", "gather_probe", "multinomial",
     "inverse_cdf", "exp_log_softmax", "neg_log_softmax", "exp_inplace", "logp_clamp_min", "entropy_plogp",
-    "entropy_nansum", "entropy_entr", "categorical_entropy", "typical", "eta",
+    "entropy_nansum", "entropy_entr", "categorical_entropy", "typical", "eta", "global_max",
 }
 BREAKS = ("dynamo", "item", "int", "print", "branch", "helper_item", "helper_print", "helper_branch")
 OTHER = {"graph_break", "out_new_softcap"}
@@ -781,6 +782,9 @@ class FuzzDrafter(nn.Module):
                 z = torch.where(self.ban_mask[:w], torch.full_like(z, _value(p[0])), z)
             elif name == "scatter_ban":
                 z = z.scatter(-1, self.ban_ids.expand(*z.shape[:-1], -1), _value(p[0]))
+            elif name == "bias_like":
+                b = self.logit_bias[:w]
+                z = z + (b.type_as(z) if p[0] == "type_as" else b.to(z) if p[0] == "to" else b.expand_as(z))
             elif name == "gumbel":
                 z = z + _apply_views(noise[..., :w], views).to(z.dtype)
             elif name == "div_":
@@ -816,6 +820,12 @@ class FuzzDrafter(nn.Module):
                 z.copy_(torch.clamp(z, min=p[0]))
             elif name == "nan_to_num_fn":
                 torch.nan_to_num_(z, neginf=p[0])
+            elif name == "copy_ban":  # z goes on as it is (written too where the op returned z itself)
+                c = {"contiguous": z.contiguous, "reshape": lambda: z.reshape(-1, w), "float": z.float,
+                     "to_copy": lambda: z.to(z.dtype, copy=True)}[p[0]]()
+                c.mul_(0.5)
+                c[..., self.ban_ids] = _value(p[1])
+                emit("values", read(c))
             # -- column-keeping views: the chain continues
             elif name in ("last", "last_ellipsis", "flatten", "reshape", "view_n", "transpose", "permute", "unsqueeze",
                           "squeeze"):
@@ -856,6 +866,8 @@ class FuzzDrafter(nn.Module):
                     z = z - torch.logsumexp(z.float(), dim=-1, keepdim=True).to(z.dtype)
                 elif name == "sub_max":
                     z = z - z.max(dim=-1, keepdim=True).values
+                elif name == "sub_global_max":
+                    z = z - z.max()
                 elif name == "to_log_softmax":
                     z = F.log_softmax(z.float(), dim=-1)
                 elif name == "to_neg_log_softmax":
@@ -917,6 +929,8 @@ class FuzzDrafter(nn.Module):
                     out = typical_warper(x.float().reshape(-1, x.shape[-1]))
                 elif name == "eta":
                     out = eta_warper(x.float().reshape(-1, x.shape[-1]))
+                elif name == "global_max":  # a reduction over every axis (``aten::max`` has a pointwise overload)
+                    out = x.max()
                 else:
                     raise ValueError(f"unknown step {name!r}")
                 emit("values", out)
@@ -1013,6 +1027,7 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
                 "clamp": (draw(clamps),),
                 "masked_fill": (draw(ban_values),), "where_ban": (draw(ban_values),),
                 "scatter_ban": (draw(ban_values),),
+                "bias_like": (draw(st.sampled_from(["type_as", "to", "expand_as"])),),
             }.get(name, ())
             step = (name, *params)
         elif kind == "mutation":
@@ -1026,6 +1041,7 @@ def _steps(draw, recipe_vocab: int, head_pad: int, capacity: int, grad: bool, ma
                 "setitem": (draw(ban_values),), "setitem_view": (draw(ban_values),), "index_fill_": (draw(ban_values),),
                 "scatter_": (draw(ban_values),), "out_self": (draw(temps),), "copy_clamp": (draw(clamps),),
                 "nan_to_num_fn": (-50.0,),
+                "copy_ban": (draw(st.sampled_from(["contiguous", "reshape", "float", "to_copy"])), draw(ban_values)),
             }.get(name, ())
             step = (name, *params)
         elif kind == "row":

@@ -557,3 +557,153 @@ def test_bans_written_out_of_place_are_steps_of_the_chain():
     out, oracle, warned = _run(OutOfPlaceBans().eval(), IDS)
     assert not warned
     _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- elementwise in the form called (class 5)
+class ReducedByAnElementwiseName(Drafter):
+    """``max``/``min`` are elementwise with two tensors (``aten::max.other`` is tagged pointwise) and a reduction with
+    one: ``z.max()`` ends the chain (the oracle's mask is applied to the z it reads), ``torch.max(z, floor)`` is a
+    step of it (inactive tokens stay -inf through the soft-cap after it)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("floor", torch.linspace(-0.3, 0.2, V))
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))[:, -1]  # [1, V]
+        if self.kind == "stable_softmax":  # the textbook softmax of a batch-1 drafter
+            z = _chain_end(z, mask)
+            e = torch.exp(z - z.max())
+            return e / e.sum()
+        if self.kind == "max_returned":
+            z = _chain_end(z, mask)
+            return z, z.max()
+        if self.kind == "min_after_softcap":
+            z = _chain_end(2.0 * torch.tanh(z / 2.0), mask)
+            return z, torch.min(z)
+        if self.kind == "max_other":
+            return _chain_end(3.0 * torch.tanh(torch.max(z, self.floor) / 3.0), mask)
+        if self.kind == "pow_scalar_base":  # pow with a number base: elementwise in z
+            return _chain_end((2.0 ** z).clamp(min=0.5), mask)
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["stable_softmax", "max_returned", "min_after_softcap", "max_other",
+                                  "pow_scalar_base"])
+def test_an_op_is_a_step_of_the_chain_only_in_its_elementwise_form(kind):
+    out, oracle, warned = _run(ReducedByAnElementwiseName(kind).eval(), IDS)
+    assert not warned
+    _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- operands cast to the logits' dtype (class 6)
+class OperandCastLikeTheLogits(Drafter):
+    """A [V] operand cast or shaped after the logits (``bias.type_as(z)``: mixed-precision code) is an operand of the
+    chain like ``z + bias``: read at the active tokens, and the soft-cap after it keeps inactive tokens at -inf."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        g = torch.Generator().manual_seed(5)
+        self.register_buffer("logit_bias", torch.randn(V, generator=g) * 3)
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))
+        b = self.logit_bias
+        if self.kind == "type_as":
+            z = z + b.type_as(z)
+        elif self.kind == "to_tensor":
+            z = z + b.to(z)
+        elif self.kind == "expand_as":
+            z = z + b.expand_as(z)
+        elif self.kind == "zeros_like":
+            z = z + (torch.zeros_like(z) + b)
+        elif self.kind == "scale_type_as":
+            z = z * (b.abs() + 0.5).type_as(z)
+        else:
+            raise AssertionError(self.kind)
+        return _chain_end(4.0 * torch.tanh(z / 4.0), mask)
+
+
+@pytest.mark.parametrize("kind", ["type_as", "to_tensor", "expand_as", "zeros_like", "scale_type_as"])
+def test_an_operand_cast_or_shaped_like_the_logits_is_read_at_the_active_tokens(kind):
+    out, oracle, warned = _run(OperandCastLikeTheLogits(kind).eval(), IDS)
+    assert not warned
+    _close(out, oracle)
+
+
+# ----------------------------------------------------------------------------- a copy of the logits is not the logits (class 6)
+class WrittenCopy(Drafter):
+    """``contiguous``/``reshape``/``to(copy=True)`` return their input, a view of it or a copy, as eager's layout
+    allows: a write to a copy never reaches the logits, a write through the input itself does. Both tensors are graph
+    outputs (read outside the chain): the oracle masks each where it is returned."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, ids, mask=None):
+        z = self.lm_head(self.hidden(ids))  # [2, 4, V]
+        k = self.kind
+        if k == "dense_alias":  # z materialised by a ban first, then the same tensor under another name
+            z[..., self.ban] = NEG
+            y = z.float()
+            y.mul_(2.0)
+            return _chain_end(z, mask), _chain_end(y, mask)
+        if k == "contiguous_copy":
+            y = z[:, -1].contiguous()  # a copy: z[:, -1] is not contiguous with two rows
+        elif k == "reshape_copy":
+            y = z[:, -2:].reshape(-1, V)  # no view has this shape: a copy
+        elif k == "to_copy":
+            y = z[:, -1].to(torch.float32, copy=True)
+        elif k == "contiguous_self":
+            y = z.contiguous()  # z itself: the ban below is z's too
+        elif k == "float_self":
+            y = z.float()  # z itself (already float32)
+        elif k == "reshape_view":
+            y = z.reshape(-1, V)  # a view
+        else:
+            raise AssertionError(k)
+        y.mul_(0.5)  # in place on the compact copy, then the ban materialises it
+        y[..., self.ban] = NEG
+        return _chain_end(z, mask), _chain_end(y, mask)
+
+
+IDS2 = torch.tensor([[3, 7, 11, 13], [5, 7, 17, 19]])
+
+
+@pytest.mark.parametrize("kind", ["contiguous_copy", "reshape_copy", "to_copy", "contiguous_self", "float_self",
+                                  "reshape_view", "dense_alias"])
+def test_a_write_to_a_copy_of_the_logits_never_reaches_them_and_one_to_an_alias_does(kind):
+    out, oracle, warned = _run(WrittenCopy(kind).eval(), IDS2)
+    assert not warned
+    _close(out, oracle)
+
+
+# The forms of pointwise-tagged ATen names that torch does not tag (on tensors, out= variants left out). The pass takes
+# a call of such a name for an elementwise step when it returns one tensor that drops no axis of its operands
+# (patterns.is_elementwise); that holds of exactly the elementwise forms only if every untagged form is elementwise
+# (masked_fill.Tensor, rsub.Tensor, true_divide.Scalar, where.Scalar*, xlogy_.Scalar_Other) or returns a tuple or a
+# reduced tensor (max/min with one tensor, where(cond)). A torch that adds a form must be read again.
+_UNTAGGED_FORMS = {
+    "masked_fill.Tensor", "max.default", "max.dim", "min.default", "min.dim", "rsub.Tensor", "true_divide.Scalar",
+    "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "where.default", "xlogy_.Scalar_Other",
+}
+
+
+def test_every_untagged_tensor_form_of_a_pointwise_name_is_known():
+    found = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        overloads = [(o, getattr(packet, o)) for o in packet.overloads()]
+        if not any(torch.Tag.pointwise in op.tags for _, op in overloads):
+            continue
+        for o, op in overloads:
+            args = op._schema.arguments
+            out_variant = any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in args)
+            if torch.Tag.pointwise not in op.tags and not out_variant and any(str(a.type) == "Tensor" for a in args):
+                found.add(f"{name}.{o}")
+    assert found == _UNTAGGED_FORMS

@@ -90,6 +90,16 @@ CASES = {
         ("sub_lse",), ("graph_break",), ("out_new_softcap", 2.0), ("sub_max",), ("log_softmax",)), return_logits=False,
         capacity=4, batch=2, seq=2, seq2=2, extra_active=3, seed=168), ()),
     "graph_break_softcap_log_softmax": (R(chain=(("graph_break",), ("softcap", 2.0), ("log_softmax",))), ()),
+    # found by a review (issue 40's find): an op elementwise only in one form, an operand cast like the logits, a copy
+    # of the logits taken for them (each failed before the fix: SILENT, or a crash where eager runs)
+    "global_max_then_softcap": (R(chain=(("sub_global_max",), ("softcap", 2.0)), batch=1), ()),
+    "global_max_returned": (R(chain=(("global_max",),), batch=1), ()),
+    "bias_type_as_then_softcap": (R(chain=(("bias_like", "type_as"), ("softcap", 2.0)), capacity=16), ()),
+    "bias_to_logits_then_softcap": (R(chain=(("bias_like", "to"), ("softcap", 2.0))), ()),
+    "contiguous_copy_banned": (R(chain=(("last",), ("copy_ban", "contiguous", "-inf"), ("softcap", 2.0))), ()),
+    "to_copy_banned": (R(chain=(("last",), ("copy_ban", "to_copy", 0.0), ("softcap", 2.0))), ()),
+    "float_alias_of_materialised_logits": (R(chain=(("setitem", "-inf"), ("copy_ban", "float", 0.0),
+                                                    ("softcap", 2.0))), ()),
 }
 
 
