@@ -609,11 +609,11 @@ class FuzzDrafter(nn.Module):
     def forward(self, ids, prev_hidden=None, noise=None, future=None, ids2=None, prefill=False, _mask=None,
                 _record=None):
         r = self.recipe
-        with contextlib.ExitStack() as stack:
-            if r.mode == "enable_grad_inside":
-                stack.enter_context(torch.enable_grad())
-            elif r.mode == "no_grad_forward":
-                stack.enter_context(torch.no_grad())
+        # one plain context manager: Dynamo cannot trace contextlib.ExitStack, and a graph break inside its `with`
+        # made it skip the whole forward (every such case ran eager: dense, never testing the rewrite)
+        grad = (torch.enable_grad() if r.mode == "enable_grad_inside" else torch.no_grad()
+                if r.mode == "no_grad_forward" else contextlib.nullcontext())
+        with grad:
             if prefill:  # a prefill call: embeds the prompt, scores nothing
                 return self._body(ids, ids2)
             if r.draft_steps:
