@@ -32,7 +32,10 @@ The contract these passes implement (README, "The contract"):
 * **Post-op chain.** From the head's ``[..., V]`` output, the maximal run of elementwise ops (in place or
   not, bans written with setitem/masked_fill/index_put/scatter of constants, casts) and of views that keep
   each token's column (flatten, transpose/permute/mT, view(n, -1), reshape, [..., -1], squeeze/unsqueeze,
-  contiguous). It ends at the first op that is neither: a normalisation (softmax, log_softmax, an elementwise
+  contiguous; reshape/flatten/contiguous/casts alias the logits only where eager returns them or a view of them,
+  else they are a copy of their own). An op is elementwise only in its elementwise form (``z.max()`` is a
+  reduction), and an operand read only for its dtype/device/shape (``bias.type_as(z)``) is not the logits.
+  It ends at the first op that is neither: a normalisation (softmax, log_softmax, an elementwise
   op whose other operand is computed from the logits such as ``z - z.logsumexp(...)``), a reduction, a
   selection, sampling or a graph output.
 * **Oracle.** The compiled drafter equals the eager dense one in which every chain tensor read by anything
