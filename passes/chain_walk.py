@@ -18,7 +18,7 @@ from . import effects, patterns, vocab_views
 from .compact_consumers import compact_consumer
 from .contract import DenseFallback, RewriteReport
 from .find_head import parameter_name
-from .graph import describe, node_name, where
+from .graph import describe, downstream, node_name, where
 from .patterns import set_example_value
 from .region import Mask, Member, Region
 
@@ -328,6 +328,8 @@ def _returns_input(region: Region, n: fx.Node, a: fx.Node) -> bool:
         return True
     eager = _same_storage(region.eager.get(n), region.eager.get(a))
     compact = _same_storage(patterns.example_value(n), patterns.example_value(a))
+    if eager is not None and compact not in (None, eager) and not _written(region, a):
+        return eager  # nothing writes the logits' values in place: an alias and a copy cannot be told apart
     if eager is None or compact not in (None, eager):
         raise DenseFallback(
             f"{describe(n)} ({where(n)}) returns its input or a copy of it as the input's layout allows, and nanospec "
@@ -335,6 +337,14 @@ def _returns_input(region: Region, n: fx.Node, a: fx.Node) -> bool:
             f"({'unknown' if eager is None else 'a copy' if not eager else 'the input'} in eager); use clone() for a "
             "copy, or view() for a view")
     return eager
+
+
+def _written(region: Region, a: fx.Node) -> bool:
+    """Whether any op of the graph may write in place a value computed from the logits ``a`` belongs to (a chain
+    value, a view or a copy of one, anything read after them)."""
+    root = region.members[a].root
+    computed = downstream(root) | {root}
+    return any(not computed.isdisjoint(effects.mutated_inputs(x)) for x in computed)
 
 
 def _same_storage(x, y) -> bool | None:
