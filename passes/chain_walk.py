@@ -63,9 +63,12 @@ def refuse_trainable_operands(n: fx.Node, others: list) -> None:
     autograd multiplies by their zero gradient: NaN in the operand and in every weight it is computed from, where
     eager's are finite. One simple rule for every op: the head runs dense."""
     value = patterns.example_value(n)
-    if not (isinstance(value, torch.Tensor) and value.requires_grad) or patterns.is_call(n, set(), {"type_as", "to"}):
-        return  # ``z.type_as(h)`` reads only ``h``'s dtype: no gradient reaches it
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return
+    metadata = patterns.metadata_operands(n)  # ``z.type_as(h)`` reads only ``h``'s dtype: no gradient reaches it
     for a in others:
+        if a in metadata:
+            continue
         operand = patterns.example_value(a)
         if isinstance(operand, torch.Tensor) and operand.requires_grad:
             name = parameter_name(a) if a.op == "placeholder" else f"{describe(a)} ({where(a)}{_trainable_sources(a)})"
