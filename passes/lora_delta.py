@@ -36,7 +36,7 @@ ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 ADD_METHODS = {"add", "add_", "__add__", "__iadd__"}
 DELTA_OF = "nanospec_lora_delta_of"  # meta of a compact LoRA delta: the cursor of the state it is read over
 # what stands between a hidden state and a projection of it without changing which hidden state it is
-_SAME_HIDDEN_METHODS = {"to", "float", "half", "bfloat16", "double", "type", "contiguous"}
+_SAME_HIDDEN_METHODS = patterns.CAST_METHODS | {"type"}  # type_as reads a second tensor: refused below
 
 
 def delta_steps(proj: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
