@@ -247,6 +247,11 @@ def scale_output_hook(module, args, output):
     return output * 0.5
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether eager returned a view of ``b`` (the oracle's run only: Dynamo never traces this)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _apply_views(t: torch.Tensor, views: list) -> torch.Tensor:
     """Apply the chain's column-keeping views so far to ``t`` ([B, S, X]), in reshape-safe forms."""
     for v in views:
@@ -752,6 +757,8 @@ class FuzzDrafter(nn.Module):
         def read(t):  # outside the chain, the chain's tensor is read masked; after the chain, as it is
             return masked(t) if in_chain else t
 
+        late: list = []  # outputs that alias a chain value: masked when the chain ends (see copy_ban)
+
         def emit(kind, out, x=None, params=None):
             outputs.append(out)
             if record is not None:
@@ -825,7 +832,13 @@ class FuzzDrafter(nn.Module):
                      "to_copy": lambda: z.to(z.dtype, copy=True)}[p[0]]()
                 c.mul_(0.5)
                 c[..., self.ban_ids] = _value(p[1])
-                emit("values", read(c))
+                if mask is not None and in_chain and _same_storage(c, z):
+                    # eager returned z itself: the output is z, and the chain's later steps write it too; the
+                    # oracle masks what it holds when the chain ends (a masked copy now would miss those writes)
+                    emit("values", c)
+                    late.append(len(outputs) - 1)
+                else:
+                    emit("values", read(c))
             # -- column-keeping views: the chain continues
             elif name in ("last", "last_ellipsis", "flatten", "reshape", "view_n", "transpose", "permute", "unsqueeze",
                           "squeeze"):
@@ -936,6 +949,8 @@ class FuzzDrafter(nn.Module):
                 emit("values", out)
             else:
                 raise ValueError(f"unknown step {name!r}")
+        for i in late:
+            outputs[i] = masked(outputs[i])
         if r.return_logits or not outputs:
             outputs.insert(0, read(z))  # a graph output reads the chain from outside
             if record is not None:

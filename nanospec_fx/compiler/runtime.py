@@ -21,7 +21,7 @@ from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.vocab import reports as pass_reports
 from nanospec_fx.vocab import prefill as prefill_ids
 from nanospec_fx.compiler.head_kind import DenseHeadKind, kind_of_state
-from nanospec_fx.passes import patterns
+from nanospec_fx.passes import find_head, patterns
 from nanospec_fx.vocab.state import ActiveVocab, state_for
 from nanospec_fx.vocab.config import StateConfig
 from nanospec_fx.diagnostics.warning import warn_once
@@ -50,10 +50,12 @@ class DenseCall:
 
 
 def weight_positions(gm: fx.GraphModule, example_inputs: list) -> list[int]:
-    """Inputs that are the model's parameters or buffers (what tells one instance's call from another's)."""
+    """Inputs that are tensors the model holds: parameters, buffers and plain tensor attributes (a head
+    ``F.linear(h, self.W)`` after a graph break receives no parameter at all): what tells one instance's call
+    from another's."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
-            and (isinstance(v, nn.Parameter) or "_buffers[" in patterns.source_name(n))]
+            and find_head.is_weight_like(n, v)]
 
 
 

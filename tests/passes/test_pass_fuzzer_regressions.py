@@ -334,6 +334,20 @@ SCENARIOS = {
     "draft_loop_over_a_draft_vocabulary": (Scenario(drafters=(R(
         vocab=183, hidden=8, body=(), embed_pad=16, batch=2, seq=1, seq2=1, draft_steps=3, second_lookup="other_table",
         d2t="option"),), schedule=((0, "call"),)), ()),
+    # found by a long run: two instances of a class whose head reads a plain tensor attribute (F.linear(h, self.W))
+    # after a graph break run one dense graph that receives no parameter or buffer; the second instance was never
+    # told apart from the first (no warning, and explain blamed a head outside the compiled call). Now every tensor
+    # the model holds tells instances apart (compiler/runtime.weight_positions)
+    "two_instances_of_an_attribute_head_dense_after_a_break": (Scenario(drafters=(
+        R(head="attr_tensor", head_break="dynamo", seq=1, seq2=1), R(head="attr_tensor", head_break="dynamo", seq=1,
+                                                                     seq2=1, seed=1)),
+        schedule=((1, "call"), (0, "call"), (0, "call"))), ()),
+    # found by a long run (a fuzzer defect, not the pass's): ``c = z.reshape(-1, V)`` is z itself in eager, so an
+    # output ``c`` is written by the chain's later in-place steps; the oracle masked a copy of it at once and missed
+    # them (the compiled drafter was right). The oracle now masks such an output when the chain ends
+    "an_output_that_is_the_logits_written_after_it_is_emitted": (Scenario(drafters=(R(
+        chain=(("copy_ban", "reshape", -10000.0), ("copy_ban", "reshape", -10000.0))),),
+        schedule=((0, "call"), (0, "call"), (0, "call"))), ()),
 }
 
 
