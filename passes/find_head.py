@@ -71,23 +71,6 @@ def module_path(node: fx.Node) -> str | None:
     return re.sub(r"_modules\['([^']+)'\]", r"\1", path) or None
 
 
-_MODULE_ATTRIBUTE = re.compile(r"^[LG]\['[^']+'\](\._modules\['[^']+'\])*\.[A-Za-z_]\w*$")  # an object's tensor
-
-
-def is_weight_like(node: fx.Node, example: object) -> bool:
-    """A parameter or buffer (fixed across calls), or a plain tensor attribute of the module (``self.W =
-    torch.randn(V, H)``, which ``active_vocab`` accepts too: ``module_heads.module_tensors``), not an arbitrary tensor
-    argument."""
-    if node.op == "get_attr":
-        return True
-    if node.op != "placeholder":
-        return False
-    if isinstance(example, torch.nn.Parameter):
-        return True
-    source = patterns.source_name(node)
-    return "_buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
-
-
 def reaches_output(node: fx.Node, vocab_size: int) -> str | None:
     """How the [..., V] value of ``node`` reaches the graph output: ``"logits"`` (through
     post-ops, views, softmax, stacking), ``"selection"`` (only through top-k/argmax-like
@@ -209,7 +192,7 @@ def _find_heads(gm: fx.GraphModule, example_inputs: list, vocab_size: int | None
         notes.append(DenseHead(module_path(unread[0][0]) or unread[0][0].name, f"{unread[0][1]}: it is not rewritten"))
     example_of = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
     stacked = [(n, w, v) for n in gm.graph.nodes if (w := stacked_operand(n)) is not None and match_stacked(n) is None
-               and is_weight_like(w, example_of.get(w)) and (shape := patterns.tensor_shape(n))
+               and patterns.is_weight_like(w, example_of.get(w)) and (shape := patterns.tensor_shape(n))
                and (v := next((d for d in shape if isinstance(d, int) and d in vocabularies), None))
                and reaches_output(n, v)]
     if stacked and notes is not None:  # a stacked weight read onto the vocabulary in a way not read as K heads
@@ -297,9 +280,9 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
         if w_shape is None or out_shape is None or not all(isinstance(d, int) for d in w_shape):
             continue  # V and H must be static
         n_out, hidden = w_shape
-        if not is_weight_like(w, example_of.get(w)):
+        if not patterns.is_weight_like(w, example_of.get(w)):
             rows = row_weight(w, n_out) if not transposed else None  # quantised / parametrised: computed per row
-            if rows is None or not is_weight_like(rows.base, example_of.get(rows.base)):
+            if rows is None or not patterns.is_weight_like(rows.base, example_of.get(rows.base)):
                 continue
             w, sources = rows.base, [n for n in rows.leaves if n is not rows.base]
         else:
@@ -316,7 +299,7 @@ def _projection_groups(gm: fx.GraphModule, example_inputs: list) -> list[HeadMat
             match.reach = reach
     for node in gm.graph.nodes:  # K heads stacked in one weight: one head of one set (``stacked_heads``)
         s = match_stacked(node)
-        if s is None or not is_weight_like(s.weight, example_of.get(s.weight)):
+        if s is None or not patterns.is_weight_like(s.weight, example_of.get(s.weight)):
             continue
         match = groups.get((s.weight, s.axes))  # one weight read with its axes in two roles: two heads, never one
         if match is None:

@@ -311,8 +311,9 @@ def _soft_lookup(node: fx.Node, vocab: int) -> bool:
 
 
 def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
-    """A table the ids could index: a parameter or buffer with V rows or more, or any tensor with an axis of
-    exactly V (``torch.arange(V)`` compared with the ids: a one-hot written by hand). A mask or activation that
+    """A table the ids could index: a tensor the model holds (``patterns.is_weight_like``: a parameter, buffer or
+    plain tensor attribute) with V rows or more, or any tensor with an axis of exactly V (``torch.arange(V)``
+    compared with the ids: a one-hot written by hand). A mask or activation that
     merely has a long axis (a sequence as long as the vocabulary) is computed from integer data itself, or
     is not exactly V wide."""
     shape = patterns.tensor_shape(node)
@@ -323,6 +324,5 @@ def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     source = node
     while source.op in ("call_function", "call_method") and vocab_views.is_reshape_or_permute(source) and source.args:
         source = source.args[0]
-    weight_like = source.op == "get_attr" or (source.op == "placeholder" and (
-        isinstance(patterns.example_value(source), torch.nn.Parameter) or "_buffers[" in patterns.source_name(source)))
-    return weight_like and any(isinstance(d, int) and d >= vocab for d in shape)
+    return patterns.is_weight_like(source, patterns.example_value(source)) and any(
+        isinstance(d, int) and d >= vocab for d in shape)

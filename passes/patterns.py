@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from typing import Any
 
 import torch
@@ -218,6 +219,24 @@ def source_name(node: fx.Node) -> str:
         return ""
     name = source.name
     return name() if callable(name) else str(name)
+
+
+_MODULE_ATTRIBUTE = re.compile(r"^[LG]\['[^']+'\](\._modules\['[^']+'\])*\.[A-Za-z_]\w*$")  # an object's tensor
+
+
+def is_weight_like(node: fx.Node, example: object) -> bool:
+    """A tensor the model holds: a parameter or buffer (fixed across calls), or a plain tensor attribute of the
+    module (``self.W = torch.randn(V, H)``, which ``active_vocab`` accepts too: ``module_heads.module_tensors``), not
+    an arbitrary tensor argument. The one test of it, for heads, lookup tables and what tells two instances of a
+    class apart."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    if isinstance(example, torch.nn.Parameter):
+        return True
+    source = source_name(node)
+    return "_buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
 
 
 def example_value(node: Any) -> Any:

@@ -21,7 +21,7 @@ from nanospec_fx.diagnostics import diagnosis
 from nanospec_fx.vocab import reports as pass_reports
 from nanospec_fx.vocab import prefill as prefill_ids
 from nanospec_fx.compiler.head_kind import DenseHeadKind, kind_of_state
-from nanospec_fx.passes import find_head, patterns
+from nanospec_fx.passes import patterns
 from nanospec_fx.vocab.state import ActiveVocab, state_for
 from nanospec_fx.vocab.config import StateConfig
 from nanospec_fx.diagnostics.warning import warn_once
@@ -55,7 +55,7 @@ def weight_positions(gm: fx.GraphModule, example_inputs: list) -> list[int]:
     from another's."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [i for i, (n, v) in enumerate(zip(placeholders, example_inputs)) if isinstance(v, torch.Tensor)
-            and find_head.is_weight_like(n, v)]
+            and patterns.is_weight_like(n, v)]
 
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .. import patterns, projections
-from ..find_head import HeadMatch, is_weight_like, module_path, name_matches, parameter_name, reaches_output
+from ..find_head import HeadMatch, module_path, name_matches, parameter_name, reaches_output
 from ..graph import map_nodes
 from .collapse import collapse_exchange, collapse_gather
 from .exchange import match_exchange
@@ -50,7 +50,7 @@ def gathered_heads(gm: fx.GraphModule, example_inputs: list, head: str | None = 
             continue
         x, w, b = m
         shape = patterns.tensor_shape(w)
-        if not shape or not all(isinstance(d, int) for d in shape) or not is_weight_like(w, example_of.get(w)):
+        if not shape or not all(isinstance(d, int) for d in shape) or not patterns.is_weight_like(w, example_of.get(w)):
             continue
         if projections.projection_scales(node) != (1, 1):  # the collapsed projection would lose alpha / beta
             if notes is not None:

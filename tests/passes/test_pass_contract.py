@@ -160,6 +160,7 @@ class Lookup(Drafter):
         super().__init__()
         self.kind = kind
         self.register_buffer("held", torch.tensor([[17, 19]]))
+        self.padded = torch.randn(V + 5, H)  # a plain tensor attribute, no parameter or buffer: still a table
 
     def embed_ids(self, ids):
         E = self.embed.weight
@@ -189,6 +190,8 @@ class Lookup(Drafter):
             return torch.take(E, ids * H)[..., None].expand(*ids.shape, H)
         if k == "eq_one_hot":  # a one-hot written by hand: nanospec cannot read its ids
             return (ids[..., None] == torch.arange(V)).to(E.dtype) @ E
+        if k == "eq_one_hot_attribute":  # the same over a padded table held as a plain attribute (no axis of V)
+            return (ids[..., None] == torch.arange(V + 5)).to(E.dtype) @ self.padded
         raise AssertionError(k)
 
     def forward(self, ids, mask=None):
@@ -207,7 +210,7 @@ def test_every_lookup_kind_is_observed_before_the_head_reads_the_set(kind):
     _close(out, oracle)
 
 
-@pytest.mark.parametrize("kind, op", [("take", "take"), ("eq_one_hot", "matmul")])
+@pytest.mark.parametrize("kind, op", [("take", "take"), ("eq_one_hot", "matmul"), ("eq_one_hot_attribute", "matmul")])
 def test_a_lookup_nanospec_cannot_read_leaves_the_head_dense_and_says_which(kind, op):
     model = Lookup(kind).eval()
     compiled = compile_nanospec(model, capacity=32)
