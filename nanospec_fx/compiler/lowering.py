@@ -25,8 +25,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, inductor: bool, patc
 
     from nanospec_fx.kernels.selection import inductor_cache_tag
 
+    _static_extra_inputs(gm, example_inputs)
     with inductor_cache_tag():  # the kernel config is part of inductor's cache keys (triton_op bodies bake it in)
         return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+EXTRA_PREFIX = "nanospec_"  # the name of every input GraphCopy.add_inputs adds
+
+
+def _static_extra_inputs(gm: fx.GraphModule, example_inputs: list) -> None:
+    """Tell AOT autograd that the inputs nanospec added (state tensors, a target observer's head) have static shapes,
+    as their fake values in the graph say: it re-fakifies every real input Dynamo did not fakify, with symbolic sizes
+    (the capacity and H would become ``s31``), and in a training graph inductor's ``decompose_auto_functionalized``
+    then meets the in-place ops on them with symbolic sizes in one trace and constants in the other and fails
+    (a draft loop in grad mode under inductor). A torch without these internals compiles as before."""
+    try:
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext
+
+        context = torch._guards.TracingContext.try_get()
+    except Exception:  # noqa: BLE001 - another torch: leave AOT autograd's default
+        return
+    if context is None:
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, x in zip(placeholders, example_inputs):
+        if node.name.startswith(EXTRA_PREFIX) and isinstance(x, torch.Tensor) and x not in context.tensor_to_context:
+            context.tensor_to_context[x] = StatefulSymbolicContext(
+                dynamic_sizes=[DimDynamic.STATIC] * x.dim(), dynamic_strides=[DimDynamic.INFER_STRIDE] * x.dim(),
+                tensor_source=ConstantSource(node.name))
 
 
 class GraphCopy:
@@ -60,7 +87,7 @@ class GraphCopy:
         nodes = []
         with self.graph.inserting_after(last):
             for name in reversed(names):  # each lands right after `last`, so insert in reverse
-                nodes.append(self.graph.placeholder(f"nanospec_{name}_{self.extra}"))
+                nodes.append(self.graph.placeholder(f"{EXTRA_PREFIX}{name}_{self.extra}"))
         nodes.reverse()
         for node, t in zip(nodes, tensors):
             node._dynamo_source = None  # not a user input; AOT autograd accepts a None source

@@ -35,7 +35,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import nanospec_fx  # noqa: E402
 from fuzz_drafters import (  # noqa: E402
-    GRAD_MODES, Recipe, recipes,
+    Recipe, recipes,
 )
 from fuzz_judge import SAVES, Scenario, run_case, run_scenario, same_values  # noqa: E402 - beside this file
 
@@ -70,11 +70,7 @@ def scenarios(draw, max_steps: int = 3) -> Scenario:
 # them (each has a strict xfail case in test_pass_fuzzer_regressions.py); long runs
 # (``python tests/passes/test_pass_fuzzer.py N``) and NANOSPEC_FUZZ_ALL=1 include them. Remove an entry once fixed.
 KNOWN_OPEN: list[tuple[str, object]] = []
-KNOWN_OPEN_INDUCTOR: list[tuple[str, object]] = [  # inductor only (the same recipes pass on the reference kernels)
-    ("a draft loop in grad mode: inductor's decompose_auto_functionalized asserts on the observe ops of a training "
-     "graph (on main too; test_pass_fuzzer_regressions.py::test_draft_loop_in_grad_mode_under_inductor)",
-     lambda r: r.draft_steps > 0 and r.mode in GRAD_MODES),
-]
+KNOWN_OPEN_INDUCTOR: list[tuple[str, object]] = []  # inductor only (the same recipes pass on the reference kernels)
 KNOWN_OPEN_SCENARIOS: list[tuple[str, object]] = []
 
 

@@ -245,12 +245,10 @@ CASES.update({
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="open, on main too: inductor's decompose_auto_functionalized asserts on the "
-                   "observe ops of a draft loop's training graph (the reference kernels without inductor match); it "
-                   "depends on what the process compiled before: fails in a fresh python and after the other fuzzer "
-                   "tests, passes alone under pytest")
 def test_draft_loop_in_grad_mode_under_inductor():
-    """Found by the CI draws of cov16 (test_fuzz_inductor); skipped there via KNOWN_OPEN_INDUCTOR."""
+    """Found by the CI draws of cov16 (test_fuzz_inductor): inductor's decompose_auto_functionalized failed on the
+    observe ops of a draft loop's training graph, because AOT autograd gave the state inputs symbolic sizes
+    (nanospec_fx/compiler/lowering._static_extra_inputs)."""
     with use_kernels("reference"):
         _run_inductor_draft_loop()
 
