@@ -313,9 +313,8 @@ def _soft_lookup(node: fx.Node, vocab: int) -> bool:
 def _vocabulary_wide(node: fx.Node, vocab: int) -> bool:
     """A table the ids could index: a tensor the model holds (``patterns.is_weight_like``: a parameter, buffer or
     plain tensor attribute) with V rows or more, or any tensor with an axis of exactly V (``torch.arange(V)``
-    compared with the ids: a one-hot written by hand). A mask or activation that
-    merely has a long axis (a sequence as long as the vocabulary) is computed from integer data itself, or
-    is not exactly V wide."""
+    compared with the ids: a one-hot written by hand). A mask or activation that merely has a long axis (a sequence
+    as long as the vocabulary) is computed from integer data itself, or is not exactly V wide."""
     shape = patterns.tensor_shape(node)
     if not shape:
         return False
